@@ -1,0 +1,51 @@
+// Every pycomm op schema, and the Python module init of pycomm._C.
+//
+// The ops are dispatcher ops (torch.ops.pycomm.*): per-device kernels register themselves with
+// TORCH_LIBRARY_IMPL in csrc/cpu and csrc/cuda, fake kernels live in pycomm/ops.py. Mutated
+// arguments are annotated (a!) and are not returned.
+#include <Python.h>
+#include <torch/library.h>
+
+#ifndef PYCOMM_TORCH_VERSION
+#error "PYCOMM_TORCH_VERSION must be defined by setup.py"
+#endif
+
+TORCH_LIBRARY(pycomm, m) {
+  // tensors: N tensors of one dtype (Float, Half or BFloat16) on one device, any shapes and
+  // strides. Returns a 1-D contiguous tensor of sum(numel) elements, dtype `dtype` (default:
+  // the tensors' dtype), holding each tensor flattened in order, times `scale`.
+  m.def("pack(Tensor[] tensors, float scale=1., ScalarType? dtype=None) -> Tensor");
+  // pack into an existing 1-D contiguous buffer of sum(numel) elements (any float dtype), so
+  // that a buffer that lives across steps is not reallocated.
+  m.def("pack_into_(Tensor(a!) flat, Tensor[] tensors, float scale=1.) -> ()");
+  // flat: 1-D contiguous, sum(numel) elements. Writes flat[offset_i : offset_i + numel_i] *
+  // scale into tensors[i] (converted to its dtype); the way back from pack.
+  m.def("unpack_(Tensor flat, Tensor(a!)[] tensors, float scale=1.) -> ()");
+  // dst += alpha * src, computed in fp32. dst: Float or src's dtype; src: Float, Half or
+  // BFloat16; same shape and device.
+  m.def("accumulate_(Tensor(a!) dst, Tensor src, float alpha=1.) -> ()");
+  // t *= scale, computed in fp32.
+  m.def("scale_(Tensor(a!) t, float scale) -> ()");
+}
+
+namespace {
+PyModuleDef pycomm_module = {PyModuleDef_HEAD_INIT, "_C", "pycomm's C++ core", -1, nullptr};
+}  // namespace
+
+// Importing pycomm._C loads this library, which runs the registrations above.
+PyMODINIT_FUNC PyInit__C(void) {
+  PyObject* m = PyModule_Create(&pycomm_module);
+  if (m == nullptr) return nullptr;
+#ifdef PYCOMM_WITH_CUDA
+  const long with_cuda = 1;
+#else
+  const long with_cuda = 0;
+#endif
+  if (PyModule_AddStringConstant(m, "TORCH_VERSION", PYCOMM_TORCH_VERSION) < 0 ||
+      PyModule_AddIntConstant(m, "WITH_CUDA", with_cuda) < 0 ||
+      PyModule_AddStringConstant(m, "CPU_CAPABILITY", PYCOMM_CPU_CAPABILITY) < 0) {
+    Py_DECREF(m);
+    return nullptr;
+  }
+  return m;
+}

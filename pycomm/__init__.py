@@ -1,0 +1,26 @@
+"""pycomm: DDP communication hooks that send fewer bytes, and get the numbers right.
+
+Example:
+    >>> import pycomm
+    >>> info = pycomm.init()                      # torchrun, SLURM or a single process
+    >>> ddp = pycomm.wrap(model.to(info.device), hook="allreduce")
+"""
+
+from pycomm import hooks, ops
+from pycomm.dist import DistInfo, LaunchError, init, launch, shutdown
+from pycomm.wrap import hook_state, register, wrap
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "DistInfo",
+    "LaunchError",
+    "hook_state",
+    "hooks",
+    "init",
+    "launch",
+    "ops",
+    "register",
+    "shutdown",
+    "wrap",
+]

@@ -1,0 +1,1 @@
+"""The benchmark runner behind ``python -m pycomm.bench``."""

@@ -1,0 +1,808 @@
+"""Process-group setup: ``init`` / ``shutdown`` / ``launch`` and the ``DistInfo`` they return.
+
+``init`` reads the launcher's environment (torchrun, else SLURM, else a single process),
+validates every value before any socket is opened, and calls
+``torch.distributed.init_process_group``. ``launch`` runs a function on N local ranks the way
+torchrun would (the parent hosts the rendezvous store), for tests and single-machine runs.
+"""
+
+from __future__ import annotations
+
+import datetime
+import faulthandler
+import inspect
+import logging
+import multiprocessing
+import multiprocessing.connection
+import operator
+import os
+import pickle
+import re
+import shutil
+import signal
+import tempfile
+import time
+import traceback as _traceback
+import warnings
+from dataclasses import dataclass
+from typing import Any, Callable, Optional, Union
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["DistInfo", "LaunchError", "LaunchTimeoutError", "init", "launch", "shutdown"]
+
+logger = logging.getLogger(__name__)
+
+VALID_BACKENDS = ("auto", "gloo", "nccl", "mpi", "tcp", "ib")
+DEFAULT_MASTER_PORT = 29500
+
+_TORCHRUN = "torchrun environment"
+_SLURM = "SLURM environment"
+_ARGUMENT = "argument"
+_DEFAULT = "default"
+
+_TCP_WARNING = (
+    "backend 'tcp' was removed from torch.distributed (torch 1.0); pycomm uses 'gloo' over a "
+    "tcp:// rendezvous instead. Pass backend='gloo' (or 'auto') to silence this warning."
+)
+_tcp_warned = False
+
+# Keeps the file that faulthandler dumps a launched rank's stacks into open for the
+# lifetime of the rank (faulthandler holds only the file descriptor).
+_stack_file: Any = None
+
+Timeout = Union[float, int, datetime.timedelta, None]
+
+
+@dataclass(frozen=True)
+class DistInfo:
+    """Where this process sits in the default process group.
+
+    Example:
+        >>> info = pycomm.init()
+        >>> info.rank, info.world_size, info.device
+        (0, 1, device(type='cpu'))
+    """
+
+    rank: int
+    world_size: int
+    local_rank: int
+    backend: str
+    device: torch.device
+
+
+class LaunchError(RuntimeError):
+    """A rank of :func:`launch` failed: it raised, exited non-zero, died, or timed out.
+
+    Attributes:
+        rank: the failing rank (the first unfinished one for a timeout), or None.
+        exitcode: the rank's exit code when it died without reporting (negative: killed by
+            that signal), else None.
+        traceback: the failing rank's formatted traceback (stack dumps for a timeout).
+
+    Example:
+        >>> try:
+        ...     pycomm.launch(train, 2)
+        ... except pycomm.LaunchError as e:
+        ...     print(e.rank, e.traceback)
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        rank: Optional[int] = None,
+        exitcode: Optional[int] = None,
+        traceback: str = "",
+    ) -> None:
+        super().__init__(message)
+        self.rank = rank
+        self.exitcode = exitcode
+        self.traceback = traceback
+
+
+class LaunchTimeoutError(LaunchError, TimeoutError):
+    """:func:`launch` passed its ``timeout`` before every rank finished.
+
+    ``unfinished`` lists the ranks that had not finished.
+    """
+
+    def __init__(self, message: str, *, unfinished: tuple = (), **kwargs: Any) -> None:
+        super().__init__(message, **kwargs)
+        self.unfinished = tuple(unfinished)
+
+
+# --------------------------------------------------------------------------- resolution
+
+
+def _resolve_backend(backend: Optional[str]) -> tuple[str, bool]:
+    """Map a user backend name to a torch backend; returns (name, was_tcp_alias)."""
+    if backend is None:
+        name = "auto"
+    elif isinstance(backend, str):
+        name = backend.strip().lower()
+    else:
+        raise ValueError(
+            f"backend must be a string or None, got {backend!r}; valid: {', '.join(VALID_BACKENDS)}"
+        )
+    if name not in VALID_BACKENDS:
+        raise ValueError(
+            f"unknown backend {backend!r}; valid backends: {', '.join(VALID_BACKENDS)}"
+        )
+    is_tcp = name == "tcp"
+    if name == "auto":
+        name = "nccl" if torch.cuda.is_available() else "gloo"
+    elif is_tcp:
+        global _tcp_warned
+        if not _tcp_warned:
+            _tcp_warned = True
+            warnings.warn(_TCP_WARNING, UserWarning, stacklevel=3)
+        name = "gloo"
+    elif name == "ib":
+        name = "nccl"
+    if name == "nccl" and not torch.cuda.is_available():
+        raise RuntimeError(
+            f"backend {backend!r} needs NCCL on CUDA, but CUDA is not available "
+            f"(torch {torch.__version__}, torch.cuda.is_available() is False); "
+            "use backend='gloo' or 'auto'"
+        )
+    if name == "mpi" and not dist.is_mpi_available():
+        raise RuntimeError("backend 'mpi' requested, but this torch was built without MPI")
+    return name, is_tcp
+
+
+def _bad(name: str, value: Any, source: str, expected: str) -> ValueError:
+    if value is None:
+        return ValueError(f"{name} is not set ({source}); expected {expected}")
+    return ValueError(f"{name}={value!r} ({source}) is invalid; expected {expected}")
+
+
+def _to_int(name: str, value: Any, source: str, expected: str) -> int:
+    if value is None:
+        raise _bad(name, value, source, expected)
+    if isinstance(value, str) and source != _ARGUMENT:
+        try:
+            return int(value.strip(), 10)
+        except ValueError:
+            raise _bad(name, value, source, expected) from None
+    if isinstance(value, (bool, str)):
+        raise _bad(name, value, source, expected)
+    try:
+        return operator.index(value)
+    except TypeError:
+        raise _bad(name, value, source, expected) from None
+
+
+def parse_slurm_nodelist(nodelist: str) -> str:
+    """First host of a SLURM hostlist expression.
+
+    Example:
+        >>> parse_slurm_nodelist("node[01-03,07],gpu5")
+        'node01'
+    """
+    text = nodelist.strip()
+    if not text:
+        raise _bad("SLURM_NODELIST", nodelist, _SLURM, "a non-empty hostlist")
+    depth = 0
+    first = text
+    for i, ch in enumerate(text):
+        if ch == "[":
+            depth += 1
+        elif ch == "]":
+            depth -= 1
+        elif ch == "," and depth == 0:
+            first = text[:i]
+            break
+        if depth < 0 or depth > 1:
+            raise _bad("SLURM_NODELIST", nodelist, _SLURM, "a hostlist like 'node[01-03],gpu5'")
+
+    def _first_of(match: re.Match) -> str:
+        item = match.group(1).split(",")[0].strip()
+        return item.split("-")[0].strip()
+
+    host = re.sub(r"\[([^\[\]]*)\]", _first_of, first).strip()
+    if not host or "[" in host or "]" in host:
+        raise _bad("SLURM_NODELIST", nodelist, _SLURM, "a hostlist like 'node[01-03],gpu5'")
+    return host
+
+
+@dataclass(frozen=True)
+class _Resolved:
+    rank: int
+    world_size: int
+    local_rank: int
+    master_addr: Optional[str]
+    master_port: Optional[int]
+    source: str
+    agent_store: bool
+
+
+def _env(name: str) -> Optional[str]:
+    value = os.environ.get(name)
+    return value if value is not None and value.strip() != "" else None
+
+
+def _resolve(
+    backend: str,
+    rank: Optional[int],
+    world_size: Optional[int],
+    have_init_method: bool,
+) -> _Resolved:
+    """Resolve rank/world_size/local_rank/master and validate them; opens nothing."""
+    if _env("RANK") is not None or _env("WORLD_SIZE") is not None:
+        source = _TORCHRUN
+        env_rank, env_world, env_local = "RANK", "WORLD_SIZE", "LOCAL_RANK"
+    elif _env("SLURM_PROCID") is not None:
+        source = _SLURM
+        env_rank, env_world, env_local = "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID"
+    else:
+        source = "single process"
+        env_rank = env_world = env_local = None
+
+    if world_size is not None:
+        ws_name, ws_raw, ws_src = "world_size", world_size, _ARGUMENT
+    elif env_world is not None:
+        ws_name, ws_raw, ws_src = env_world, _env(env_world), source
+    elif rank is not None:
+        raise ValueError(
+            f"rank={rank!r} ({_ARGUMENT}) was given but no world size is known: pass "
+            "world_size=..., or run under torchrun (WORLD_SIZE) or SLURM (SLURM_NTASKS)"
+        )
+    else:
+        ws_name, ws_raw, ws_src = "world_size", 1, _DEFAULT
+    ws = _to_int(ws_name, ws_raw, ws_src, "an integer world size >= 1")
+    if ws < 1:
+        raise _bad(ws_name, ws_raw, ws_src, "an integer world size >= 1")
+    ws_desc = f"{ws_name}={ws}"
+
+    if rank is not None:
+        r_name, r_raw, r_src = "rank", rank, _ARGUMENT
+    elif env_rank is not None:
+        r_name, r_raw, r_src = env_rank, _env(env_rank), source
+    elif ws == 1:
+        r_name, r_raw, r_src = "rank", 0, _DEFAULT
+    else:
+        raise ValueError(
+            f"world_size={ws} but no rank is known: pass rank=..., or run under torchrun "
+            "(RANK) or SLURM (SLURM_PROCID)"
+        )
+    r_expected = f"an integer rank in [0, {ws}) ({ws_desc})"
+    r = _to_int(r_name, r_raw, r_src, r_expected)
+    if not 0 <= r < ws:
+        raise _bad(r_name, r_raw, r_src, r_expected)
+
+    local_world = None
+    if source == _TORCHRUN and _env("LOCAL_WORLD_SIZE") is not None:
+        raw = _env("LOCAL_WORLD_SIZE")
+        exp = f"an integer in [1, {ws}] ({ws_desc})"
+        local_world = _to_int("LOCAL_WORLD_SIZE", raw, source, exp)
+        if not 1 <= local_world <= ws:
+            raise _bad("LOCAL_WORLD_SIZE", raw, source, exp)
+    lr_raw = _env(env_local) if env_local is not None else None
+    if lr_raw is not None:
+        lr_max = local_world if local_world is not None else ws
+        exp = f"an integer local rank in [0, {lr_max})"
+        lr = _to_int(env_local, lr_raw, source, exp)
+        if not 0 <= lr < lr_max:
+            raise _bad(env_local, lr_raw, source, exp)
+    else:
+        # No launcher told us: assume ranks are packed onto nodes in order.
+        if local_world is not None:
+            per_node = local_world
+        elif backend == "nccl":
+            per_node = max(torch.cuda.device_count(), 1)
+        else:
+            per_node = ws
+        lr = r % per_node
+        if env_local is not None:
+            logger.info("%s is not set; using local rank %d (rank %% %d)", env_local, lr, per_node)
+    if backend == "nccl" and lr >= torch.cuda.device_count():
+        name = env_local if lr_raw is not None else "local rank"
+        raise ValueError(
+            f"{name}={lr} ({source if lr_raw is not None else 'derived'}) has no GPU: this node "
+            f"sees {torch.cuda.device_count()} CUDA device(s); expected a local rank below that"
+        )
+
+    agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    port_raw = _env("MASTER_PORT")
+    port: Optional[int] = None
+    if port_raw is not None:
+        port_src = _TORCHRUN if source == _TORCHRUN else "environment"
+        port = _to_int("MASTER_PORT", port_raw, port_src, "an integer port in [1, 65535]")
+        if not 1 <= port <= 65535:
+            raise _bad("MASTER_PORT", port_raw, port_src, "an integer port in [1, 65535]")
+    addr = _env("MASTER_ADDR")
+    if not have_init_method and (ws > 1 or agent_store):
+        if addr is None:
+            if source == _SLURM:
+                nodelist = _env("SLURM_NODELIST") or _env("SLURM_JOB_NODELIST")
+                if nodelist is None:
+                    raise _bad(
+                        "MASTER_ADDR", None, _SLURM, "MASTER_ADDR or SLURM_NODELIST to be set"
+                    )
+                addr = parse_slurm_nodelist(nodelist)
+            elif source == _TORCHRUN:
+                raise _bad("MASTER_ADDR", None, _TORCHRUN, "the address of rank 0's host")
+            else:
+                addr = "127.0.0.1"
+        if port is None:
+            if source == _TORCHRUN:
+                raise _bad("MASTER_PORT", None, _TORCHRUN, "an integer port in [1, 65535]")
+            job = _env("SLURM_JOB_ID") if source == _SLURM else None
+            # Two SLURM jobs sharing a node must not pick the same port.
+            port = 10000 + int(job) % 20000 if job is not None and job.isdigit() else None
+            port = port if port is not None else DEFAULT_MASTER_PORT
+    return _Resolved(r, ws, lr, addr, port, source, agent_store)
+
+
+def _to_timedelta(timeout: Timeout, name: str = "timeout") -> Optional[datetime.timedelta]:
+    if timeout is None:
+        return None
+    if isinstance(timeout, datetime.timedelta):
+        td = timeout
+    elif isinstance(timeout, (int, float)) and not isinstance(timeout, bool):
+        td = datetime.timedelta(seconds=float(timeout))
+    else:
+        raise ValueError(
+            f"{name}={timeout!r} ({_ARGUMENT}) is invalid; expected seconds or a timedelta"
+        )
+    if td.total_seconds() <= 0:
+        raise ValueError(f"{name}={timeout!r} ({_ARGUMENT}) is invalid; expected > 0 seconds")
+    return td
+
+
+def _existing_info(backend: Optional[str], rank: Optional[int], world_size: Optional[int]):
+    current_backend = str(dist.get_backend())
+    current_rank, current_world = dist.get_rank(), dist.get_world_size()
+    differences = []
+    is_auto = isinstance(backend, str) and backend.strip().lower() == "auto"
+    if backend is not None and not is_auto:
+        wanted, _ = _resolve_backend(backend)
+        # A mixed backend string looks like "cpu:gloo,cuda:nccl".
+        names = {part.split(":")[-1] for part in current_backend.split(",")}
+        if wanted not in names:
+            differences.append(f"backend {wanted!r} requested, group uses {current_backend!r}")
+    if rank is not None and rank != current_rank:
+        differences.append(f"rank={rank!r} requested, group has rank {current_rank}")
+    if world_size is not None and world_size != current_world:
+        differences.append(f"world_size={world_size!r} requested, group has {current_world}")
+    if differences:
+        raise RuntimeError(
+            "the default process group is already initialized and differs: "
+            + "; ".join(differences)
+            + ". Call pycomm.shutdown() first to re-initialize."
+        )
+    local = _env("LOCAL_RANK") or _env("SLURM_LOCALID")
+    local_rank = int(local) if local is not None and local.strip().isdigit() else None
+    if "nccl" in current_backend and torch.cuda.is_available():
+        device = torch.device("cuda", torch.cuda.current_device())
+        local_rank = device.index if local_rank is None else local_rank
+    else:
+        device = torch.device("cpu")
+    if local_rank is None:
+        local_rank = 0
+    return DistInfo(current_rank, current_world, local_rank, current_backend, device)
+
+
+def init(
+    backend: Optional[str] = None,
+    *,
+    init_method: Optional[str] = None,
+    rank: Optional[int] = None,
+    world_size: Optional[int] = None,
+    timeout: Timeout = None,
+) -> DistInfo:
+    """Initialize the default process group from the launcher's environment.
+
+    Rank, world size and local rank come from the arguments, else torchrun's variables
+    (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``), else SLURM's
+    (``SLURM_PROCID``, ``SLURM_NTASKS``, ``SLURM_LOCALID``, master from ``SLURM_NODELIST``),
+    else a single process (rank 0 of 1, no socket). Every value is validated before any
+    socket is opened; a bad one raises ValueError naming the variable, value and source.
+
+    Args:
+        backend: None/"auto" (nccl with CUDA, else gloo), "gloo", "nccl", "mpi"; the aliases
+            "tcp" (-> gloo, warns) and "ib" (-> nccl). Case-insensitive.
+        init_method: a torch init URL; default: torchrun's agent store via ``env://``, else
+            ``tcp://MASTER_ADDR:MASTER_PORT``.
+        rank, world_size: override the environment, value by value.
+        timeout: seconds or a timedelta for the rendezvous and collectives; None: torch's.
+
+    Returns:
+        DistInfo of this process. If the group is already initialized and compatible, its info.
+
+    Example:
+        >>> info = pycomm.init()          # under torchrun, SLURM, or alone
+        >>> model = model.to(info.device)
+    """
+    if not dist.is_available():
+        raise RuntimeError("torch.distributed is not available in this torch build")
+    if dist.is_initialized():
+        return _existing_info(backend, rank, world_size)
+
+    name, _ = _resolve_backend(backend)
+    td = _to_timedelta(timeout)
+    kwargs: dict[str, Any] = {}
+    if td is not None:
+        kwargs["timeout"] = td
+
+    if name == "mpi":
+        # MPI's own launcher assigns ranks; torch reads them from the MPI runtime.
+        dist.init_process_group("mpi", **kwargs)
+        r, ws = dist.get_rank(), dist.get_world_size()
+        local = _env("OMPI_COMM_WORLD_LOCAL_RANK") or _env("MPI_LOCALRANKID") or _env("LOCAL_RANK")
+        lr = int(local) if local is not None and local.isdigit() else 0
+        logger.info("initialized mpi process group: rank %d of %d", r, ws)
+        return DistInfo(r, ws, lr, "mpi", torch.device("cpu"))
+
+    info = _resolve(name, rank, world_size, have_init_method=init_method is not None)
+
+    if init_method is not None:
+        kwargs.update(init_method=init_method, rank=info.rank, world_size=info.world_size)
+        how = init_method
+    elif info.agent_store:
+        # torchrun's agent already hosts the store on MASTER_PORT; env:// connects as a client.
+        os.environ["MASTER_ADDR"] = str(info.master_addr)
+        os.environ["MASTER_PORT"] = str(info.master_port)
+        kwargs.update(init_method="env://", rank=info.rank, world_size=info.world_size)
+        how = f"env:// (agent store {info.master_addr}:{info.master_port})"
+    elif info.world_size > 1:
+        url = f"tcp://{_url_host(info.master_addr)}:{info.master_port}"
+        kwargs.update(init_method=url, rank=info.rank, world_size=info.world_size)
+        how = url
+    else:
+        kwargs.update(store=dist.HashStore(), rank=0, world_size=1)
+        how = "in-process store"
+
+    device = torch.device("cpu")
+    if name == "nccl":
+        device = torch.device("cuda", info.local_rank)
+        torch.cuda.set_device(device)
+        if _supports_device_id():
+            kwargs["device_id"] = device
+    logger.info(
+        "initializing %s process group: rank %d of %d (local rank %d) from %s via %s",
+        name,
+        info.rank,
+        info.world_size,
+        info.local_rank,
+        info.source,
+        how,
+    )
+    dist.init_process_group(name, **kwargs)
+    return DistInfo(info.rank, info.world_size, info.local_rank, name, device)
+
+
+def _url_host(addr: Optional[str]) -> str:
+    addr = str(addr)
+    return f"[{addr}]" if ":" in addr and not addr.startswith("[") else addr
+
+
+def _supports_device_id() -> bool:
+    try:
+        return "device_id" in inspect.signature(dist.init_process_group).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+def shutdown() -> None:
+    """Destroy the default process group if there is one; safe to call more than once.
+
+    Example:
+        >>> pycomm.init()
+        >>> pycomm.shutdown()
+        >>> pycomm.shutdown()  # no-op
+    """
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+        logger.debug("process group destroyed")
+
+
+# --------------------------------------------------------------------------------- launch
+
+
+def _worker(
+    fn: Callable[..., Any],
+    args: tuple,
+    rank: int,
+    nprocs: int,
+    port: int,
+    backend: str,
+    timeout: Optional[float],
+    conn: multiprocessing.connection.Connection,
+    stack_path: str,
+) -> None:
+    global _stack_file
+    os.environ.update(
+        RANK=str(rank),
+        WORLD_SIZE=str(nprocs),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(nprocs),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        TORCHELASTIC_USE_AGENT_STORE="True",
+    )
+    if hasattr(signal, "SIGUSR1"):
+        try:
+            _stack_file = open(stack_path, "w")
+            faulthandler.register(signal.SIGUSR1, file=_stack_file, all_threads=True)
+        except (OSError, RuntimeError, ValueError):
+            _stack_file = None
+    try:
+        # backend is already resolved ('tcp' -> 'gloo'): launch() warned once, in the parent.
+        init(backend, timeout=timeout)
+        result = fn(*args)
+        shutdown()
+        message: tuple = ("ok", result)
+    except BaseException as exc:  # report everything, SystemExit and KeyboardInterrupt too
+        # The wall-clock time lets the parent tell the first failure from its knock-on errors.
+        message = ("error", _traceback.format_exc(), repr(exc), time.time())
+    # Plain pickle, not the connection's ForkingPickler: that one shares tensors through
+    # shared-memory handles that die with this process, before the parent reads them.
+    try:
+        conn.send_bytes(pickle.dumps(message))
+    except Exception as exc:
+        conn.send_bytes(
+            pickle.dumps(
+                (
+                    "error",
+                    f"rank {rank}: could not send fn's result to the parent "
+                    f"(it must be picklable):\n{_traceback.format_exc()}",
+                    repr(exc),
+                    time.time(),
+                )
+            )
+        )
+    finally:
+        conn.close()
+
+
+def _make_store(nprocs: int) -> dist.TCPStore:
+    for attempt in range(5):
+        try:
+            # Port 0: the OS picks a free port at bind time, so nothing can take it between
+            # choosing and binding.
+            return dist.TCPStore(
+                "127.0.0.1",
+                0,
+                nprocs,
+                is_master=True,
+                wait_for_workers=False,
+            )
+        except RuntimeError as exc:
+            text = str(exc).lower()
+            if ("address already in use" not in text and "eaddrinuse" not in text) or attempt == 4:
+                raise
+            logger.warning("rendezvous store: address in use, retrying (%s)", exc)
+            time.sleep(0.2 * (attempt + 1))
+    raise AssertionError("unreachable")
+
+
+def _dump_stacks(procs: list, ranks: list, stack_dir: str) -> str:
+    """Ask hung ranks to dump their Python stacks (faulthandler on SIGUSR1) and collect them."""
+    if not hasattr(signal, "SIGUSR1"):
+        return ""
+    for r in ranks:
+        if procs[r].is_alive() and procs[r].pid is not None:
+            try:
+                os.kill(procs[r].pid, signal.SIGUSR1)
+            except OSError:
+                pass
+    paths = {r: os.path.join(stack_dir, f"rank{r}.txt") for r in ranks}
+    deadline = time.monotonic() + 1.0
+    while time.monotonic() < deadline:
+        if all(os.path.exists(p) and os.path.getsize(p) > 0 for p in paths.values()):
+            break
+        time.sleep(0.05)
+    time.sleep(0.05)  # a dump of several threads may still be being written
+    parts = []
+    for r, path in paths.items():
+        try:
+            with open(path) as f:
+                text = f.read().strip()
+        except OSError:
+            text = ""
+        if text:
+            parts.append(f"--- rank {r} stack at timeout ---\n{text}")
+    return "\n".join(parts)
+
+
+def _stop(procs: list, grace: float = 2.0) -> None:
+    """SIGTERM every live process, SIGKILL whatever is left after ``grace`` s, join all."""
+    for p in procs:
+        if p.is_alive():
+            p.terminate()
+    deadline = time.monotonic() + grace
+    for p in procs:
+        p.join(max(0.0, deadline - time.monotonic()))
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+    for p in procs:
+        p.join()
+
+
+def launch(
+    fn: Callable[..., Any],
+    nprocs: int,
+    *args: Any,
+    backend: str = "gloo",
+    timeout: Timeout = None,
+) -> list:
+    """Run ``fn(*args)`` on ``nprocs`` local ranks and return their results in rank order.
+
+    Each rank is a spawned process that calls :func:`init` (as under torchrun, with the
+    parent hosting the rendezvous store), then ``fn(*args)``, then :func:`shutdown`. ``fn``
+    and ``args`` must be picklable (``fn`` defined at module level), as must the results.
+
+    If a rank raises, exits non-zero or dies, the other ranks are terminated and
+    :class:`LaunchError` is raised naming the rank, with its traceback. If ``timeout``
+    seconds pass before every rank finishes, every rank is killed and
+    :class:`LaunchTimeoutError` (a LaunchError and a TimeoutError) names the unfinished
+    ranks; the same timeout bounds the process group's collectives. No rank outlives the call.
+
+    Example:
+        >>> def work(x):
+        ...     t = torch.tensor([float(x)])
+        ...     torch.distributed.all_reduce(t)
+        ...     return t.item()
+        >>> pycomm.launch(work, 2, 1.5)
+        [3.0, 3.0]
+    """
+    if not callable(fn):
+        raise ValueError(f"fn={fn!r} ({_ARGUMENT}) is invalid; expected a callable")
+    if isinstance(nprocs, bool) or not isinstance(nprocs, int) or nprocs < 1:
+        raise ValueError(f"nprocs={nprocs!r} ({_ARGUMENT}) is invalid; expected an integer >= 1")
+    name, _ = _resolve_backend(backend)  # warns for 'tcp' here, once, in the caller's process
+    if name == "nccl" and nprocs > torch.cuda.device_count():
+        raise ValueError(
+            f"nprocs={nprocs} ({_ARGUMENT}) is invalid for nccl; expected at most "
+            f"{torch.cuda.device_count()} (one rank per visible GPU)"
+        )
+    td = _to_timedelta(timeout)
+    seconds = td.total_seconds() if td is not None else None
+
+    ctx = multiprocessing.get_context("spawn")
+    store = _make_store(nprocs)
+    port = store.port
+    procs: list = []
+    readers: list = []
+    stack_dir = tempfile.mkdtemp(prefix="pycomm-launch-")
+    logger.info("launching %d ranks (%s), rendezvous 127.0.0.1:%d", nprocs, name, port)
+    try:
+        for rank in range(nprocs):
+            reader, writer = ctx.Pipe(duplex=False)
+            readers.append(reader)
+            # Not daemonic: a rank may start its own workers (a DataLoader with num_workers).
+            p = ctx.Process(
+                target=_worker,
+                args=(
+                    fn,
+                    args,
+                    rank,
+                    nprocs,
+                    port,
+                    name,
+                    seconds,
+                    writer,
+                    os.path.join(stack_dir, f"rank{rank}.txt"),
+                ),
+                name=f"pycomm-rank{rank}",
+            )
+            try:
+                p.start()
+            finally:
+                writer.close()  # the child holds the only write end: EOF means it is gone
+            procs.append(p)
+        return _collect(procs, readers, seconds, stack_dir)
+    finally:
+        _stop(procs)
+        for reader in readers:
+            reader.close()
+        shutil.rmtree(stack_dir, ignore_errors=True)
+        del store  # TCPStore has no close(); dropping the last reference stops its server
+
+
+def _collect(procs: list, readers: list, seconds: Optional[float], stack_dir: str) -> list:
+    """Wait for every rank's report; raise LaunchError on the first failure or the deadline."""
+    nprocs = len(procs)
+    results: list = [None] * nprocs
+    reported: dict = {}  # rank -> "ok" | "eof"
+    errors: list = []  # (time, rank, traceback, exception repr) from ranks that raised
+    deaths: list = []  # (rank, exitcode, reported) of ranks without a result or exiting non-zero
+    unfinished = set(range(nprocs))
+    deadline = None if seconds is None else time.monotonic() + seconds
+
+    def receive(rank: int) -> None:
+        try:
+            message = pickle.loads(readers[rank].recv_bytes())
+        except EOFError:
+            reported[rank] = "eof"
+            return
+        except Exception as exc:
+            reported[rank] = "eof"
+            tb = _traceback.format_exc()
+            errors.append((time.time(), rank, tb, f"an unreadable result ({exc!r})"))
+            return
+        if message[0] == "ok":
+            results[rank] = message[1]
+            reported[rank] = "ok"
+        else:
+            reported[rank] = "error"
+            _, tb, exc_repr, when = message
+            errors.append((when, rank, tb, exc_repr))
+
+    def exited(rank: int) -> None:
+        p = procs[rank]
+        p.join()
+        if rank not in reported and readers[rank].poll():
+            receive(rank)
+        if reported.get(rank) == "ok" and p.exitcode == 0:
+            unfinished.discard(rank)
+        elif reported.get(rank) != "error":
+            deaths.append((rank, p.exitcode, reported.get(rank) == "ok"))
+            unfinished.discard(rank)
+
+    while unfinished:
+        remaining = None if deadline is None else deadline - time.monotonic()
+        if remaining is not None and remaining <= 0:
+            late = sorted(unfinished)
+            stacks = _dump_stacks(procs, late, stack_dir)
+            raise LaunchTimeoutError(
+                f"rank(s) {late} of {nprocs} had not finished after {seconds:g} s "
+                f"(launch timeout); all ranks were killed" + (f"\n{stacks}" if stacks else ""),
+                rank=late[0],
+                traceback=stacks,
+                unfinished=tuple(late),
+            )
+        waiting = {}
+        for rank in sorted(unfinished):
+            if rank not in reported:
+                waiting[readers[rank]] = ("pipe", rank)
+            waiting[procs[rank].sentinel] = ("exit", rank)
+        ready = multiprocessing.connection.wait(list(waiting), timeout=remaining)
+        # Reports before exits: a rank's report may arrive in the same batch as its exit.
+        for kind, rank in sorted((waiting[obj] for obj in ready), key=lambda e: e[0] != "pipe"):
+            if kind == "pipe":
+                if rank not in reported:
+                    receive(rank)
+            elif rank in unfinished:
+                exited(rank)
+        if errors or deaths:
+            # Take in whatever else has already arrived, then blame the root cause.
+            for rank in sorted(unfinished):
+                if rank not in reported and readers[rank].poll():
+                    receive(rank)
+                if not procs[rank].is_alive():
+                    exited(rank)
+            raise _failure(errors, deaths)
+    return results
+
+
+def _failure(errors: list, deaths: list) -> LaunchError:
+    """The LaunchError for the most likely root cause among the failures seen so far.
+
+    A rank that died takes the others down with it (their collectives fail a moment later),
+    so a death comes first; among ranks that raised, the earliest exception.
+    """
+    others = []
+    if deaths:
+        rank, code, reported = min(deaths)
+        how = f"exited with code {code}" + (f" (signal {-code})" if code and code < 0 else "")
+        how += " after reporting its result" if reported else " without reporting a result"
+        error = LaunchError(f"rank {rank} {how}", rank=rank, exitcode=code)
+        others += [f"rank {r}: exit code {c}" for r, c, _ in deaths if r != rank]
+        others += [f"rank {r}: {exc}" for _, r, _, exc in errors]
+    else:
+        errors = sorted(errors)
+        _, rank, tb, exc = errors[0]
+        error = LaunchError(
+            f"rank {rank} raised {exc}\n--- rank {rank} traceback ---\n{tb.rstrip()}",
+            rank=rank,
+            traceback=tb,
+        )
+        others += [f"rank {r}: {e}" for _, r, _, e in errors[1:]]
+    if others:
+        error.args = (f"{error.args[0]}\nother failures (likely knock-on): " + "; ".join(others),)
+    return error

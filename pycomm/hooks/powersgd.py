@@ -1,0 +1,83 @@
+"""torch's own PowerSGD, delegated (not rewritten), with pycomm's stats and config checks."""
+
+# No `from __future__ import annotations` in hook modules: DDP checks the hook's annotations
+# against the real dist.GradBucket and Future types.
+
+import inspect
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as _psgd
+
+from pycomm.hooks.state import HookState, ring_bytes
+
+# PowerSGDState's options and their defaults, read from its signature (it does not keep all of
+# them as attributes, random_seed for one).
+_OPTIONS = {
+    name: p.default
+    for name, p in inspect.signature(_psgd.PowerSGDState.__init__).parameters.items()
+    if name not in ("self", "process_group")
+}
+
+
+class PowerSGDHookState(HookState):
+    """Wraps ``torch...powerSGD_hook.PowerSGDState``; options are passed through unchanged.
+
+    Example:
+        >>> state = PowerSGDHookState(None, matrix_approximation_rank=4, start_powerSGD_iter=2)
+        >>> ddp.register_comm_hook(state, powersgd_hook)
+    """
+
+    hook_name = "powersgd"
+
+    def __init__(self, process_group: Optional[dist.ProcessGroup] = None, **options: Any):
+        super().__init__(process_group)
+        unknown = sorted(set(options) - set(_OPTIONS))
+        if unknown:
+            raise ValueError(
+                f"pycomm powersgd hook: unknown option {unknown[0]!r}; valid options: "
+                f"{', '.join(_OPTIONS)}"
+            )
+        self.torch_state = _psgd.PowerSGDState(process_group=process_group, **options)
+        self._options = {**_OPTIONS, **options}
+
+    def options(self) -> dict[str, Any]:
+        return dict(self._options)
+
+    def state_dict(self) -> dict[str, Any]:
+        # PowerSGDState's own pickling state: error feedback, P/Q memories, iteration, RNG.
+        return {**super().state_dict(), "torch_state": self.torch_state.__getstate__()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        super().load_state_dict(state)
+        self.torch_state.__setstate__(dict(state["torch_state"]))
+        self.torch_state.process_group = self.process_group
+
+    def payload_bytes(self, bucket: dist.GradBucket) -> int:
+        """Bytes torch's PowerSGD sends for this bucket, following its own compress test."""
+        s, buffer = self.torch_state, bucket.buffer()
+        if s.iter < s.start_powerSGD_iter:
+            return ring_bytes(buffer.numel() * buffer.element_size(), self.world_size)
+        elements = 0
+        for t in bucket.gradients():
+            n = t.shape[0] if t.dim() else 1
+            m = t.numel() // max(n, 1)
+            rank = min(n, m, s.matrix_approximation_rank)
+            if _psgd._should_compress(n, m, rank, s.min_compression_rate)[0]:
+                elements += (n + m) * rank
+            else:
+                elements += t.numel()
+        return ring_bytes(elements * buffer.element_size(), self.world_size)
+
+
+def powersgd_hook(
+    state: PowerSGDHookState, bucket: dist.GradBucket
+) -> torch.futures.Future[torch.Tensor]:
+    """torch's ``powerSGD_hook`` on ``state.torch_state``, counted in ``state.stats``.
+
+    Example:
+        >>> ddp.register_comm_hook(PowerSGDHookState(None), powersgd_hook)
+    """
+    state.count(bucket, state.payload_bytes(bucket))
+    return _psgd.powerSGD_hook(state.torch_state, bucket)

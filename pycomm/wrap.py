@@ -1,0 +1,170 @@
+"""wrap / register / hook_state: DDP with a pycomm hook, checked across ranks first."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable, Optional
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from pycomm.hooks import (
+    AllreduceState,
+    HookState,
+    PowerSGDHookState,
+    allreduce_hook,
+    powersgd_hook,
+)
+
+logger = logging.getLogger(__name__)
+
+# name -> (state class, hook function)
+HOOKS: dict[str, tuple[type[HookState], Callable]] = {
+    "allreduce": (AllreduceState, allreduce_hook),
+    "powersgd": (PowerSGDHookState, powersgd_hook),
+}
+
+_ATTR = "_pycomm_hook_state"
+
+
+def _check_args(hook: Any, accumulate_steps: Any) -> None:
+    if not isinstance(hook, str) or hook not in HOOKS:
+        raise ValueError(f"pycomm: hook={hook!r} is not one of {', '.join(sorted(HOOKS))}")
+    if isinstance(accumulate_steps, bool) or not isinstance(accumulate_steps, int):
+        raise ValueError(f"pycomm: accumulate_steps={accumulate_steps!r}, expected an int >= 1")
+    if accumulate_steps < 1:
+        raise ValueError(f"pycomm: accumulate_steps={accumulate_steps}, expected an int >= 1")
+    if accumulate_steps > 1:
+        raise NotImplementedError(
+            f"pycomm: accumulate_steps={accumulate_steps} needs the fp32 accumulate stage, "
+            "which this version does not have yet; use accumulate_steps=1 with ddp.no_sync()"
+        )
+
+
+def _params_signature(module: torch.nn.Module) -> list[tuple[str, tuple[int, ...], str]]:
+    return [
+        (name, tuple(p.shape), str(p.dtype).replace("torch.", ""))
+        for name, p in module.named_parameters()
+        if p.requires_grad
+    ]
+
+
+def _agree_across_ranks(where: str, fields: dict[str, Any], group) -> None:
+    """Raise the same ValueError on every rank when any field differs between ranks."""
+    world = dist.get_world_size(group)
+    if world == 1:
+        return
+    gathered: list[Any] = [None] * world
+    dist.all_gather_object(gathered, fields, group=group)
+    ref = gathered[0]
+    for rank, other in enumerate(gathered[1:], start=1):
+        for key in ref:
+            a, b = ref[key], other.get(key)
+            if a == b:
+                continue
+            if key == "parameters":
+                if len(a) != len(b):
+                    raise ValueError(
+                        f"pycomm.{where}: ranks disagree on the model: rank 0 has {len(a)} "
+                        f"trainable parameters, rank {rank} has {len(b)}"
+                    )
+                i = next(i for i, (x, y) in enumerate(zip(a, b)) if x != y)
+                raise ValueError(
+                    f"pycomm.{where}: ranks disagree on parameter {i}: rank 0 has "
+                    f"{a[i][0]} {a[i][1]} {a[i][2]}, rank {rank} has {b[i][0]} {b[i][1]} {b[i][2]}"
+                )
+            raise ValueError(
+                f"pycomm.{where}: ranks disagree on {key}: rank 0 has {a!r}, rank {rank} has {b!r}"
+            )
+
+
+def _attach(ddp: DDP, hook: str, hook_options: dict[str, Any]) -> HookState:
+    state_cls, fn = HOOKS[hook]
+    state = state_cls(ddp.process_group, **hook_options)
+    ddp.register_comm_hook(state, fn)
+    setattr(ddp, _ATTR, state)
+    logger.info("pycomm: registered the %s hook with options %s", hook, state.options())
+    return state
+
+
+def register(
+    ddp: DDP, hook: str = "allreduce", accumulate_steps: int = 1, **hook_options: Any
+) -> HookState:
+    """Register a pycomm hook on an existing DDP model and return its state.
+
+    Every rank must call it with the same hook, options and model: that is checked across ranks
+    first, and a difference raises a ValueError on every rank naming it.
+
+    Example:
+        >>> ddp = DistributedDataParallel(model)
+        >>> state = pycomm.register(ddp, hook="allreduce")
+        >>> state.stats["bytes_sent"]
+    """
+    _check_args(hook, accumulate_steps)
+    if not isinstance(ddp, DDP):
+        raise TypeError(f"pycomm.register: expected a DistributedDataParallel, got {type(ddp)}")
+    if getattr(ddp, _ATTR, None) is not None:
+        raise RuntimeError("pycomm.register: this DDP model already has a pycomm hook")
+    _agree_across_ranks(
+        "register",
+        {
+            "hook": hook,
+            "hook_options": sorted(hook_options.items()),
+            "accumulate_steps": accumulate_steps,
+            "parameters": _params_signature(ddp.module),
+        },
+        ddp.process_group,
+    )
+    return _attach(ddp, hook, hook_options)
+
+
+def wrap(
+    module: torch.nn.Module,
+    *,
+    hook: str = "allreduce",
+    accumulate_steps: int = 1,
+    process_group: Optional[dist.ProcessGroup] = None,
+    hook_options: Optional[dict[str, Any]] = None,
+    **ddp_kwargs: Any,
+) -> DDP:
+    """Wrap ``module`` in DistributedDataParallel with a pycomm hook registered.
+
+    ``ddp_kwargs`` go to DDP unchanged (``bucket_cap_mb``, ``device_ids``, ...). The hook name,
+    its options, ``accumulate_steps`` and the parameters' shapes and dtypes are compared across
+    ranks before DDP is built, so a mismatch is a ValueError on every rank, not a hang.
+
+    Example:
+        >>> info = pycomm.init()
+        >>> ddp = pycomm.wrap(model.to(info.device), hook="allreduce")
+        >>> pycomm.hook_state(ddp).stats
+    """
+    hook_options = dict(hook_options or {})
+    _check_args(hook, accumulate_steps)
+    if not dist.is_initialized():
+        raise RuntimeError("pycomm.wrap: no process group; call pycomm.init() first")
+    _agree_across_ranks(
+        "wrap",
+        {
+            "hook": hook,
+            "hook_options": sorted(hook_options.items()),
+            "accumulate_steps": accumulate_steps,
+            "parameters": _params_signature(module),
+        },
+        process_group,
+    )
+    ddp = DDP(module, process_group=process_group, **ddp_kwargs)
+    _attach(ddp, hook, hook_options)
+    return ddp
+
+
+def hook_state(ddp: DDP) -> HookState:
+    """The state of the pycomm hook registered on ``ddp``.
+
+    Example:
+        >>> pycomm.hook_state(ddp).stats["compression"]
+    """
+    state = getattr(ddp, _ATTR, None)
+    if state is None:
+        raise ValueError("pycomm.hook_state: this model has no pycomm hook; use pycomm.wrap")
+    return state

@@ -1,0 +1,223 @@
+"""pycomm.launch: results in rank order, failing/dying/hanging ranks, no leftover processes."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+from harness import run_ranks
+
+import pycomm
+import pycomm.dist as pdist
+
+pytestmark = pytest.mark.timeout(90)
+
+
+# Per-rank functions: module level, so spawn can pickle them by name.
+
+
+def _rank_report(scale):
+    info = pycomm.init()  # the group launch made: returns its DistInfo
+    t = torch.tensor([float(info.rank + 1) * scale])
+    dist.all_reduce(t)
+    return info.rank, info.world_size, info.local_rank, info.backend, t.item(), os.getpid()
+
+
+def _record_pid(pid_dir):
+    with open(os.path.join(pid_dir, f"rank{dist.get_rank()}.pid"), "w") as f:
+        f.write(str(os.getpid()))
+    dist.barrier()  # every rank has recorded its pid before any of them fails
+
+
+def _raise_on_rank1(pid_dir):
+    _record_pid(pid_dir)
+    if dist.get_rank() == 1:
+        raise ValueError("boom from rank 1")
+    dist.barrier()  # blocks until rank 1 is gone
+    return "unreachable"
+
+
+def _exit_on_rank1(pid_dir):
+    _record_pid(pid_dir)
+    if dist.get_rank() == 1:
+        os._exit(3)
+    dist.barrier()
+    return "unreachable"
+
+
+def _hang_on_rank1(pid_dir):
+    _record_pid(pid_dir)
+    if dist.get_rank() == 1:
+        time.sleep(600)
+    return "rank 0 done"
+
+
+def _unpicklable_result():
+    return lambda: None
+
+
+def _exits_zero_early():
+    os._exit(0)
+
+
+def _start_a_child():
+    # fork: cheap, and the child only exits; spawn would re-import torch
+    child = multiprocessing.get_context("fork").Process(target=int)
+    child.start()
+    child.join()
+    return child.exitcode
+
+
+# Helpers
+
+
+def _recorded_pids(pid_dir, nprocs):
+    pids = []
+    for rank in range(nprocs):
+        with open(os.path.join(pid_dir, f"rank{rank}.pid")) as f:
+            pids.append(int(f.read()))
+    return pids
+
+
+def _assert_all_gone(pids):
+    assert multiprocessing.active_children() == []
+    for pid in pids:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+
+
+@pytest.fixture(autouse=True)
+def _fresh(monkeypatch):
+    monkeypatch.setattr(pdist, "_tcp_warned", False)
+    pycomm.shutdown()
+    yield
+    pycomm.shutdown()
+
+
+@pytest.mark.parametrize("nprocs", [2, 4])
+def test_results_in_rank_order(nprocs):
+    results = run_ranks(_rank_report, nprocs, 0.5, timeout=60)
+    assert [r[:4] for r in results] == [(rank, nprocs, rank, "gloo") for rank in range(nprocs)]
+    expected_sum = 0.5 * nprocs * (nprocs + 1) / 2
+    assert [r[4] for r in results] == [expected_sum] * nprocs
+    pids = [r[5] for r in results]
+    assert len(set(pids)) == nprocs and os.getpid() not in pids
+    _assert_all_gone(pids)
+
+
+def test_failing_rank_raises_launch_error_with_its_traceback(tmp_path):
+    with pytest.raises(pycomm.LaunchError) as err:
+        run_ranks(_raise_on_rank1, 2, str(tmp_path), timeout=60)
+    e = err.value
+    assert e.rank == 1
+    assert e.exitcode is None
+    assert "boom from rank 1" in e.traceback
+    assert "_raise_on_rank1" in e.traceback
+    assert "rank 1" in str(e) and "boom from rank 1" in str(e)
+    _assert_all_gone(_recorded_pids(tmp_path, 2))
+
+
+def test_dying_rank_names_rank_and_exit_code(tmp_path):
+    with pytest.raises(pycomm.LaunchError) as err:
+        run_ranks(_exit_on_rank1, 2, str(tmp_path), timeout=60)
+    e = err.value
+    assert (e.rank, e.exitcode) == (1, 3)
+    assert "rank 1" in str(e) and "code 3" in str(e)
+    _assert_all_gone(_recorded_pids(tmp_path, 2))
+
+
+def test_hanging_rank_times_out(tmp_path):
+    start = time.monotonic()
+    with pytest.raises(pycomm.LaunchError) as err:
+        run_ranks(_hang_on_rank1, 2, str(tmp_path), timeout=5)
+    elapsed = time.monotonic() - start
+    e = err.value
+    assert isinstance(e, TimeoutError)
+    assert e.rank == 1 and e.unfinished == (1,)
+    assert "[1]" in str(e) and "5 s" in str(e)
+    # the hung rank's stack is dumped before it is killed
+    assert "_hang_on_rank1" in e.traceback
+    # a bound on the hang, not a speed measurement: 5 s timeout + start-up + 2 s kill grace
+    assert elapsed < 30
+    _assert_all_gone(_recorded_pids(tmp_path, 2))
+
+
+def test_unpicklable_result_is_reported():
+    with pytest.raises(pycomm.LaunchError, match="picklable") as err:
+        run_ranks(_unpicklable_result, 1, timeout=60)
+    assert err.value.rank == 0
+    assert multiprocessing.active_children() == []
+
+
+def test_rank_exiting_zero_without_result_is_an_error():
+    with pytest.raises(pycomm.LaunchError, match="without reporting") as err:
+        run_ranks(_exits_zero_early, 1, timeout=60)
+    assert (err.value.rank, err.value.exitcode) == (0, 0)
+
+
+def test_tcp_backend_through_launch_warns_and_uses_gloo():
+    with pytest.warns(UserWarning, match="'tcp'"):
+        results = run_ranks(_rank_report, 2, 1.0, backend="tcp", timeout=60)
+    assert [r[:4] for r in results] == [(0, 2, 0, "gloo"), (1, 2, 1, "gloo")]
+    assert [r[4] for r in results] == [3.0, 3.0]
+
+
+@pytest.mark.parametrize("nprocs", [0, -1, 1.5, "2", True, None])
+def test_invalid_nprocs(nprocs):
+    with pytest.raises(ValueError, match="nprocs") as err:
+        pycomm.launch(_rank_report, nprocs, 1.0)
+    assert repr(nprocs) in str(err.value)
+    assert multiprocessing.active_children() == []
+
+
+def test_invalid_fn_and_backend():
+    with pytest.raises(ValueError, match="fn"):
+        pycomm.launch("not callable", 2)
+    with pytest.raises(ValueError, match="valid backends"):
+        pycomm.launch(_rank_report, 2, 1.0, backend="bogus")
+    with pytest.raises(ValueError, match="timeout"):
+        pycomm.launch(_rank_report, 2, 1.0, timeout=-1)
+    assert multiprocessing.active_children() == []
+
+
+def test_launch_errors_survive_pickling():
+    import pickle
+
+    e = pickle.loads(pickle.dumps(pycomm.LaunchError("m", rank=2, exitcode=-9, traceback="t")))
+    assert (type(e), e.rank, e.exitcode, e.traceback, str(e)) == (
+        pycomm.LaunchError,
+        2,
+        -9,
+        "t",
+        "m",
+    )
+    t = pdist.LaunchTimeoutError("late", rank=1, traceback="stack", unfinished=(1, 3))
+    t = pickle.loads(pickle.dumps(t))
+    assert isinstance(t, TimeoutError) and isinstance(t, pycomm.LaunchError)
+    assert (t.rank, t.unfinished, t.traceback, str(t)) == (1, (1, 3), "stack", "late")
+
+
+def test_a_rank_may_start_its_own_processes():
+    # e.g. a DataLoader with workers: impossible if ranks were daemonic processes
+    assert run_ranks(_start_a_child, 1, timeout=60) == [0]
+
+
+def test_failure_blames_the_root_cause():
+    errors = [
+        (20.0, 0, "tb0", "RuntimeError('Connection closed by peer')"),
+        (10.0, 2, "tb2", "ValueError('the real bug')"),
+        (30.0, 1, "tb1", "RuntimeError('Connection reset')"),
+    ]
+    e = pdist._failure(list(errors), [])
+    assert (e.rank, e.traceback, e.exitcode) == (2, "tb2", None)
+    assert str(e).startswith("rank 2 raised ValueError('the real bug')")
+    assert "rank 0: RuntimeError('Connection closed by peer')" in str(e)
+    # a rank that died takes the others' collectives down with it
+    e = pdist._failure(list(errors), [(3, -9, False)])
+    assert (e.rank, e.exitcode) == (3, -9)
+    assert "signal 9" in str(e) and "without reporting" in str(e)
+    assert "rank 2: ValueError('the real bug')" in str(e)
