@@ -210,9 +210,16 @@ void accumulate_cpu(const at::Tensor& dst, const at::Tensor& src, double alpha) 
 void scale_cpu(const at::Tensor& t, double scale) {
   check_float("pycomm.scale_", "t", t);
   if (scale == 1.0 || t.numel() == 0) return;
+  const float s = static_cast<float>(scale);
   dispatch_float(t.scalar_type(), [&](auto tag) {
     using T = decltype(tag);
-    iter_scaled_copy<T, T>(t, t, static_cast<float>(scale));
+    if (!t.is_contiguous()) {
+      iter_scaled_copy<T, T>(t, t, s);
+      return;
+    }
+    T* p = t.data_ptr<T>();
+    at::parallel_for(0, t.numel(), kGrain,
+                     [&](int64_t b, int64_t e) { scaled_copy(p + b, p + b, e - b, s); });
   });
 }
 

@@ -11,6 +11,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import pycomm
+from pycomm.hooks.state import ring_bytes
 
 BASELINE = "ddp"  # plain DDP, no hook: torch's own reduction
 
@@ -56,11 +57,15 @@ def run_rank(
     out: dict[str, Any] = {"params": sum(p.numel() for p in models[hooks[0]].parameters())}
     for name in hooks:
         ts = times[name]
-        stats = {} if name == BASELINE else dict(pycomm.hook_state(models[name]).stats)
+        if name == BASELINE:  # DDP's own fp32 ring all-reduce of every parameter
+            sent = ring_bytes(out["params"] * 4, dist.get_world_size())
+        else:
+            stats = pycomm.hook_state(models[name]).stats
+            sent = stats["bytes_sent"] / max(stats["steps"], 1)
         out[name] = {
             "median_s": statistics.median(ts),
             "min_s": min(ts),
             "max_s": max(ts),
-            "bytes_per_step": stats.get("bytes_sent", 0) / max(stats.get("steps", 1), 1),
+            "bytes_per_step": sent,
         }
     return out
