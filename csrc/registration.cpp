@@ -26,6 +26,40 @@ TORCH_LIBRARY(pycomm, m) {
   m.def("accumulate_(Tensor(a!) dst, Tensor src, float alpha=1.) -> ()");
   // t *= scale, computed in fp32.
   m.def("scale_(Tensor(a!) t, float scale) -> ()");
+
+  // Codecs (pycomm.reference defines their arithmetic). Every encoder takes x (Float, Half or
+  // BFloat16, n elements, any shape and strides), computes y = x * scale + residual over
+  // `numel` >= n elements (x padded with zeros), and updates residual (optional; Float,
+  // contiguous, numel elements, x's device) in place to y - decode(code), except where the
+  // block (16-bit: the element) is non-finite, where it keeps its value.
+  //
+  // Returns [numel] of dtype (Half or BFloat16): y rounded.
+  m.def("encode16(Tensor x, Tensor(a!)? residual, float scale, ScalarType dtype, int numel) "
+        "-> Tensor");
+  // block >= 1 divides numel. Returns (codes Char [numel], scales Float [numel / block]):
+  // per block s = absmax / 127, codes round_half_even(y * 127 / absmax); a non-finite block
+  // has scale NaN and codes 0.
+  m.def("quantize_int8(Tensor x, Tensor(a!)? residual, float scale, int block, int numel) "
+        "-> (Tensor, Tensor)");
+  // block % 8 == 0 divides numel. Returns (bits Byte [numel / 8], scales BFloat16
+  // [numel / block]): bit j of byte k is y[8k + j] >= 0; scale = mean |y| of the block, NaN
+  // for a non-finite block.
+  m.def("quantize_onebit(Tensor x, Tensor(a!)? residual, float scale, int block, int numel) "
+        "-> (Tensor, Tensor)");
+  // The decoders: R >= 1 rows of m elements each, contiguous. out (Float, Half or BFloat16,
+  // contiguous, numel <= m, the rows' device) = scale * the fp32 sum over rows, in row order,
+  // of each row's first out.numel() decoded elements, rounded once to out's dtype. Each
+  // returns a new Double [2] on out's device: (sum of out^2 over finite out, count of
+  // non-finite out).
+  //
+  // chunks: [R, m] Half or BFloat16.
+  m.def("decode16_sum(Tensor chunks, float scale, Tensor(a!) out) -> Tensor");
+  // codes: [R, m] Char, m % block == 0; scales: [R, m / block] Float.
+  m.def("dequantize_int8_sum(Tensor codes, Tensor scales, int block, float scale, "
+        "Tensor(a!) out) -> Tensor");
+  // bits: [R, m / 8] Byte, block % 8 == 0, m % block == 0; scales: [R, m / block] BFloat16.
+  m.def("dequantize_onebit_sum(Tensor bits, Tensor scales, int block, float scale, "
+        "Tensor(a!) out) -> Tensor");
 }
 
 namespace {

@@ -186,3 +186,230 @@ def scale_(t: torch.Tensor, scale: float) -> None:
         >>> pycomm.ops.scale_(bucket, 1 / world_size)
     """
     torch.ops.pycomm.scale_(t, float(scale))
+
+
+# --- compression codecs (arithmetic: pycomm.reference) ------------------------------------
+
+
+def _check_encoder(op: str, x, residual, numel: int) -> None:
+    _check_float(op, "x", x)
+    if numel < x.numel():
+        raise RuntimeError(f"{op}: numel is {numel}, expected >= x.numel() = {x.numel()}")
+    if residual is None:
+        return
+    if residual.dtype != torch.float32:
+        raise RuntimeError(f"{op}: residual has dtype {residual.dtype}, expected Float")
+    if residual.device != x.device:
+        raise RuntimeError(f"{op}: residual is on {residual.device}, expected {x.device} like x")
+    if residual.numel() != numel:
+        raise RuntimeError(
+            f"{op}: residual has {residual.numel()} elements, expected numel = {numel}"
+        )
+    if not residual.is_contiguous():
+        raise RuntimeError(
+            f"{op}: residual has strides {residual.stride()}, expected a contiguous tensor"
+        )
+
+
+def _check_block(op: str, block: int, numel: int, multiple_of: int) -> None:
+    if block < 1:
+        raise RuntimeError(f"{op}: block is {block}, expected >= 1")
+    if block % multiple_of:
+        raise RuntimeError(f"{op}: block is {block}, expected a multiple of {multiple_of}")
+    if numel % block:
+        raise RuntimeError(f"{op}: numel is {numel}, expected a multiple of block = {block}")
+
+
+def _check_rows(op: str, arg: str, t, dtypes, expected: str) -> None:
+    if t.dtype not in dtypes:
+        raise RuntimeError(f"{op}: {arg} has dtype {t.dtype}, expected {expected}")
+    if t.dim() != 2:
+        raise RuntimeError(f"{op}: {arg} has shape {list(t.shape)}, expected a 2-D [R, m] tensor")
+    if t.shape[0] < 1:
+        raise RuntimeError(f"{op}: {arg} has shape {list(t.shape)}, expected R >= 1 rows")
+    if not t.is_contiguous():
+        raise RuntimeError(f"{op}: {arg} has strides {t.stride()}, expected a contiguous tensor")
+
+
+def _check_scales(op: str, scales, dtype, ref_arg: str, ref, rows: int, m: int, block: int):
+    if scales.dtype != dtype:
+        raise RuntimeError(f"{op}: scales has dtype {scales.dtype}, expected {dtype}")
+    if scales.device != ref.device:
+        raise RuntimeError(
+            f"{op}: scales is on {scales.device}, expected {ref.device} like {ref_arg}"
+        )
+    if scales.dim() != 2 or tuple(scales.shape) != (rows, m // block):
+        raise RuntimeError(
+            f"{op}: scales has shape {list(scales.shape)}, expected [{rows}, {m // block}] "
+            f"([R, m / block])"
+        )
+    if not scales.is_contiguous():
+        raise RuntimeError(
+            f"{op}: scales has strides {scales.stride()}, expected a contiguous tensor"
+        )
+
+
+def _check_out(op: str, out, ref_arg: str, ref, m: int) -> None:
+    _check_float(op, "out", out)
+    if out.device != ref.device:
+        raise RuntimeError(f"{op}: out is on {out.device}, expected {ref.device} like {ref_arg}")
+    if out.numel() > m:
+        raise RuntimeError(f"{op}: out has {out.numel()} elements, expected <= m = {m}")
+    if not out.is_contiguous():
+        raise RuntimeError(f"{op}: out has strides {out.stride()}, expected a contiguous tensor")
+
+
+@torch.library.register_fake("pycomm::encode16")
+def _encode16_fake(x, residual, scale, dtype, numel):
+    _check_encoder("pycomm.encode16", x, residual, numel)
+    if dtype not in (torch.float16, torch.bfloat16):
+        raise RuntimeError(f"pycomm.encode16: dtype is {dtype}, expected Half or BFloat16")
+    return x.new_empty(numel, dtype=dtype)
+
+
+@torch.library.register_fake("pycomm::quantize_int8")
+def _quantize_int8_fake(x, residual, scale, block, numel):
+    _check_encoder("pycomm.quantize_int8", x, residual, numel)
+    _check_block("pycomm.quantize_int8", block, numel, 1)
+    return x.new_empty(numel, dtype=torch.int8), x.new_empty(numel // block, dtype=torch.float32)
+
+
+@torch.library.register_fake("pycomm::quantize_onebit")
+def _quantize_onebit_fake(x, residual, scale, block, numel):
+    _check_encoder("pycomm.quantize_onebit", x, residual, numel)
+    _check_block("pycomm.quantize_onebit", block, numel, 8)
+    return (
+        x.new_empty(numel // 8, dtype=torch.uint8),
+        x.new_empty(numel // block, dtype=torch.bfloat16),
+    )
+
+
+@torch.library.register_fake("pycomm::decode16_sum")
+def _decode16_sum_fake(chunks, scale, out):
+    op = "pycomm.decode16_sum"
+    _check_rows(op, "chunks", chunks, (torch.float16, torch.bfloat16), "Half or BFloat16")
+    _check_out(op, out, "chunks", chunks, chunks.shape[1])
+    return out.new_empty(2, dtype=torch.float64)
+
+
+@torch.library.register_fake("pycomm::dequantize_int8_sum")
+def _dequantize_int8_sum_fake(codes, scales, block, scale, out):
+    op = "pycomm.dequantize_int8_sum"
+    _check_rows(op, "codes", codes, (torch.int8,), "Char (int8)")
+    rows, m = codes.shape
+    if block < 1:
+        raise RuntimeError(f"{op}: block is {block}, expected >= 1")
+    if m % block:
+        raise RuntimeError(
+            f"{op}: codes has m = {m} columns, expected a multiple of block = {block}"
+        )
+    _check_scales(op, scales, torch.float32, "codes", codes, rows, m, block)
+    _check_out(op, out, "codes", codes, m)
+    return out.new_empty(2, dtype=torch.float64)
+
+
+@torch.library.register_fake("pycomm::dequantize_onebit_sum")
+def _dequantize_onebit_sum_fake(bits, scales, block, scale, out):
+    op = "pycomm.dequantize_onebit_sum"
+    _check_rows(op, "bits", bits, (torch.uint8,), "Byte (uint8)")
+    rows, m = bits.shape[0], bits.shape[1] * 8
+    if block < 1:
+        raise RuntimeError(f"{op}: block is {block}, expected >= 1")
+    if block % 8:
+        raise RuntimeError(f"{op}: block is {block}, expected a multiple of 8")
+    if m % block:
+        raise RuntimeError(
+            f"{op}: bits has m = {m} elements (8 per column), expected a multiple of "
+            f"block = {block}"
+        )
+    _check_scales(op, scales, torch.bfloat16, "bits", bits, rows, m, block)
+    _check_out(op, out, "bits", bits, m)
+    return out.new_empty(2, dtype=torch.float64)
+
+
+def encode16(
+    x: torch.Tensor,
+    residual: Optional[torch.Tensor],
+    scale: float,
+    dtype: torch.dtype,
+    numel: int,
+) -> torch.Tensor:
+    """Round ``y = x * scale + residual`` (x padded with zeros to ``numel``) to ``dtype``
+    (fp16 or bf16) in one pass; ``residual`` (fp32, ``numel``, optional) becomes the rounding
+    error, except where the result is not finite.
+
+    Example:
+        >>> payload = pycomm.ops.encode16(bucket, residual, 1 / world_size, torch.bfloat16, n)
+    """
+    return torch.ops.pycomm.encode16(x, residual, float(scale), dtype, int(numel))
+
+
+def quantize_int8(
+    x: torch.Tensor,
+    residual: Optional[torch.Tensor],
+    scale: float,
+    block: int,
+    numel: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric int8 codes of ``y = x * scale + residual`` per block of ``block`` elements,
+    with error feedback, in one pass. Returns ``(codes int8 [numel], scales fp32
+    [numel / block])``; a block holding NaN or Inf gets scale NaN and codes 0.
+
+    Example:
+        >>> codes, scales = pycomm.ops.quantize_int8(bucket, residual, 1.0, 256, n)
+    """
+    return torch.ops.pycomm.quantize_int8(x, residual, float(scale), int(block), int(numel))
+
+
+def quantize_onebit(
+    x: torch.Tensor,
+    residual: Optional[torch.Tensor],
+    scale: float,
+    block: int,
+    numel: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sign bits of ``y = x * scale + residual`` (8 per byte) and one bf16 scale per block
+    (the block's mean ``|y|``), with error feedback, in one pass. Returns ``(bits uint8
+    [numel / 8], scales bf16 [numel / block])``; ``block`` is a multiple of 8.
+
+    Example:
+        >>> bits, scales = pycomm.ops.quantize_onebit(bucket, residual, 1.0, 64, n)
+    """
+    return torch.ops.pycomm.quantize_onebit(x, residual, float(scale), int(block), int(numel))
+
+
+def decode16_sum(chunks: torch.Tensor, scale: float, out: torch.Tensor) -> torch.Tensor:
+    """``out = scale * chunks.sum(0)`` over the rows of ``chunks`` ([R, m] fp16/bf16), summed
+    in fp32 in row order, for the first ``out.numel()`` columns. Returns fp64 ``[sum of out**2
+    over finite out, count of non-finite out]``.
+
+    Example:
+        >>> stats = pycomm.ops.decode16_sum(received.view(world_size, -1), 1.0, bucket_chunk)
+    """
+    return torch.ops.pycomm.decode16_sum(chunks, float(scale), out)
+
+
+def dequantize_int8_sum(
+    codes: torch.Tensor, scales: torch.Tensor, block: int, scale: float, out: torch.Tensor
+) -> torch.Tensor:
+    """``out = scale * sum_r codes[r] * scales[r]`` (per block) over the rows of ``codes``
+    ([R, m] int8; ``scales`` [R, m / block] fp32), in fp32 in row order. Returns fp64
+    ``[sum of out**2 over finite out, count of non-finite out]``.
+
+    Example:
+        >>> stats = pycomm.ops.dequantize_int8_sum(codes, scales, 256, 1 / world_size, chunk)
+    """
+    return torch.ops.pycomm.dequantize_int8_sum(codes, scales, int(block), float(scale), out)
+
+
+def dequantize_onebit_sum(
+    bits: torch.Tensor, scales: torch.Tensor, block: int, scale: float, out: torch.Tensor
+) -> torch.Tensor:
+    """``out = scale * sum_r (+scales[r] where the bit is set, else -scales[r])`` over the rows
+    of ``bits`` ([R, m / 8] uint8; ``scales`` [R, m / block] bf16), in fp32 in row order.
+    Returns fp64 ``[sum of out**2 over finite out, count of non-finite out]``.
+
+    Example:
+        >>> stats = pycomm.ops.dequantize_onebit_sum(bits, scales, 64, 1 / world_size, chunk)
+    """
+    return torch.ops.pycomm.dequantize_onebit_sum(bits, scales, int(block), float(scale), out)

@@ -38,3 +38,112 @@ def accumulate_(dst: torch.Tensor, src: torch.Tensor, alpha: float = 1.0) -> Non
 
 def scale_(t: torch.Tensor, scale: float) -> None:
     t.copy_((t.float() * scale).to(t.dtype))
+
+
+# --- compression codecs -------------------------------------------------------------------
+#
+# Every encoder reads x (any float dtype, n elements), pre-scales it, adds the error-feedback
+# residual when one is given, and encodes ``numel`` >= n elements (x padded with zeros). The
+# residual (fp32, ``numel`` elements) is updated in place to y - decode(code), except where the
+# block (or, for 16-bit, the element) is non-finite: there it keeps its old value, so that a
+# NaN never poisons later steps. Non-finite input never becomes finite output: a non-finite
+# block gets a NaN scale, so it decodes to NaN on every rank.
+
+
+def _prepare(x, residual, scale, numel):
+    n = x.numel()
+    if numel < n:
+        raise ValueError(f"numel={numel} is smaller than x.numel()={n}")
+    y = torch.zeros(numel, dtype=torch.float32, device=x.device)
+    y[:n] = x.reshape(-1).float() * scale
+    if residual is not None:
+        y += residual
+    return y
+
+
+def encode16(x, residual, scale, dtype, numel):
+    """y = x * scale (+ residual), padded to numel, rounded to dtype (Half or BFloat16)."""
+    y = _prepare(x, residual, scale, numel)
+    out = y.to(dtype)
+    if residual is not None:
+        back = out.float()
+        residual.copy_(torch.where(back.isfinite(), y - back, residual))
+    return out
+
+
+def quantize_int8(x, residual, scale, block, numel):
+    """Symmetric int8 per block of ``block`` elements: s = absmax / 127 (fp32),
+    q = round_half_even(y * (127 / absmax)), decode q * s. Returns (codes int8 [numel],
+    scales fp32 [numel / block])."""
+    y = _prepare(x, residual, scale, numel).view(-1, block)
+    finite = y.isfinite().all(1)
+    absmax = y.abs().amax(1)
+    s = torch.where(finite, absmax / 127.0, torch.full_like(absmax, float("nan")))
+    inv = 127.0 / absmax
+    # absmax below ~127 / FLT_MAX: inv = inf, and y = 0 would give NaN codes; such a block
+    # quantizes to 0 and keeps all of y in the residual
+    inv = torch.where(finite & (absmax > 0) & inv.isfinite(), inv, torch.zeros_like(absmax))
+    q = torch.round(y * inv[:, None]).clamp_(-127, 127)
+    q = torch.where(finite[:, None], q, torch.zeros_like(q))
+    if residual is not None:
+        r = residual.view(-1, block)
+        r.copy_(torch.where(finite[:, None], y - q * s[:, None], r))
+    return q.to(torch.int8).view(-1), s
+
+
+def quantize_onebit(x, residual, scale, block, numel):
+    """Sign bits per element (1 for y >= 0), 8 per byte, element 8k+j at bit j of byte k; one
+    bf16 scale per block: mean |y| summed in fp64, rounded to fp32 then bf16. Decode: +s or
+    -s. Returns (bits uint8 [numel / 8], scales bf16 [numel / block])."""
+    y = _prepare(x, residual, scale, numel).view(-1, block)
+    finite = y.isfinite().all(1)
+    mean = (y.double().abs().sum(1) / block).float()
+    s = torch.where(finite, mean, torch.full_like(mean, float("nan"))).to(torch.bfloat16)
+    pos = y >= 0
+    if residual is not None:
+        dec = torch.where(pos, s.float()[:, None], -s.float()[:, None])
+        r = residual.view(-1, block)
+        r.copy_(torch.where(finite[:, None], y - dec, r))
+    weights = (2 ** torch.arange(8, device=y.device)).to(torch.uint8)
+    bits = (pos.view(-1, 8).to(torch.uint8) * weights).sum(1, dtype=torch.uint8)
+    return bits, s
+
+
+def _finish(acc, scale, out):
+    m = out.numel()
+    res = acc[:m] * scale
+    out.copy_(res.to(out.dtype).view(out.shape))
+    stored = out.reshape(-1).float()
+    finite = stored.isfinite()
+    sq = (stored[finite].double() ** 2).sum()
+    return torch.stack([sq, (~finite).sum().double()])
+
+
+def decode16_sum(chunks, scale, out):
+    """out = scale * sum over rows r (in order, fp32) of chunks[r, :out.numel()].
+    chunks: [R, m] Half/BFloat16. Returns fp64 [sum of out**2 over finite out, count of
+    non-finite out]."""
+    acc = torch.zeros(chunks.shape[1], dtype=torch.float32, device=chunks.device)
+    for r in range(chunks.shape[0]):
+        acc += chunks[r].float()
+    return _finish(acc, scale, out)
+
+
+def dequantize_int8_sum(codes, scales, block, scale, out):
+    """codes [R, m] int8, scales [R, m / block] fp32; out = scale * sum_r codes[r] * s[r]."""
+    acc = torch.zeros(codes.shape[1], dtype=torch.float32, device=codes.device)
+    for r in range(codes.shape[0]):
+        acc += (codes[r].float().view(-1, block) * scales[r][:, None]).view(-1)
+    return _finish(acc, scale, out)
+
+
+def dequantize_onebit_sum(bits, scales, block, scale, out):
+    """bits [R, m / 8] uint8, scales [R, m / block] bf16; out = scale * sum_r (+-s[r])."""
+    rows, m = bits.shape[0], bits.shape[1] * 8
+    acc = torch.zeros(m, dtype=torch.float32, device=bits.device)
+    shifts = torch.arange(8, device=bits.device)
+    for r in range(rows):
+        pos = ((bits[r][:, None] >> shifts) & 1).bool().view(-1, block)
+        s = scales[r].float()[:, None]
+        acc += torch.where(pos, s, -s).view(-1)
+    return _finish(acc, scale, out)

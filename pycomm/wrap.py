@@ -11,9 +11,14 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from pycomm.hooks import (
     AllreduceState,
+    Bf16State,
+    Fp16State,
     HookState,
+    Int8State,
+    OneBitState,
     PowerSGDHookState,
     allreduce_hook,
+    compressed_hook,
     powersgd_hook,
 )
 
@@ -22,6 +27,10 @@ logger = logging.getLogger(__name__)
 # name -> (state class, hook function)
 HOOKS: dict[str, tuple[type[HookState], Callable]] = {
     "allreduce": (AllreduceState, allreduce_hook),
+    "fp16": (Fp16State, compressed_hook),
+    "bf16": (Bf16State, compressed_hook),
+    "int8": (Int8State, compressed_hook),
+    "onebit": (OneBitState, compressed_hook),
     "powersgd": (PowerSGDHookState, powersgd_hook),
 }
 

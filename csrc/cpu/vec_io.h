@@ -72,4 +72,23 @@ void axpy(dst_t* dst, const src_t* src, int64_t n, float alpha) {
   }
 }
 
+using DVec = Vectorized<double>;
+
+// The fp32 lanes of v as fp64: lanes [0, 4) in lo, [4, 8) in hi. Exact.
+inline void widen(const FVec& v, DVec& lo, DVec& hi) {
+  static_assert(FVec::size() == 2 * DVec::size(), "one fp32 vector must widen into two");
+#ifdef CPU_CAPABILITY_AVX2
+  const __m256 w = v;
+  lo = _mm256_cvtps_pd(_mm256_castps256_ps128(w));
+  hi = _mm256_cvtps_pd(_mm256_extractf128_ps(w, 1));
+#else
+  float f[FVec::size()];
+  v.store(f);
+  double d[FVec::size()];
+  for (int64_t k = 0; k < FVec::size(); ++k) d[k] = f[k];
+  lo = DVec::loadu(d);
+  hi = DVec::loadu(d + DVec::size());
+#endif
+}
+
 }  // namespace pycomm::cpu

@@ -1,0 +1,722 @@
+// Compression codecs on the CPU: the encoders encode16, quantize_int8, quantize_onebit and the
+// decoders decode16_sum, dequantize_int8_sum, dequantize_onebit_sum.
+//
+// Every op is one pass over memory. An encoder stages a tile of y = x * scale + residual on the
+// stack (fp32, L1-resident), takes each block's statistic (absmax, mean |y|) from the tile and
+// writes the block's codes, scale and new residual from it: x and the residual are read once,
+// the outputs written once. A decoder keeps a tile of the fp32 sum over rows on the stack, adds
+// every row's piece of it in row order, then scales it, rounds it into out, and takes out's
+// squared norm from the values stored. Blocks longer than a tile are the exception: their
+// statistic needs a first sweep over x and the residual, their codes a second.
+//
+// The arithmetic is pycomm.reference's, operation for operation (the build disables FMA
+// contraction), so the outputs match it bit for bit. Two fp64 sums are taken in another order
+// than torch's: a 1-bit block's sum of |y| (exact, hence equal, unless one block spans more
+// than ~2^(29 - log2 block) in magnitude) and the decoders' squared norm.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <array>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <tuple>
+#include <type_traits>
+#include <vector>
+
+#include "checks.h"
+#include "cpu/vec_io.h"
+
+namespace pycomm::cpu {
+namespace {
+
+// Elements per parallel task: large enough that a task costs more than its scheduling.
+constexpr int64_t kGrain = 32768;
+// Elements staged on the stack per step: 8 KB of fp32, a fraction of L1.
+constexpr int64_t kTile = 2048;
+constexpr float kMaxFinite = std::numeric_limits<float>::max();
+constexpr float kNaN = std::numeric_limits<float>::quiet_NaN();
+
+// One fp32 vector holds the 8 elements of one byte of sign bits, and 8 int8 codes.
+static_assert(FVec::size() == 8, "the codecs assume 8 fp32 lanes per vector");
+static_assert(kGrain % kTile == 0 && kTile % kStep == 0, "tiles must split tasks evenly");
+
+// NaN-propagating max(m, |v|), as torch's amax.
+inline float absmax_step(float m, float v) {
+  const float a = std::abs(v);
+  return (std::isnan(a) || a > m) ? a : m;
+}
+
+// 8 int8 codes as fp32 (exact).
+inline FVec load_codes(const int8_t* p) {
+#ifdef CPU_CAPABILITY_AVX2
+  const __m128i q = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q));
+#else
+  float f[8];
+  for (int k = 0; k < 8; ++k) f[k] = static_cast<float>(p[k]);
+  return FVec::loadu(f);
+#endif
+}
+
+// Stores 16 integral fp32 values in [-127, 127] as int8 (exact): a, then b.
+inline void store_codes(int8_t* p, const FVec& a, const FVec& b) {
+#ifdef CPU_CAPABILITY_AVX2
+  // packs works within 128-bit lanes: [a0-3 b0-3 | a4-7 b4-7], reordered to a0-7 b0-7
+  const __m256i i16 = _mm256_permute4x64_epi64(
+      _mm256_packs_epi32(_mm256_cvttps_epi32(a), _mm256_cvttps_epi32(b)), 0b11011000);
+  const __m128i i8 =
+      _mm_packs_epi16(_mm256_castsi256_si128(i16), _mm256_extracti128_si256(i16, 1));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), i8);
+#else
+  float f[16];
+  a.store(f);
+  b.store(f + 8);
+  for (int k = 0; k < 16; ++k) p[k] = static_cast<int8_t>(f[k]);
+#endif
+}
+
+// Stores 8 integral fp32 values in [-127, 127] as int8 (exact).
+inline void store_codes(int8_t* p, const FVec& q) {
+#ifdef CPU_CAPABILITY_AVX2
+  const __m256i i32 = _mm256_cvttps_epi32(q);
+  const __m128i i16 =
+      _mm_packs_epi32(_mm256_castsi256_si128(i32), _mm256_extracti128_si256(i32, 1));
+  _mm_storel_epi64(reinterpret_cast<__m128i*>(p), _mm_packs_epi16(i16, i16));
+#else
+  float f[8];
+  q.store(f);
+  for (int k = 0; k < 8; ++k) p[k] = static_cast<int8_t>(f[k]);
+#endif
+}
+
+// Bit k set where lane k of the comparison mask is set (element 8j+k at bit k of byte j).
+inline uint8_t mask_bits(const FVec& mask) {
+#ifdef CPU_CAPABILITY_AVX2
+  return static_cast<uint8_t>(_mm256_movemask_ps(mask));
+#else
+  float f[8];
+  mask.store(f);
+  uint8_t byte = 0;
+  for (int k = 0; k < 8; ++k) byte |= static_cast<uint8_t>((std::signbit(f[k]) ? 1 : 0) << k);
+  return byte;
+#endif
+}
+
+// kSigns[b][k] = +1 where bit k of b is set, else -1: ±1 * s is exactly ±s, NaN and 0 included.
+const std::array<std::array<float, 8>, 256> kSigns = [] {
+  std::array<std::array<float, 8>, 256> t{};
+  for (int b = 0; b < 256; ++b)
+    for (int k = 0; k < 8; ++k) t[b][k] = ((b >> k) & 1) ? 1.0f : -1.0f;
+  return t;
+}();
+
+// y = x * s (+ r), x zero beyond its n elements: the references' y, staged a tile at a time.
+template <typename T>
+struct Source {
+  const T* x;      // [n], contiguous
+  const float* r;  // [numel], or nullptr without error feedback
+  int64_t n;
+  float s;
+
+  // y[0, len) = y of elements [i0, i0 + len).
+  void load(int64_t i0, int64_t len, float* y) const {
+    const int64_t nx = std::clamp<int64_t>(n - i0, 0, len);
+    const T* xp = x + i0;
+    const FVec vs(s);
+    int64_t j = 0;
+    if (r != nullptr) {
+      const float* rp = r + i0;
+      for (; j + kStep <= nx; j += kStep) {
+        FVec a, b;
+        VecIO<T>::load(xp + j, a, b);
+        VecIO<float>::store(y + j, a * vs + FVec::loadu(rp + j),
+                            b * vs + FVec::loadu(rp + j + FVec::size()));
+      }
+      for (; j < nx; ++j) y[j] = static_cast<float>(xp[j]) * s + rp[j];
+      // padding: 0 + r, as the reference adds r to zeros (0 + -0 is +0)
+      for (; j < len; ++j) y[j] = 0.0f + rp[j];
+      return;
+    }
+    for (; j + kStep <= nx; j += kStep) {
+      FVec a, b;
+      VecIO<T>::load(xp + j, a, b);
+      VecIO<float>::store(y + j, a * vs, b * vs);
+    }
+    for (; j < nx; ++j) y[j] = static_cast<float>(xp[j]) * s;
+    for (; j < len; ++j) y[j] = 0.0f;
+  }
+};
+
+// Symmetric int8 per block: s = absmax / 127, q = round_half_even(y * inv) clamped to ±127.
+struct Int8Codec {
+  int8_t* codes;       // [numel]
+  float* scales;       // [numel / block]
+  float* r;            // [numel] or nullptr
+  using Stat = float;  // absmax, NaN-propagating: finite iff the block is
+  struct Param {
+    float s, inv;
+    bool finite;
+  };
+
+  static float add(float m, const float* y, int64_t len) {
+    constexpr int64_t W = FVec::size();
+    // four independent chains: a NaN-propagating max is three dependent instructions
+    FVec m0(m), m1(m), m2(m), m3(m);
+    int64_t j = 0;
+    for (; j + 4 * W <= len; j += 4 * W) {
+      m0 = at::vec::maximum(m0, FVec::loadu(y + j).abs());
+      m1 = at::vec::maximum(m1, FVec::loadu(y + j + W).abs());
+      m2 = at::vec::maximum(m2, FVec::loadu(y + j + 2 * W).abs());
+      m3 = at::vec::maximum(m3, FVec::loadu(y + j + 3 * W).abs());
+    }
+    for (; j + W <= len; j += W) m0 = at::vec::maximum(m0, FVec::loadu(y + j).abs());
+    float lanes[W];
+    at::vec::maximum(at::vec::maximum(m0, m1), at::vec::maximum(m2, m3)).store(lanes);
+    for (float v : lanes) m = absmax_step(m, v);
+    for (; j < len; ++j) m = absmax_step(m, y[j]);
+    return m;
+  }
+
+  Param finish(int64_t blk, float absmax) const {
+    if (!(absmax <= kMaxFinite)) {
+      scales[blk] = kNaN;
+      return {kNaN, 0.0f, false};
+    }
+    const float s = absmax / 127.0f;
+    // The reference's `127.0 / absmax` is Tensor.__rtruediv__: reciprocal(absmax) * 127, two
+    // roundings, kept here so that codes match it.
+    float inv = absmax > 0.0f ? (1.0f / absmax) * 127.0f : 0.0f;
+    // absmax below ~127 / FLT_MAX: inv would be inf and y = 0 would give NaN codes; such a
+    // block quantizes to 0 and keeps all of y in the residual.
+    if (!std::isfinite(inv)) inv = 0.0f;
+    scales[blk] = s;
+    return {s, inv, true};
+  }
+
+  // Codes (and residual) of elements [i, i + len) of one block.
+  void quant(int64_t i, const float* y, int64_t len, const Param& p) const {
+    if (!p.finite) {
+      std::memset(codes + i, 0, len);
+      return;
+    }
+    constexpr int64_t W = FVec::size();
+    const FVec vs(p.s), vinv(p.inv), lo(-127.0f), hi(127.0f);
+    int8_t* c = codes + i;
+    float* rp = r != nullptr ? r + i : nullptr;
+    int64_t j = 0;
+    for (; j + 2 * W <= len; j += 2 * W) {
+      const FVec y0 = FVec::loadu(y + j), y1 = FVec::loadu(y + j + W);
+      const FVec q0 = at::vec::clamp((y0 * vinv).round(), lo, hi);
+      const FVec q1 = at::vec::clamp((y1 * vinv).round(), lo, hi);
+      if (rp != nullptr) {
+        (y0 - q0 * vs).store(rp + j);
+        (y1 - q1 * vs).store(rp + j + W);
+      }
+      store_codes(c + j, q0, q1);
+    }
+    for (; j < len; ++j) {
+      const float q = std::min(std::max(std::nearbyint(y[j] * p.inv), -127.0f), 127.0f);
+      if (rp != nullptr) rp[j] = y[j] - q * p.s;
+      c[j] = static_cast<int8_t>(q);
+    }
+  }
+};
+
+// One sign bit per element (y >= 0), one bf16 scale per block: the mean |y| (fp64 sum).
+struct OnebitCodec {
+  uint8_t* bits;         // [numel / 8]
+  at::BFloat16* scales;  // [numel / block]
+  float* r;              // [numel] or nullptr
+  int64_t block;
+  using Stat = double;  // sum of |y|: finite iff the block is (no fp32 sum overflows fp64)
+  struct Param {
+    float s;
+    bool finite;
+  };
+
+  static double add(double sum, const float* y, int64_t len) {
+    constexpr int64_t W = FVec::size();
+    DVec a0(0.0), a1(0.0), a2(0.0), a3(0.0);
+    int64_t j = 0;
+    for (; j + 2 * W <= len; j += 2 * W) {
+      DVec lo, hi;
+      widen(FVec::loadu(y + j).abs(), lo, hi);
+      a0 = a0 + lo;
+      a1 = a1 + hi;
+      widen(FVec::loadu(y + j + W).abs(), lo, hi);
+      a2 = a2 + lo;
+      a3 = a3 + hi;
+    }
+    for (; j + W <= len; j += W) {
+      DVec lo, hi;
+      widen(FVec::loadu(y + j).abs(), lo, hi);
+      a0 = a0 + lo;
+      a1 = a1 + hi;
+    }
+    double lanes[DVec::size()];
+    ((a0 + a1) + (a2 + a3)).store(lanes);
+    for (double v : lanes) sum += v;
+    for (; j < len; ++j) sum += std::abs(static_cast<double>(y[j]));
+    return sum;
+  }
+
+  Param finish(int64_t blk, double sum) const {
+    if (!std::isfinite(sum)) {
+      scales[blk] = at::BFloat16(kNaN);
+      return {kNaN, false};
+    }
+    const at::BFloat16 s(static_cast<float>(sum / static_cast<double>(block)));
+    scales[blk] = s;
+    return {static_cast<float>(s), true};
+  }
+
+  // Bits (and residual) of elements [i, i + len) of one block, i and len multiples of 8.
+  void quant(int64_t i, const float* y, int64_t len, const Param& p) const {
+    uint8_t* out = bits + i / 8;
+    float* rp = (r != nullptr && p.finite) ? r + i : nullptr;
+    const FVec zero(0.0f), pos_s(p.s), neg_s(-p.s);
+    for (int64_t j = 0; j < len; j += FVec::size()) {
+      const FVec vy = FVec::loadu(y + j);
+      const FVec pos = vy >= zero;  // false for NaN, true for -0
+      out[j / 8] = mask_bits(pos);
+      if (rp != nullptr) (vy - FVec::blendv(neg_s, pos_s, pos)).store(rp + j);
+    }
+  }
+};
+
+// Runs codec over blocks [0, nblocks) of y = src, in parallel over blocks.
+template <typename T, typename Codec>
+void encode_blocks(const Source<T>& src, int64_t nblocks, int64_t block, const Codec& codec) {
+  const int64_t grain = std::max<int64_t>(1, kGrain / block);
+  at::parallel_for(0, nblocks, grain, [&](int64_t b0, int64_t b1) {
+    alignas(64) float y[kTile];
+    if (block <= kTile) {
+      const int64_t per_tile = kTile / block;
+      for (int64_t b = b0; b < b1; b += per_tile) {
+        const int64_t count = std::min(per_tile, b1 - b);
+        src.load(b * block, count * block, y);
+        for (int64_t k = 0; k < count; ++k) {
+          const float* yk = y + k * block;
+          const auto p = codec.finish(b + k, Codec::add(typename Codec::Stat{}, yk, block));
+          codec.quant((b + k) * block, yk, block, p);
+        }
+      }
+      return;
+    }
+    for (int64_t b = b0; b < b1; ++b) {
+      typename Codec::Stat st{};
+      for (int64_t o = 0; o < block; o += kTile) {
+        const int64_t len = std::min(kTile, block - o);
+        src.load(b * block + o, len, y);
+        st = Codec::add(st, y, len);
+      }
+      const auto p = codec.finish(b, st);
+      for (int64_t o = 0; o < block; o += kTile) {
+        const int64_t len = std::min(kTile, block - o);
+        src.load(b * block + o, len, y);
+        codec.quant(b * block + o, y, len, p);
+      }
+    }
+  });
+}
+
+// x: any float dtype, n <= numel elements, any strides. residual: [numel] fp32 contiguous on
+// x's device, or absent.
+void check_encoder(const char* op, const at::Tensor& x,
+                   const std::optional<at::Tensor>& residual, int64_t numel) {
+  check_float(op, "x", x);
+  TORCH_CHECK(numel >= x.numel(), op, ": numel is ", numel, ", expected >= x.numel() = ",
+              x.numel());
+  if (!residual.has_value()) return;
+  const auto& r = *residual;
+  TORCH_CHECK(r.defined(), op, ": residual is an undefined tensor");
+  TORCH_CHECK(r.layout() == at::kStrided, op, ": residual has layout ", r.layout(),
+              ", expected a dense (strided) tensor");
+  TORCH_CHECK(r.scalar_type() == at::kFloat, op, ": residual has dtype ", r.scalar_type(),
+              ", expected Float");
+  check_same_device(op, "residual", r, "x", x);
+  TORCH_CHECK(r.numel() == numel, op, ": residual has ", r.numel(), " elements, expected numel = ",
+              numel);
+  TORCH_CHECK(r.is_contiguous(), op, ": residual has strides ", r.strides(),
+              ", expected a contiguous tensor");
+}
+
+void check_block(const char* op, int64_t block, int64_t numel, int64_t multiple_of) {
+  TORCH_CHECK(block >= 1, op, ": block is ", block, ", expected >= 1");
+  TORCH_CHECK(block % multiple_of == 0, op, ": block is ", block, ", expected a multiple of ",
+              multiple_of);
+  TORCH_CHECK(numel % block == 0, op, ": numel is ", numel, ", expected a multiple of block = ",
+              block);
+}
+
+// Calls f(Source<T>, r) with T x's dtype and r the residual's data (nullptr without one).
+template <typename F>
+void with_source(const at::Tensor& x, const std::optional<at::Tensor>& residual, double scale,
+                 F&& f) {
+  const at::Tensor xc = x.contiguous();
+  float* r = residual.has_value() ? residual->data_ptr<float>() : nullptr;
+  dispatch_float(xc.scalar_type(), [&](auto tag) {
+    using T = decltype(tag);
+    f(Source<T>{xc.const_data_ptr<T>(), r, xc.numel(), static_cast<float>(scale)}, r);
+  });
+}
+
+// x: any float dtype, n <= numel elements, any strides. residual: [numel] fp32 or absent.
+// dtype: Half or BFloat16. Returns [numel] of dtype: y = x * scale (+ residual) padded with
+// zeros to numel, rounded; residual = y - returned where that is finite.
+at::Tensor encode16_cpu(const at::Tensor& x, const std::optional<at::Tensor>& residual,
+                        double scale, at::ScalarType dtype, int64_t numel) {
+  constexpr const char* op = "pycomm.encode16";
+  check_encoder(op, x, residual, numel);
+  TORCH_CHECK(dtype == at::kHalf || dtype == at::kBFloat16, op, ": dtype is ", dtype,
+              ", expected Half or BFloat16");
+  at::Tensor out = at::empty({numel}, x.options().dtype(dtype));
+  if (numel == 0) return out;
+  with_source(x, residual, scale, [&](const auto& src, float* r) {
+    dispatch_float(dtype, [&](auto out_tag) {
+      using out_t = decltype(out_tag);
+      out_t* o = out.data_ptr<out_t>();
+      at::parallel_for(0, numel, kGrain, [&](int64_t b, int64_t e) {
+        alignas(64) float y[kTile];
+        for (int64_t i = b; i < e; i += kTile) {
+          const int64_t len = std::min(kTile, e - i);
+          src.load(i, len, y);
+          out_t* dst = o + i;
+          float* rp = r != nullptr ? r + i : nullptr;
+          int64_t j = 0;
+          for (; j + kStep <= len; j += kStep) {
+            FVec a, b2;
+            VecIO<float>::load(y + j, a, b2);
+            VecIO<out_t>::store(dst + j, a, b2);
+            if (rp == nullptr) continue;
+            FVec ba, bb;
+            VecIO<out_t>::load(dst + j, ba, bb);
+            const FVec lim(kMaxFinite);
+            const FVec ra = FVec::blendv(FVec::loadu(rp + j), a - ba, ba.abs() <= lim);
+            const FVec rb = FVec::blendv(FVec::loadu(rp + j + FVec::size()), b2 - bb,
+                                         bb.abs() <= lim);
+            VecIO<float>::store(rp + j, ra, rb);
+          }
+          for (; j < len; ++j) {
+            dst[j] = static_cast<out_t>(y[j]);
+            if (rp == nullptr) continue;
+            const float back = static_cast<float>(dst[j]);
+            if (std::isfinite(back)) rp[j] = y[j] - back;
+          }
+        }
+      });
+    });
+  });
+  return out;
+}
+
+// x, residual: as encode16. block >= 1, numel % block == 0. Returns (codes int8 [numel],
+// scales fp32 [numel / block]).
+std::tuple<at::Tensor, at::Tensor> quantize_int8_cpu(const at::Tensor& x,
+                                                     const std::optional<at::Tensor>& residual,
+                                                     double scale, int64_t block, int64_t numel) {
+  constexpr const char* op = "pycomm.quantize_int8";
+  check_encoder(op, x, residual, numel);
+  check_block(op, block, numel, 1);
+  at::Tensor codes = at::empty({numel}, x.options().dtype(at::kChar));
+  at::Tensor scales = at::empty({numel / block}, x.options().dtype(at::kFloat));
+  if (numel == 0) return {codes, scales};
+  with_source(x, residual, scale, [&](const auto& src, float* r) {
+    const Int8Codec codec{codes.data_ptr<int8_t>(), scales.data_ptr<float>(), r};
+    encode_blocks(src, numel / block, block, codec);
+  });
+  return {codes, scales};
+}
+
+// x, residual: as encode16. block % 8 == 0, numel % block == 0. Returns (bits uint8
+// [numel / 8], scales bf16 [numel / block]).
+std::tuple<at::Tensor, at::Tensor> quantize_onebit_cpu(const at::Tensor& x,
+                                                       const std::optional<at::Tensor>& residual,
+                                                       double scale, int64_t block,
+                                                       int64_t numel) {
+  constexpr const char* op = "pycomm.quantize_onebit";
+  check_encoder(op, x, residual, numel);
+  check_block(op, block, numel, 8);
+  at::Tensor bits = at::empty({numel / 8}, x.options().dtype(at::kByte));
+  at::Tensor scales = at::empty({numel / block}, x.options().dtype(at::kBFloat16));
+  if (numel == 0) return {bits, scales};
+  with_source(x, residual, scale, [&](const auto& src, float* r) {
+    const OnebitCodec codec{bits.data_ptr<uint8_t>(), scales.data_ptr<at::BFloat16>(), r, block};
+    encode_blocks(src, numel / block, block, codec);
+  });
+  return {bits, scales};
+}
+
+// fp64 sum of squares of the finite fp32 values fed to it, and the count of the others.
+struct Norm {
+  // independent chains (a, b: the two halves of a step) so that adds overlap
+  DVec sq[4] = {DVec(0.0), DVec(0.0), DVec(0.0), DVec(0.0)};
+  FVec bad[2] = {FVec(0.0f), FVec(0.0f)};  // per lane, exact below 2^24: flushed every tile
+  double sq_scalar = 0.0;
+  int64_t bad_count = 0;
+
+  void add(const FVec& v, int half) {
+    const FVec finite = v.abs() <= FVec(kMaxFinite);
+    DVec lo, hi;
+    widen(v & finite, lo, hi);
+    sq[2 * half] = sq[2 * half] + lo * lo;
+    sq[2 * half + 1] = sq[2 * half + 1] + hi * hi;
+    bad[half] = bad[half] + FVec::blendv(FVec(1.0f), FVec(0.0f), finite);
+  }
+  void add(float v) {
+    if (std::isfinite(v)) {
+      sq_scalar += static_cast<double>(v) * static_cast<double>(v);
+    } else {
+      ++bad_count;
+    }
+  }
+  void flush() {
+    float lanes[FVec::size()];
+    (bad[0] + bad[1]).store(lanes);
+    for (float c : lanes) bad_count += static_cast<int64_t>(c);
+    bad[0] = bad[1] = FVec(0.0f);
+  }
+  double sum() const {
+    double lanes[DVec::size()];
+    ((sq[0] + sq[1]) + (sq[2] + sq[3])).store(lanes);
+    double s = sq_scalar;
+    for (double v : lanes) s += v;
+    return s;
+  }
+};
+
+// out[i] = round(acc[i] * s) for i < len; feeds what was stored to norm.
+template <typename out_t>
+void store_scaled(out_t* out, const float* acc, int64_t len, float s, Norm& total) {
+  Norm norm = total;  // a local copy stays in registers; stores to out cannot alias it
+  const FVec vs(s);
+  int64_t j = 0;
+  for (; j + kStep <= len; j += kStep) {
+    FVec a, b;
+    VecIO<float>::load(acc + j, a, b);
+    VecIO<out_t>::store(out + j, a * vs, b * vs);
+    VecIO<out_t>::load(out + j, a, b);
+    norm.add(a, 0);
+    norm.add(b, 1);
+  }
+  for (; j < len; ++j) {
+    out[j] = static_cast<out_t>(acc[j] * s);
+    norm.add(static_cast<float>(out[j]));
+  }
+  norm.flush();
+  total = norm;
+}
+
+// acc[j] + d, or 0 + d for the first row: the references start from zeros (0 + -0 is +0).
+template <bool kFirst>
+inline FVec acc_plus(const float* acc, const FVec& d) {
+  if constexpr (kFirst) return FVec(0.0f) + d;
+  return FVec::loadu(acc) + d;
+}
+template <bool kFirst>
+inline float acc_plus(const float* acc, float d) {
+  if constexpr (kFirst) return 0.0f + d;
+  return *acc + d;
+}
+
+// out: contiguous float, numel() elements written. add_row(r, i, len, acc, first) adds row
+// r's decoded elements [i, i + len) into acc[0, len) (first: std::true_type for row 0, whose
+// acc holds nothing yet). Returns fp64 [2]: (sum of out^2 over finite out,
+// count of non-finite out).
+template <typename AddRow>
+at::Tensor sum_rows(int64_t rows, double scale, const at::Tensor& out, const AddRow& add_row) {
+  const int64_t m = out.numel();
+  const int64_t chunks = (m + kGrain - 1) / kGrain;
+  // per fixed chunk, so that the result does not depend on the thread count
+  std::vector<double> sq(chunks, 0.0);
+  std::vector<int64_t> bad(chunks, 0);
+  const float s = static_cast<float>(scale);
+  dispatch_float(out.scalar_type(), [&](auto tag) {
+    using out_t = decltype(tag);
+    out_t* o = out.data_ptr<out_t>();
+    at::parallel_for(0, chunks, 1, [&](int64_t c0, int64_t c1) {
+      alignas(64) float acc[kTile];
+      for (int64_t c = c0; c < c1; ++c) {
+        Norm norm;
+        const int64_t end = std::min(m, (c + 1) * kGrain);
+        for (int64_t i = c * kGrain; i < end; i += kTile) {
+          const int64_t len = std::min(kTile, end - i);
+          add_row(0, i, len, acc, std::true_type{});
+          for (int64_t r = 1; r < rows; ++r) add_row(r, i, len, acc, std::false_type{});
+          store_scaled(o + i, acc, len, s, norm);
+        }
+        sq[c] = norm.sum();
+        bad[c] = norm.bad_count;
+      }
+    });
+  });
+  double total_sq = 0.0;
+  int64_t total_bad = 0;
+  for (int64_t c = 0; c < chunks; ++c) {
+    total_sq += sq[c];
+    total_bad += bad[c];
+  }
+  at::Tensor stats = at::empty({2}, out.options().dtype(at::kDouble));
+  stats.data_ptr<double>()[0] = total_sq;
+  stats.data_ptr<double>()[1] = static_cast<double>(total_bad);
+  return stats;
+}
+
+// rows: [R, cols] contiguous, R >= 1, of dtype `dtype` (a description for the message).
+void check_rows(const char* op, const char* arg, const at::Tensor& t, bool dtype_ok,
+                const char* dtype) {
+  TORCH_CHECK(t.defined(), op, ": ", arg, " is an undefined tensor");
+  TORCH_CHECK(t.layout() == at::kStrided, op, ": ", arg, " has layout ", t.layout(),
+              ", expected a dense (strided) tensor");
+  TORCH_CHECK(dtype_ok, op, ": ", arg, " has dtype ", t.scalar_type(), ", expected ", dtype);
+  TORCH_CHECK(t.dim() == 2, op, ": ", arg, " has shape ", t.sizes(),
+              ", expected a 2-D [R, m] tensor");
+  TORCH_CHECK(t.size(0) >= 1, op, ": ", arg, " has shape ", t.sizes(), ", expected R >= 1 rows");
+  TORCH_CHECK(t.is_contiguous(), op, ": ", arg, " has strides ", t.strides(),
+              ", expected a contiguous tensor");
+}
+
+// out: contiguous float on ref's device, at most m elements.
+void check_out(const char* op, const at::Tensor& out, const char* ref_arg, const at::Tensor& ref,
+               int64_t m) {
+  check_float(op, "out", out);
+  check_same_device(op, "out", out, ref_arg, ref);
+  TORCH_CHECK(out.numel() <= m, op, ": out has ", out.numel(), " elements, expected <= m = ", m);
+  TORCH_CHECK(out.is_contiguous(), op, ": out has strides ", out.strides(),
+              ", expected a contiguous tensor");
+}
+
+// scales: [R, m / block] contiguous, of dtype want, on ref's device.
+void check_scales(const char* op, const at::Tensor& scales, at::ScalarType want,
+                  const char* ref_arg, const at::Tensor& ref, int64_t rows, int64_t m,
+                  int64_t block) {
+  TORCH_CHECK(scales.defined(), op, ": scales is an undefined tensor");
+  TORCH_CHECK(scales.layout() == at::kStrided, op, ": scales has layout ", scales.layout(),
+              ", expected a dense (strided) tensor");
+  TORCH_CHECK(scales.scalar_type() == want, op, ": scales has dtype ", scales.scalar_type(),
+              ", expected ", want);
+  check_same_device(op, "scales", scales, ref_arg, ref);
+  TORCH_CHECK(scales.dim() == 2 && scales.size(0) == rows && scales.size(1) == m / block, op,
+              ": scales has shape ", scales.sizes(), ", expected [", rows, ", ", m / block,
+              "] ([R, m / block])");
+  TORCH_CHECK(scales.is_contiguous(), op, ": scales has strides ", scales.strides(),
+              ", expected a contiguous tensor");
+}
+
+// chunks: [R, m] Half/BFloat16 contiguous. out: contiguous float, numel <= m. out = scale *
+// sum_r chunks[r, :out.numel()] (fp32, row order). Returns fp64 [2] (see sum_rows).
+at::Tensor decode16_sum_cpu(const at::Tensor& chunks, double scale, const at::Tensor& out) {
+  constexpr const char* op = "pycomm.decode16_sum";
+  check_rows(op, "chunks", chunks,
+             chunks.scalar_type() == at::kHalf || chunks.scalar_type() == at::kBFloat16,
+             "Half or BFloat16");
+  const int64_t rows = chunks.size(0), m = chunks.size(1);
+  check_out(op, out, "chunks", chunks, m);
+  at::Tensor stats;
+  dispatch_float(chunks.scalar_type(), [&](auto tag) {
+    using T = decltype(tag);
+    const T* c = chunks.const_data_ptr<T>();
+    stats = sum_rows(rows, scale, out, [&](int64_t r, int64_t i, int64_t len, float* acc,
+                                           auto first) {
+      constexpr bool kFirst = decltype(first)::value;
+      const T* p = c + r * m + i;
+      int64_t j = 0;
+      for (; j + kStep <= len; j += kStep) {
+        FVec d0, d1;
+        VecIO<T>::load(p + j, d0, d1);
+        VecIO<float>::store(acc + j, acc_plus<kFirst>(acc + j, d0),
+                            acc_plus<kFirst>(acc + j + FVec::size(), d1));
+      }
+      for (; j < len; ++j) acc[j] = acc_plus<kFirst>(acc + j, static_cast<float>(p[j]));
+    });
+  });
+  return stats;
+}
+
+// codes: [R, m] int8 contiguous, m % block == 0. scales: [R, m / block] fp32. out: as
+// decode16_sum. out = scale * sum_r codes[r] * scales[r] (per block).
+at::Tensor dequantize_int8_sum_cpu(const at::Tensor& codes, const at::Tensor& scales,
+                                   int64_t block, double scale, const at::Tensor& out) {
+  constexpr const char* op = "pycomm.dequantize_int8_sum";
+  check_rows(op, "codes", codes, codes.scalar_type() == at::kChar, "Char (int8)");
+  const int64_t rows = codes.size(0), m = codes.size(1);
+  TORCH_CHECK(block >= 1, op, ": block is ", block, ", expected >= 1");
+  TORCH_CHECK(m % block == 0, op, ": codes has m = ", m,
+              " columns, expected a multiple of block = ", block);
+  check_scales(op, scales, at::kFloat, "codes", codes, rows, m, block);
+  check_out(op, out, "codes", codes, m);
+  const int8_t* q = codes.const_data_ptr<int8_t>();
+  const float* sc = scales.const_data_ptr<float>();
+  const int64_t nb = m / block;
+  return sum_rows(rows, scale, out, [&](int64_t r, int64_t i, int64_t len, float* acc,
+                                        auto first) {
+    constexpr bool kFirst = decltype(first)::value;
+    const int8_t* p = q + r * m + i;
+    const float* srow = sc + r * nb;
+    int64_t blk = i / block;
+    for (int64_t j = 0; j < len; ++blk) {
+      const int64_t seg_end = std::min(len, (blk + 1) * block - i);
+      const float s = srow[blk];
+      const FVec vs(s);
+      for (; j + FVec::size() <= seg_end; j += FVec::size()) {
+        acc_plus<kFirst>(acc + j, load_codes(p + j) * vs).store(acc + j);
+      }
+      for (; j < seg_end; ++j) acc[j] = acc_plus<kFirst>(acc + j, static_cast<float>(p[j]) * s);
+    }
+  });
+}
+
+// bits: [R, m / 8] uint8 contiguous, m % block == 0, block % 8 == 0. scales: [R, m / block]
+// bf16. out: as decode16_sum. out = scale * sum_r (bit ? +s : -s).
+at::Tensor dequantize_onebit_sum_cpu(const at::Tensor& bits, const at::Tensor& scales,
+                                     int64_t block, double scale, const at::Tensor& out) {
+  constexpr const char* op = "pycomm.dequantize_onebit_sum";
+  check_rows(op, "bits", bits, bits.scalar_type() == at::kByte, "Byte (uint8)");
+  const int64_t rows = bits.size(0), m = bits.size(1) * 8;
+  TORCH_CHECK(block >= 1, op, ": block is ", block, ", expected >= 1");
+  TORCH_CHECK(block % 8 == 0, op, ": block is ", block, ", expected a multiple of 8");
+  TORCH_CHECK(m % block == 0, op, ": bits has m = ", m,
+              " elements (8 per column), expected a multiple of block = ", block);
+  check_scales(op, scales, at::kBFloat16, "bits", bits, rows, m, block);
+  check_out(op, out, "bits", bits, m);
+  const uint8_t* bp = bits.const_data_ptr<uint8_t>();
+  const at::BFloat16* sc = scales.const_data_ptr<at::BFloat16>();
+  const int64_t nb = m / block;
+  // i is a multiple of 8 (tiles are), so a byte never straddles two calls
+  return sum_rows(rows, scale, out, [&](int64_t r, int64_t i, int64_t len, float* acc,
+                                        auto first) {
+    constexpr bool kFirst = decltype(first)::value;
+    const uint8_t* p = bp + r * (m / 8) + i / 8;  // p[k]: elements [8k, 8k + 8) of acc
+    const at::BFloat16* srow = sc + r * nb;
+    int64_t blk = i / block;
+    for (int64_t j = 0; j < len; ++blk) {
+      const int64_t seg_end = std::min(len, (blk + 1) * block - i);
+      const float s = static_cast<float>(srow[blk]);
+      const FVec vs(s);
+      for (; j + 8 <= seg_end; j += 8) {
+        const FVec sign = FVec::loadu(kSigns[p[j / 8]].data());
+        acc_plus<kFirst>(acc + j, sign * vs).store(acc + j);
+      }
+      for (; j < seg_end; ++j) {
+        const bool pos = (p[j / 8] >> (j % 8)) & 1;
+        acc[j] = acc_plus<kFirst>(acc + j, pos ? s : -s);
+      }
+    }
+  });
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(pycomm, CPU, m) {
+  m.impl("encode16", &encode16_cpu);
+  m.impl("quantize_int8", &quantize_int8_cpu);
+  m.impl("quantize_onebit", &quantize_onebit_cpu);
+  m.impl("decode16_sum", &decode16_sum_cpu);
+  m.impl("dequantize_int8_sum", &dequantize_int8_sum_cpu);
+  m.impl("dequantize_onebit_sum", &dequantize_onebit_sum_cpu);
+}
+
+}  // namespace pycomm::cpu

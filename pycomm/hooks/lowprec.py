@@ -1,0 +1,43 @@
+"""16-bit hooks: fp16 and bf16, on every backend (torch's bf16 hook refuses gloo)."""
+
+from typing import Any
+
+import torch
+
+from pycomm.hooks.compressed import Codec, CompressedState, Float16Codec, _check_bool
+
+
+class _Float16State(CompressedState):
+    """Options: ``two_phase`` (default False: one 16-bit all-reduce; True: the two-phase
+    exchange that sums in fp32), ``error_feedback`` (default False), ``start_iter`` (2)."""
+
+    dtype: torch.dtype
+    default_error_feedback = False
+    option_names = ("start_iter", "error_feedback", "two_phase")
+
+    def make_codec(self, options: dict[str, Any]) -> Codec:
+        self.two_phase = _check_bool(self.hook_name, "two_phase", options.get("two_phase", False))
+        return Float16Codec(self.dtype)
+
+    def options(self) -> dict[str, Any]:
+        return {**super().options(), "two_phase": self.two_phase}
+
+
+class Fp16State(_Float16State):
+    """State of the ``fp16`` hook (:func:`pycomm.hooks.compressed_hook`).
+
+    Example:
+        >>> ddp.register_comm_hook(Fp16State(None), compressed_hook)
+    """
+
+    hook_name, dtype = "fp16", torch.float16
+
+
+class Bf16State(_Float16State):
+    """State of the ``bf16`` hook (:func:`pycomm.hooks.compressed_hook`).
+
+    Example:
+        >>> ddp.register_comm_hook(Bf16State(None, two_phase=True), compressed_hook)
+    """
+
+    hook_name, dtype = "bf16", torch.bfloat16

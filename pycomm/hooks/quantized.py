@@ -1,0 +1,46 @@
+"""8-bit and 1-bit hooks with error feedback, over the two-phase all-reduce."""
+
+from typing import Any
+
+from pycomm.hooks.compressed import Codec, CompressedState, Int8Codec, OneBitCodec, _check_int
+
+
+class Int8State(CompressedState):
+    """State of the ``int8`` hook: symmetric int8 codes, one fp32 scale (absmax / 127) per
+    ``block`` elements (default 256), error feedback on by default.
+
+    Example:
+        >>> ddp.register_comm_hook(Int8State(None, block=256), compressed_hook)
+    """
+
+    hook_name = "int8"
+    option_names = ("start_iter", "error_feedback", "block")
+
+    def make_codec(self, options: dict[str, Any]) -> Codec:
+        return Int8Codec(_check_int(self.hook_name, "block", options.get("block", 256), 1))
+
+    def options(self) -> dict[str, Any]:
+        return {**super().options(), "block": self.codec.block}
+
+
+class OneBitState(CompressedState):
+    """State of the ``onebit`` hook: one sign bit per element, one bf16 scale (mean |x|) per
+    ``block`` elements (default 64, a multiple of 8), error feedback on by default.
+
+    Example:
+        >>> ddp.register_comm_hook(OneBitState(None, block=64), compressed_hook)
+    """
+
+    hook_name = "onebit"
+    option_names = ("start_iter", "error_feedback", "block")
+
+    def make_codec(self, options: dict[str, Any]) -> Codec:
+        block = _check_int(self.hook_name, "block", options.get("block", 64), 8)
+        if block % 8:
+            raise ValueError(
+                f"pycomm onebit hook: block={block}, expected a multiple of 8 (8 bits a byte)"
+            )
+        return OneBitCodec(block)
+
+    def options(self) -> dict[str, Any]:
+        return {**super().options(), "block": self.codec.block}

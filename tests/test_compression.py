@@ -1,0 +1,199 @@
+"""The fp16, bf16, int8 and onebit hooks on gloo ranks: agreement between ranks, closeness to
+DDP's exact mean, warm-up, world size 1, NaN handling, byte accounting, bad options."""
+
+import pytest
+import torch
+import torch.distributed as dist
+from harness import run_ranks
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import pycomm
+
+# hook, options, bound on the relative L2 error of one step's gradient vs the exact mean
+CASES = [
+    ("fp16", {}, 2e-3),
+    ("fp16", {"two_phase": True, "error_feedback": True}, 2e-3),
+    ("bf16", {}, 1e-2),
+    ("bf16", {"two_phase": True}, 1e-2),
+    ("int8", {}, 5e-2),
+    ("int8", {"block": 100, "error_feedback": False}, 5e-2),
+    ("onebit", {}, 1.5),
+]
+
+
+def _model(seed=0):
+    torch.manual_seed(seed)
+    layers = []
+    for _ in range(8):
+        layers += [torch.nn.Linear(48, 48), torch.nn.Tanh()]
+    return torch.nn.Sequential(*layers, torch.nn.Linear(48, 3))
+
+
+def _grads(m):
+    return torch.cat([p.grad.reshape(-1) for p in m.parameters()])
+
+
+def _rank_against_ddp(hook, options, steps):
+    # Tiny buckets: about ten a step (after DDP's first iteration), so phase 1 of one bucket
+    # and phase 2 of another overlap; any difference in collective order between ranks would
+    # abort gloo.
+    ddp = pycomm.wrap(_model(), hook=hook, hook_options=options, bucket_cap_mb=0.002)
+    ref = DDP(_model(), bucket_cap_mb=0.002)
+    g = torch.Generator().manual_seed(10 + dist.get_rank())
+    errors, grads = [], []
+    for _ in range(steps):
+        x = torch.randn(16, 48, generator=g)
+        for m in (ddp, ref):
+            m.zero_grad()
+            m(x).square().mean().backward()
+        ours, exact = _grads(ddp), _grads(ref)
+        errors.append(((ours - exact).norm() / exact.norm()).item())
+        grads.append(ours)
+    return errors, grads, dict(pycomm.hook_state(ddp).stats)
+
+
+# every case on 2 ranks; each hook with its defaults on 4 ranks
+RUNS = [(2, *case) for case in CASES] + [(4, *case) for case in CASES if not case[1]]
+
+
+@pytest.mark.parametrize("nprocs, hook, options, bound", RUNS, ids=lambda v: str(v))
+def test_ranks_agree_and_stay_close(nprocs, hook, options, bound):
+    steps = 5
+    results = run_ranks(_rank_against_ddp, nprocs, hook, options, steps, timeout=120)
+    errors, grads, stats = results[0]
+    assert stats["buckets"] >= 1 + 8 * (steps - 1)  # many buckets per step
+    assert errors[0] == 0.0 and errors[1] == 0.0  # warm-up: the exact all-reduce
+    assert 0 < max(errors[2:]) <= bound, errors
+    for _, other, _ in results[1:]:  # every rank holds the same reduced gradients
+        for a, b in zip(grads, other):
+            assert torch.equal(a, b)
+    assert stats["steps"] == steps and stats["nonfinite_buckets"] == 0
+
+
+def _rank_world_one(hook):
+    ddp = pycomm.wrap(_model(), hook=hook, hook_options={"start_iter": 2})
+    plain = _model()
+    x = torch.randn(4, 48)
+    out = []
+    for _ in range(4):
+        for m in (ddp, plain):
+            m.zero_grad()
+            m(x).sum().backward()
+        out.append(torch.equal(_grads(ddp), _grads(plain)))
+    return out, pycomm.hook_state(ddp).stats["bytes_sent"]
+
+
+@pytest.mark.parametrize("hook", ["fp16", "bf16", "int8", "onebit"])
+def test_world_size_one_returns_the_input(hook):
+    (res,) = run_ranks(_rank_world_one, 1, hook, timeout=60)
+    assert res == ([True] * 4, 0)
+
+
+class _Fixed(torch.nn.Module):
+    """A parameter whose gradient is whatever the forward is given: fixed gradients."""
+
+    def __init__(self, n):
+        super().__init__()
+        self.p = torch.nn.Parameter(torch.zeros(n))
+
+    def forward(self, c):
+        return (self.p * c).sum()
+
+
+def _rank_bucket(hook, options, n, steps, nan_step):
+    torch.manual_seed(0)
+    ddp = pycomm.wrap(_Fixed(n), hook=hook, hook_options=options)
+    state = pycomm.hook_state(ddp)
+    c = torch.randn(n, generator=torch.Generator().manual_seed(dist.get_rank()))
+    outs, sent = [], []
+    for step in range(steps):
+        ddp.zero_grad()
+        x = c.clone()
+        if step == nan_step and dist.get_rank() == 1:
+            x[n // 3] = float("nan")
+        before = state.stats["bytes_sent"]
+        ddp(x).backward()
+        sent.append(state.stats["bytes_sent"] - before)
+        outs.append(ddp.module.p.grad.clone())
+    res = {k: {name: t.clone() for name, t in r.items()} for k, r in state.residuals.items()}
+    return outs, sent, dict(state.stats), res, c
+
+
+def test_nan_stays_nonfinite_on_every_rank_and_does_not_poison():
+    n, nan_step = 5000, 3
+    results = run_ranks(_rank_bucket, 2, "int8", {}, n, 6, nan_step, timeout=60)
+    for outs, _, stats, res, _ in results:
+        assert not outs[nan_step].isfinite().all()  # never quantized into finite numbers
+        assert outs[nan_step][n // 3].isnan()
+        assert outs[nan_step + 1].isfinite().all()  # residuals were not poisoned
+        assert stats["nonfinite_buckets"] == 1
+        for r in res.values():
+            assert all(t.isfinite().all() for t in r.values())
+
+
+@pytest.mark.parametrize(
+    "hook, options, target", [("bf16", {}, 1.99), ("int8", {}, 3.9), ("onebit", {}, 25.0)]
+)
+def test_bytes_per_step_and_compression(hook, options, target):
+    n = 1 << 20  # one 4 MB bucket
+    results = run_ranks(_rank_bucket, 2, hook, options, n, 4, -1, timeout=90)
+    for _, sent, _, _, _ in results:
+        fp32_ring = 2 * (2 - 1) * n * 4 // 2
+        assert sent[0] == sent[1] == fp32_ring  # warm-up: exact fp32
+        assert sent[2] == sent[3]
+        assert fp32_ring / sent[2] >= target, fp32_ring / sent[2]
+
+
+def _rank_feedback(hook, options, n, steps):
+    outs, _, _, res, c = _rank_bucket(hook, options, n, steps, -1)
+    return torch.stack(outs), res, c
+
+
+@pytest.mark.parametrize("hook", ["int8", "onebit"])
+@pytest.mark.parametrize("feedback", [True, False])
+def test_error_feedback_bounds_the_cumulative_error(hook, feedback):
+    n, w, steps = 3000, 2, 200
+    results = run_ranks(
+        _rank_feedback, w, hook, {"error_feedback": feedback}, n, steps, timeout=120
+    )
+    mean = sum(c for _, _, c in results) / w
+    outs = results[0][0]
+    cumulative = outs.cumsum(0) - torch.arange(1, steps + 1)[:, None] * mean
+    err = cumulative.abs().max(1).values  # err[t]: max |sum of results - sum of means| at t+1
+    if feedback:
+        # sum of results = sum of true means - (phase-1 residuals of all ranks + the phase-2
+        # residuals of every chunk), so the final residual bounds the cumulative error
+        res = [next(iter(r.values())) for _, r, _ in results]
+        r1 = sum(r["r1"][:n] for r in res)
+        r2 = torch.cat([r["r2"] for r in res])[:n]
+        torch.testing.assert_close(cumulative[-1], -(r1 + r2), rtol=0, atol=1e-3)
+        assert err[-1] <= (r1.abs() + r2.abs()).max() + 1e-3
+        assert err[-1] < 1.15 * err[steps // 2 - 1]  # bounded: no growth from T/2 to T
+    else:
+        assert err[-1] > 1.8 * err[steps // 2 - 1]  # grows linearly with T
+
+
+def _rank_bad_options():
+    out = []
+    for hook, opts in [
+        ("int8", {"start_iter": 1}),
+        ("onebit", {"block": 12}),
+        ("bf16", {"two_phase": "yes"}),
+        ("int8", {"blocks": 4}),
+        ("fp16", {"block": 64}),
+    ]:
+        try:
+            pycomm.wrap(_model(), hook=hook, hook_options=opts)
+            out.append(None)
+        except ValueError as e:
+            out.append(str(e))
+    return out
+
+
+def test_bad_options_are_named():
+    (msgs,) = run_ranks(_rank_bad_options, 1, timeout=60)
+    assert "pycomm int8 hook: start_iter=1, expected an int >= 2" in msgs[0]
+    assert "pycomm onebit hook: block=12, expected a multiple of 8" in msgs[1]
+    assert "pycomm bf16 hook: two_phase='yes', expected True or False" in msgs[2]
+    assert "pycomm int8 hook: unknown option 'blocks'" in msgs[3]
+    assert "pycomm fp16 hook: unknown option 'block'" in msgs[4]
