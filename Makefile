@@ -14,7 +14,7 @@ $(PY):
 $(VENV)/.deps: $(PY)
 	$(PY) -m pip install -q --upgrade pip
 	$(if $(TORCH),$(PY) -m pip install -q "$(TORCH)")
-	$(PY) -m pip install -q setuptools wheel ninja numpy pytest pytest-timeout hypothesis ruff
+	$(PY) -m pip install -q setuptools wheel ninja numpy scikit-learn pytest pytest-timeout hypothesis ruff
 	touch $@
 
 # --no-build-isolation: compile against the torch in the venv, never a freshly fetched one.
