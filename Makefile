@@ -33,7 +33,7 @@ lint: $(VENV)/.deps
 	$(PY) -m ruff format --check .
 
 bench: install
-	$(PY) -m pycomm.bench
+	$(PY) -m pycomm.bench --link 2.5gbit
 
 bench-kernels: install
 	$(PY) benchmarks/bench_fusion.py --json benchmarks/results/fusion.json
