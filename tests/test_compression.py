@@ -197,3 +197,80 @@ def test_bad_options_are_named():
     assert "pycomm bf16 hook: two_phase='yes', expected True or False" in msgs[2]
     assert "pycomm int8 hook: unknown option 'blocks'" in msgs[3]
     assert "pycomm fp16 hook: unknown option 'block'" in msgs[4]
+
+
+class _FakeBucket:
+    """Duck-types dist.GradBucket for a direct call of the hook: DDP never builds an integer or
+    sparse bucket, but a hook called by hand can be given one."""
+
+    def __init__(self, tensor, index=3):
+        self._t, self._i = tensor, index
+
+    def buffer(self):
+        return self._t
+
+    def index(self):
+        return self._i
+
+    def is_last(self):
+        return True
+
+
+def _rank_bad_buckets():
+    out = []
+    for hook in ("bf16", "int8", "onebit"):
+        state = pycomm.wrap(_model(), hook=hook)
+        for t in (
+            torch.ones(8, dtype=torch.int32),
+            torch.ones(4, 4).to_sparse(),
+            torch.ones(8, dtype=torch.float64),
+        ):
+            try:
+                pycomm.hooks.compressed_hook(pycomm.hook_state(state), _FakeBucket(t))
+                out.append(None)
+            except TypeError as e:
+                out.append(str(e))
+    return out
+
+
+def test_bad_bucket_names_hook_dtype_and_index():
+    results = run_ranks(_rank_bad_buckets, 2, timeout=60)
+    assert results[0] == results[1]
+    msgs = results[0]
+    assert all(m is not None and "bucket 3" in m for m in msgs), msgs
+    assert "pycomm bf16 hook: bucket 3 has dtype torch.int32" in msgs[0]
+    assert "layout torch.sparse_coo" in msgs[4]
+    assert "pycomm onebit hook: bucket 3 has dtype torch.float64" in msgs[8]
+
+
+def _rank_resume(widths):
+    g = torch.Generator().manual_seed(dist.get_rank())
+
+    def train(ddp, steps):
+        for _ in range(steps):
+            ddp.zero_grad()
+            ddp(torch.randn(8, 48, generator=g)).square().mean().backward()
+
+    ddp = pycomm.wrap(_model(), hook="int8")
+    train(ddp, 4)
+    saved = pycomm.hook_state(ddp).state_dict()
+    torch.manual_seed(0)
+    other = torch.nn.Sequential(torch.nn.Linear(48, widths[dist.get_rank()]))
+    fresh = pycomm.wrap(_model() if widths[0] == 48 else other, hook="int8")
+    pycomm.hook_state(fresh).load_state_dict(saved)
+    try:
+        train(fresh, 2)
+    except Exception as e:  # noqa: BLE001 - DDP wraps what the hook raised
+        return str(e), saved["residuals"]
+    return None, saved["residuals"]
+
+
+def test_residuals_in_state_dict_and_layout_mismatch_named():
+    # same model: the residuals load and training goes on
+    for err, residuals in run_ranks(_rank_resume, 2, [48, 48], timeout=60):
+        assert err is None
+        assert residuals and all(r["r1"].abs().sum() > 0 for r in residuals.values())
+    # another model, so another bucket layout: an error naming the bucket, on every rank
+    for err, _ in run_ranks(_rank_resume, 2, [20, 20], timeout=60):
+        assert err is not None and "pycomm int8 hook: bucket 0" in err, err
+        assert "has no residual in the loaded state" in err
