@@ -48,6 +48,11 @@ def _rank_against_ddp(hook, options, steps):
             m(x).square().mean().backward()
         ours, exact = _grads(ddp), _grads(ref)
         errors.append(((ours - exact).norm() / exact.norm()).item())
+        state = pycomm.hook_state(ddp)
+        if state.iter > state.start_iter:  # the decode pass measured the reduced gradients
+            state.fold()
+            sq = ours.double().square().sum().item()
+            assert abs(state.last_sqnorm - sq) <= 1e-5 * sq, (state.last_sqnorm, sq)
         grads.append(ours)
     return errors, grads, dict(pycomm.hook_state(ddp).stats)
 

@@ -196,9 +196,10 @@ class CompressedState(HookState):
         self.residuals: dict[tuple, dict[str, torch.Tensor]] = {}
         self._pending: Optional[dict[tuple, dict[str, torch.Tensor]]] = None
         self._lock = threading.Lock()  # decode callbacks of different buckets may race
-        self._step: list[torch.Tensor] = []
-        self._late: list[torch.Tensor] = []
-        self.stats.update(nonfinite_buckets=0, residual_bytes=0)
+        self._decoded: list[tuple[int, torch.Tensor]] = []  # (step, [sqnorm, non-finite])
+        self._sqnorm: dict[int, float] = {}
+        self._fold_next = False
+        self._stats.update(nonfinite_buckets=0, residual_bytes=0)
         self.last_sqnorm = 0.0
         self.device = torch.device("cpu")  # of the buckets; set by the hook
         self._phases = _phase_groups(process_group) if self.world_size > 1 else None
@@ -243,28 +244,38 @@ class CompressedState(HookState):
                     for name, numel in self.residual_sizes(n).items()
                 }
             self.residuals[key] = res
-            self.stats["residual_bytes"] = sum(
+            self._stats["residual_bytes"] = sum(
                 t.numel() * 4 for r in self.residuals.values() for t in r.values()
             )
         return res["r1"], res.get("r2")
 
     # --- stats -------------------------------------------------------------------------
 
-    def note_decode(self, st: torch.Tensor, last: bool) -> None:
-        """Fold a decode's [squared norm, non-finite count] into the counters. On CUDA a step's
-        values are read one step later, when they are long computed: no callback waits on the
-        device. ``last_sqnorm`` is the previous complete step's squared gradient norm."""
+    def note_decode(self, st: torch.Tensor, step: int) -> None:
+        """Keep a decode's [squared norm, non-finite count] (from a callback thread) until
+        :meth:`fold`, which runs when the stats are read and at the start of every step: no
+        callback reads a device value."""
         with self._lock:
-            self._step.append(st)
-            if not last:
-                return
-            step, self._step = self._step, []
-            if st.device.type != "cpu":
-                step, self._late = self._late, step
-            if step:
-                vals = torch.stack(step).tolist()
-                self.stats["nonfinite_buckets"] += sum(1 for _, bad in vals if bad > 0)
-                self.last_sqnorm = sum(sq for sq, _ in vals)
+            self._decoded.append((step, st))
+
+    def fold(self) -> None:
+        """Fold the kept decode results into ``stats`` and ``last_sqnorm``, the squared norm of
+        the latest step's reduced gradients (complete once DDP's backward has returned)."""
+        with self._lock:
+            pending, self._decoded = self._decoded, []
+        for step, st in pending:
+            sq, bad = st.tolist()
+            self._sqnorm[step] = self._sqnorm.get(step, 0.0) + sq
+            self._stats["nonfinite_buckets"] += int(bad > 0)
+        if self._sqnorm:
+            latest = max(self._sqnorm)
+            self.last_sqnorm = self._sqnorm[latest]
+            self._sqnorm = {latest: self.last_sqnorm}
+
+    @property
+    def stats(self) -> dict[str, Any]:
+        self.fold()
+        return self._stats
 
     # --- checkpoint --------------------------------------------------------------------
 
@@ -304,7 +315,7 @@ def _exact(state: CompressedState, bucket: dist.GradBucket, x: torch.Tensor):
 
 def _two_phase(state: CompressedState, bucket: dist.GradBucket, x: torch.Tensor):
     codec, w = state.codec, state.world_size
-    n, last = x.numel(), bucket.is_last()
+    n, step = x.numel(), state.iter
     c = state.chunk(n)
     state.device = x.device
     r1, r2 = state._residual((bucket.index(), n, str(x.dtype)), n)
@@ -329,7 +340,7 @@ def _two_phase(state: CompressedState, bucket: dist.GradBucket, x: torch.Tensor)
             st = codec.decode_sum(
                 codes2.reshape(1, -1), None if scales2 is None else scales2.reshape(1, -1), 1.0, x
             )
-            state.note_decode(st, last)
+            state.note_decode(st, step)
             result.set_result(x)
         except BaseException as e:  # noqa: BLE001 - handed to DDP through the future
             result.set_exception(e)
@@ -361,7 +372,7 @@ def _two_phase(state: CompressedState, bucket: dist.GradBucket, x: torch.Tensor)
 
 def _plain16(state: CompressedState, bucket: dist.GradBucket, x: torch.Tensor):
     """16-bit all-reduce: encode (pre-scaled, optional residual), sum in 16 bits, decode."""
-    n, w, last = x.numel(), state.world_size, bucket.is_last()
+    n, w, step = x.numel(), state.world_size, state.iter
     state.device = x.device
     r1, _ = state._residual((bucket.index(), n, str(x.dtype)), n)
     enc = ops.encode16(x, r1, 1.0 / w, state.codec.code_dtype, n)
@@ -370,7 +381,7 @@ def _plain16(state: CompressedState, bucket: dist.GradBucket, x: torch.Tensor):
 
     def decode(fut: torch.futures.Future) -> torch.Tensor:
         fut.value()
-        state.note_decode(ops.decode16_sum(enc.view(1, -1), 1.0, x), last)
+        state.note_decode(ops.decode16_sum(enc.view(1, -1), 1.0, x), step)
         return x
 
     return work.get_future().then(decode)
@@ -392,6 +403,9 @@ def compressed_hook(
             f"pycomm {state.hook_name} hook: bucket {bucket.index()} has dtype {x.dtype}, "
             f"expected float32, bfloat16 or float16"
         )
+    if state._fold_next:  # a new step: the previous one's decodes are all done
+        state._fold_next = False
+        state.fold()
     try:
         if state.world_size == 1:
             state.count(bucket, 0)
@@ -404,3 +418,4 @@ def compressed_hook(
     finally:
         if bucket.is_last():
             state.iter += 1
+            state._fold_next = True

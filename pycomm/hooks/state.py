@@ -35,13 +35,18 @@ class HookState:
         self.process_group = process_group
         self.world_size = dist.get_world_size(process_group)
         self.rank = dist.get_rank(process_group)
-        self.stats: dict[str, Any] = {
+        self._stats: dict[str, Any] = {
             "steps": 0,
             "buckets": 0,
             "bytes_sent": 0,
             "bytes_fp32": 0,
             "compression": 1.0,
         }
+
+    @property
+    def stats(self) -> dict[str, Any]:
+        """The counters (a live dict)."""
+        return self._stats
 
     def options(self) -> dict[str, Any]:
         """The hook's configuration: compared across ranks and stored in the fingerprint."""
@@ -53,7 +58,7 @@ class HookState:
 
     def count(self, bucket: dist.GradBucket, bytes_sent: int) -> None:
         """Account one hook call on ``bucket`` that put ``bytes_sent`` bytes on the wire."""
-        s = self.stats
+        s = self._stats
         s["buckets"] += 1
         s["bytes_sent"] += bytes_sent
         s["bytes_fp32"] += ring_bytes(bucket.buffer().numel() * 4, self.world_size)
@@ -74,7 +79,7 @@ class HookState:
                     f"pycomm: cannot load hook state: {key} is {theirs.get(key)!r} in the "
                     f"checkpoint but {mine.get(key)!r} here"
                 )
-        self.stats = dict(state["stats"])
+        self._stats = dict(state["stats"])
 
 
 def check_bucket(hook: str, bucket: dist.GradBucket) -> torch.Tensor:
