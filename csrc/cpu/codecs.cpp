@@ -500,6 +500,23 @@ void store_scaled(out_t* out, const float* acc, int64_t len, float s, Norm& tota
   Norm norm = total;  // a local copy stays in registers; stores to out cannot alias it
   const FVec vs(s);
   int64_t j = 0;
+#ifdef CPU_CAPABILITY_AVX2
+  if constexpr (std::is_same_v<out_t, float>) {
+    // fp32 out: streaming stores skip reading out's lines before writing them (the decoders
+    // write far more than they read), and the norm comes from the registers.
+    for (; j < len && reinterpret_cast<uintptr_t>(out + j) % 32 != 0; ++j) {
+      out[j] = acc[j] * s;
+      norm.add(out[j]);
+    }
+    for (; j + kStep <= len; j += kStep) {
+      const FVec a = FVec::loadu(acc + j) * vs, b = FVec::loadu(acc + j + FVec::size()) * vs;
+      _mm256_stream_ps(out + j, a);
+      _mm256_stream_ps(out + j + FVec::size(), b);
+      norm.add(a, 0);
+      norm.add(b, 1);
+    }
+  }
+#endif
   for (; j + kStep <= len; j += kStep) {
     FVec a, b;
     VecIO<float>::load(acc + j, a, b);
@@ -557,6 +574,9 @@ at::Tensor sum_rows(int64_t rows, double scale, const at::Tensor& out, const Add
         sq[c] = norm.sum();
         bad[c] = norm.bad_count;
       }
+#ifdef CPU_CAPABILITY_AVX2
+      _mm_sfence();  // order store_scaled's streaming stores before the result is used
+#endif
     });
   });
   double total_sq = 0.0;
