@@ -139,7 +139,9 @@ def wrap(
 ) -> DDP:
     """Wrap ``module`` in DistributedDataParallel with a pycomm hook registered.
 
-    ``ddp_kwargs`` go to DDP unchanged (``bucket_cap_mb``, ``device_ids``, ...). The hook name,
+    ``ddp_kwargs`` go to DDP unchanged (``bucket_cap_mb``, ``device_ids``, ...), except that
+    without a ``bucket_cap_mb`` the int8 and 16-bit hooks get 8 MB buckets, measured faster
+    for them than DDP's 25 MB (communication starts earlier in backward). The hook name,
     its options, ``accumulate_steps`` and the parameters' shapes and dtypes are compared across
     ranks before DDP is built, so a mismatch is a ValueError on every rank, not a hang.
 
@@ -162,6 +164,10 @@ def wrap(
         },
         process_group,
     )
+    cap = HOOKS[hook][0].default_bucket_cap_mb
+    if cap is not None and "bucket_cap_mb" not in ddp_kwargs:
+        ddp_kwargs["bucket_cap_mb"] = cap
+        logger.info("pycomm.wrap: bucket_cap_mb=%s for the %s hook", cap, hook)
     ddp = DDP(module, process_group=process_group, **ddp_kwargs)
     _attach(ddp, hook, hook_options)
     return ddp

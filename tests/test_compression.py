@@ -279,3 +279,26 @@ def test_residuals_in_state_dict_and_layout_mismatch_named():
     for err, _ in run_ranks(_rank_resume, 2, [20, 20], timeout=60):
         assert err is not None and "pycomm int8 hook: bucket 0" in err, err
         assert "has no residual in the loaded state" in err
+
+
+def _rank_bucket_caps():
+    mb = 1024 * 1024
+    return {
+        "int8": pycomm.wrap(_model(), hook="int8").bucket_bytes_cap / mb,
+        "bf16": pycomm.wrap(_model(), hook="bf16").bucket_bytes_cap / mb,
+        "onebit": pycomm.wrap(_model(), hook="onebit").bucket_bytes_cap / mb,
+        "allreduce": pycomm.wrap(_model(), hook="allreduce").bucket_bytes_cap / mb,
+        "int8 given 2": pycomm.wrap(_model(), hook="int8", bucket_cap_mb=2).bucket_bytes_cap / mb,
+    }
+
+
+def test_wrap_picks_bucket_size_per_hook_unless_given():
+    (caps,) = run_ranks(_rank_bucket_caps, 1, timeout=60)
+    plain = 25.0  # DDP's own default
+    assert caps == {
+        "int8": 8.0,
+        "bf16": 8.0,
+        "onebit": plain,
+        "allreduce": plain,
+        "int8 given 2": 2.0,
+    }

@@ -30,6 +30,8 @@ class HookState:
     """
 
     hook_name = "base"
+    # DDP bucket size pycomm.wrap picks for this hook when the caller gives none (None: DDP's)
+    default_bucket_cap_mb: Optional[float] = None
 
     def __init__(self, process_group: Optional[dist.ProcessGroup] = None) -> None:
         self.process_group = process_group
