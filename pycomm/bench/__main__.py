@@ -111,6 +111,14 @@ def _parser() -> argparse.ArgumentParser:
         "--threads", type=_positive, default=1, help="torch threads per rank; default 1"
     )
     ap.add_argument(
+        "--bucket-cap-mb",
+        type=float,
+        default=None,
+        metavar="MB",
+        help="DDP bucket size for every hook; default: each hook's own (DDP's 25 MB, and the "
+        "8 MB pycomm.wrap picks for int8, bf16 and fp16)",
+    )
+    ap.add_argument(
         "--link",
         type=_rate,
         metavar="RATE",
@@ -161,6 +169,8 @@ def _child_argv(args: argparse.Namespace) -> list[str]:
         "--warmup", str(args.warmup), "--threads", str(args.threads), "--link", args.link,
         "--timeout", str(args.timeout), _NETNS_FLAG,
     ]  # fmt: skip
+    if args.bucket_cap_mb is not None:
+        argv += ["--bucket-cap-mb", str(args.bucket_cap_mb)]
     if args.json:
         argv += ["--json", os.path.abspath(args.json)]
     return argv
@@ -220,6 +230,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         "steps": args.steps,
         "warmup": args.warmup,
         "threads": args.threads,
+        "bucket_cap_mb": args.bucket_cap_mb,
         "measure_lo": link["shaped"] and _link.in_private_netns(),
     }
     t0 = time.monotonic()

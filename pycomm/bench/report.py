@@ -44,7 +44,9 @@ def header(doc: dict[str, Any]) -> list[str]:
     buckets = doc["hooks"].get(BASELINE, {}).get("bucket_sizes")
     if buckets:
         sizes = ", ".join(f"{b / 1e6:.1f}" for b in buckets)
-        lines.append(f"DDP buckets (default bucket_cap_mb, after DDP's rebuild): {sizes} MB")
+        cap = doc.get("config", {}).get("bucket_cap_mb")
+        which = "default bucket_cap_mb" if cap is None else f"bucket_cap_mb={cap:g}"
+        lines.append(f"plain DDP's buckets ({which}, after DDP's rebuild): {sizes} MB")
     if link["shaped"]:
         lines.append(
             f"link: {format_rate(link['per_rank_bits'])} per rank (tc tbf "

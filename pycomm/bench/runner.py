@@ -105,10 +105,12 @@ def make_mlp(width: int, layers: int, seed: int = 0) -> torch.nn.Module:
     return torch.nn.Sequential(*mods[:-1])
 
 
-def _build(name: str, module: torch.nn.Module) -> tuple[DDP, Any]:
-    """The DDP model for hook ``name`` and the state its byte count is read from."""
+def _build(name: str, module: torch.nn.Module, cap: Optional[float]) -> tuple[DDP, Any]:
+    """The DDP model for hook ``name`` (buckets of ``cap`` MB, None: the hook's default) and
+    the state its byte count is read from."""
+    kw = {} if cap is None else {"bucket_cap_mb": cap}
     if name in (BASELINE, COMPUTE, FAIL) or name in TORCH_HOOKS:
-        ddp = DDP(module)
+        ddp = DDP(module, **kw)
         state: Any = None
         if name == COMPUTE:
             ddp.register_comm_hook(None, compute_hook)
@@ -119,7 +121,7 @@ def _build(name: str, module: torch.nn.Module) -> tuple[DDP, Any]:
             state, hook = TORCH_HOOKS[name][1]()
             ddp.register_comm_hook(state, hook)
         return ddp, state
-    ddp = pycomm.wrap(module, hook=name, hook_options=PYCOMM_OPTIONS.get(name))
+    ddp = pycomm.wrap(module, hook=name, hook_options=PYCOMM_OPTIONS.get(name), **kw)
     return ddp, pycomm.hook_state(ddp)
 
 
@@ -193,7 +195,9 @@ def run_rank(cfg: dict[str, Any]) -> dict[str, Any]:
     models, states, opts = {}, {}, {}
     for name in hooks:
         progress(f"setup {name}")
-        models[name], states[name] = _build(name, make_mlp(cfg["width"], cfg["layers"]))
+        models[name], states[name] = _build(
+            name, make_mlp(cfg["width"], cfg["layers"]), cfg.get("bucket_cap_mb")
+        )
         opts[name] = torch.optim.SGD(models[name].parameters(), lr=1e-3)
     params = sum(p.numel() for p in models[hooks[0]].parameters())
     g = torch.Generator().manual_seed(rank)
