@@ -31,9 +31,17 @@ def allreduce_hook(
         >>> ddp.register_comm_hook(AllreduceState(None), allreduce_hook)
     """
     tensor = check_bucket("allreduce", bucket)
-    state.count(bucket, ring_bytes(tensor.numel() * tensor.element_size(), state.world_size))
     if state.world_size == 1:
+        state.count(bucket, 0)
         return completed(tensor)
+    return exact_allreduce(state, bucket, tensor, state.process_group)
+
+
+def exact_allreduce(
+    state: HookState, bucket: dist.GradBucket, tensor: torch.Tensor, group
+) -> torch.futures.Future[torch.Tensor]:
+    """Scale by 1/N as DDP does, all-reduce on ``group`` asynchronously, count the bytes."""
+    state.count(bucket, ring_bytes(tensor.numel() * tensor.element_size(), state.world_size))
     tensor.mul_(1.0 / state.world_size)
-    work = dist.all_reduce(tensor, group=state.process_group, async_op=True)
+    work = dist.all_reduce(tensor, group=group, async_op=True)
     return work.get_future().then(lambda fut: fut.value()[0])

@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from pycomm import ops
+from pycomm.hooks.allreduce import exact_allreduce
 from pycomm.hooks.state import HookState, check_bucket, completed, ring_bytes
 
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
@@ -305,14 +306,6 @@ class CompressedState(HookState):
         self._pending = {k: {n: t.clone() for n, t in r.items()} for k, r in loaded.items()}
 
 
-def _exact(state: CompressedState, bucket: dist.GradBucket, x: torch.Tensor):
-    """DDP's own reduction (as allreduce_hook), for the warm-up iterations."""
-    state.count(bucket, ring_bytes(x.numel() * x.element_size(), state.world_size))
-    x.mul_(1.0 / state.world_size)
-    work = dist.all_reduce(x, group=state._phases.groups[0], async_op=True)
-    return work.get_future().then(lambda fut: fut.value()[0])
-
-
 def _two_phase(state: CompressedState, bucket: dist.GradBucket, x: torch.Tensor):
     codec, w = state.codec, state.world_size
     n, step = x.numel(), state.iter
@@ -411,7 +404,7 @@ def compressed_hook(
             state.count(bucket, 0)
             return completed(x)
         if state.iter < state.start_iter:
-            return _exact(state, bucket, x)
+            return exact_allreduce(state, bucket, x, state._phases.groups[0])
         if getattr(state, "two_phase", True):
             return _two_phase(state, bucket, x)
         return _plain16(state, bucket, x)
