@@ -51,15 +51,23 @@ class Codec:
     def decode_sum(self, codes, scales, scale, out):
         raise NotImplementedError
 
-    def pack(self, codes: torch.Tensor, scales: Optional[torch.Tensor], rows: int) -> torch.Tensor:
-        """Codes and scales of ``rows`` equal chunks as one [rows, bytes] uint8 tensor."""
+    def pack(
+        self,
+        codes: torch.Tensor,
+        scales: Optional[torch.Tensor],
+        rows: int,
+        out: Optional[torch.Tensor] = None,
+    ) -> torch.Tensor:
+        """Codes and scales of ``rows`` equal chunks as one [rows, bytes] uint8 tensor (written
+        into ``out`` when given)."""
         cb = codes.numel() * codes.element_size() // rows
-        out = torch.empty(
-            rows,
-            cb + (0 if scales is None else scales.numel() * scales.element_size() // rows),
-            dtype=torch.uint8,
-            device=codes.device,
-        )
+        if out is None:
+            out = torch.empty(
+                rows,
+                cb + (0 if scales is None else scales.numel() * scales.element_size() // rows),
+                dtype=torch.uint8,
+                device=codes.device,
+            )
         out[:, :cb] = codes.view(torch.uint8).view(rows, cb)
         if scales is not None:
             out[:, cb:] = scales.view(torch.uint8).view(rows, -1)
@@ -196,6 +204,7 @@ class CompressedState(HookState):
         # (bucket index, numel, dtype) -> {"r1": phase-1 residual, "r2": phase-2 residual}
         self.residuals: dict[tuple, dict[str, torch.Tensor]] = {}
         self._pending: Optional[dict[tuple, dict[str, torch.Tensor]]] = None
+        self._buffers: dict[tuple, dict[str, torch.Tensor]] = {}
         self._lock = threading.Lock()  # decode callbacks of different buckets may race
         self._decoded: list[tuple[int, torch.Tensor]] = []  # (step, [sqnorm, non-finite])
         self._sqnorm: dict[int, float] = {}
@@ -249,6 +258,21 @@ class CompressedState(HookState):
                 t.numel() * 4 for r in self.residuals.values() for t in r.values()
             )
         return res["r1"], res.get("r2")
+
+    def _workspace(self, key: tuple, w: int, row_bytes: int, c: int, device) -> dict:
+        """The buffers of one bucket's exchange, allocated once: fresh ones every step cost
+        more in page faults than the codecs themselves."""
+        ws = self._buffers.get(key)
+        if ws is None:
+            u8 = dict(dtype=torch.uint8, device=device)
+            ws = self._buffers[key] = {
+                "send": torch.empty(w, row_bytes, **u8),
+                "recv": torch.empty(w, row_bytes, **u8),
+                "gathered": torch.empty(w, row_bytes, **u8),
+                "rows": torch.empty(w, row_bytes, **u8),
+                "mine": torch.empty(c, dtype=torch.float32, device=device),
+            }
+        return ws
 
     # --- stats -------------------------------------------------------------------------
 
@@ -313,9 +337,10 @@ def _two_phase(state: CompressedState, bucket: dist.GradBucket, x: torch.Tensor)
     state.device = x.device
     r1, r2 = state._residual((bucket.index(), n, str(x.dtype)), n)
     codes, scales = codec.encode(x, r1, 1.0 / w, w * c)
-    send = codec.pack(codes, scales, w)
-    recv = torch.empty_like(send)
-    row_bytes = send.shape[1]
+    row_bytes = codec.code_bytes(c) + codec.scale_bytes(c)
+    ws = state._workspace((bucket.index(), n, str(x.dtype)), w, row_bytes, c, x.device)
+    send, recv, gathered, mine = ws["send"], ws["recv"], ws["gathered"], ws["mine"]
+    codec.pack(codes, scales, w, out=send)
     state.count(bucket, 2 * (w - 1) * row_bytes)
     phases = state._phases
     g1, g2 = phases.groups
@@ -324,7 +349,6 @@ def _two_phase(state: CompressedState, bucket: dist.GradBucket, x: torch.Tensor)
     result: torch.futures.Future[torch.Tensor] = torch.futures.Future()
     prev, issued = phases.issued, torch.futures.Future()
     phases.issued = issued
-    gathered = torch.empty(w, row_bytes, dtype=torch.uint8, device=x.device)
 
     def finish(fut: torch.futures.Future) -> None:
         try:
@@ -343,15 +367,15 @@ def _two_phase(state: CompressedState, bucket: dist.GradBucket, x: torch.Tensor)
             for sub in fut.value():
                 sub.value()
             codes1, scales1 = codec.split(recv, c)
-            mine = torch.empty(c, dtype=torch.float32, device=x.device)
             codec.decode_sum(codes1, scales1, 1.0, mine)
-            row = codec.pack(*codec.encode(mine, r2, 1.0, c), 1)
             if phases.nccl:
+                row = codec.pack(*codec.encode(mine, r2, 1.0, c), 1)
                 work = dist.all_gather_into_tensor(gathered, row, group=g2, async_op=True)
             else:  # gloo: all_to_all_single measured 3-7x faster than all_gather
-                work = dist.all_to_all_single(
-                    gathered, row.expand(w, -1).contiguous(), group=g2, async_op=True
-                )
+                rows = ws["rows"]
+                codec.pack(*codec.encode(mine, r2, 1.0, c), 1, out=rows[:1])
+                rows[1:] = rows[:1]
+                work = dist.all_to_all_single(gathered, rows, group=g2, async_op=True)
         except BaseException as e:  # noqa: BLE001
             issued.set_result(torch.empty(0))
             result.set_exception(e)
