@@ -8,6 +8,7 @@ Example:
 
 from pycomm import hooks, ops
 from pycomm.dist import DistInfo, LaunchError, init, launch, shutdown
+from pycomm.train import TrainLoop
 from pycomm.wrap import hook_state, register, wrap
 
 __version__ = "0.1.0"
@@ -15,6 +16,7 @@ __version__ = "0.1.0"
 __all__ = [
     "DistInfo",
     "LaunchError",
+    "TrainLoop",
     "hook_state",
     "hooks",
     "init",

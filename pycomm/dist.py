@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import datetime
 import faulthandler
+import gc
 import inspect
 import logging
 import multiprocessing
@@ -20,6 +21,7 @@ import pickle
 import re
 import shutil
 import signal
+import sys
 import tempfile
 import time
 import traceback as _traceback
@@ -533,6 +535,9 @@ def _worker(
         # backend is already resolved ('tcp' -> 'gloo'): launch() warned once, in the parent.
         init(backend, timeout=timeout)
         result = fn(*args)
+        # DDP models in reference cycles would otherwise keep their process group's worker
+        # threads alive into interpreter finalization, where gloo can abort the process.
+        gc.collect()
         shutdown()
         message: tuple = ("ok", result)
     except BaseException as exc:  # report everything, SystemExit and KeyboardInterrupt too
@@ -556,6 +561,16 @@ def _worker(
         )
     finally:
         conn.close()
+    if message[0] == "ok":
+        # Reported and shut down: nothing is left to do, and finalizing the interpreter with
+        # torch's C++ threads still around only risks an abort after a good run (seen with
+        # gloo: "terminate called without an active exception").
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (OSError, ValueError):
+                pass
+        os._exit(0)
 
 
 def _make_store(nprocs: int) -> dist.TCPStore:

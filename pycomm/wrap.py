@@ -10,6 +10,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from pycomm.hooks import (
+    AccumulateState,
     AllreduceState,
     Bf16State,
     Fp16State,
@@ -17,6 +18,7 @@ from pycomm.hooks import (
     Int8State,
     OneBitState,
     PowerSGDHookState,
+    accumulate_hook,
     allreduce_hook,
     compressed_hook,
     powersgd_hook,
@@ -44,11 +46,6 @@ def _check_args(hook: Any, accumulate_steps: Any) -> None:
         raise ValueError(f"pycomm: accumulate_steps={accumulate_steps!r}, expected an int >= 1")
     if accumulate_steps < 1:
         raise ValueError(f"pycomm: accumulate_steps={accumulate_steps}, expected an int >= 1")
-    if accumulate_steps > 1:
-        raise NotImplementedError(
-            f"pycomm: accumulate_steps={accumulate_steps} needs the fp32 accumulate stage, "
-            "which this version does not have yet; use accumulate_steps=1 with ddp.no_sync()"
-        )
 
 
 def _params_signature(module: torch.nn.Module) -> list[tuple[str, tuple[int, ...], str]]:
@@ -88,9 +85,18 @@ def _agree_across_ranks(where: str, fields: dict[str, Any], group) -> None:
             )
 
 
-def _attach(ddp: DDP, hook: str, hook_options: dict[str, Any]) -> HookState:
+def _attach(ddp: DDP, hook: str, hook_options: dict[str, Any], accumulate_steps: int) -> HookState:
     state_cls, fn = HOOKS[hook]
     state = state_cls(ddp.process_group, **hook_options)
+    if accumulate_steps > 1:
+        state = AccumulateState(
+            state,
+            fn,
+            accumulate_steps,
+            [p for p in ddp.module.parameters() if p.requires_grad],
+            write_grads=ddp.find_unused_parameters and not ddp.gradient_as_bucket_view,
+        )
+        fn = accumulate_hook
     ddp.register_comm_hook(state, fn)
     setattr(ddp, _ATTR, state)
     logger.info("pycomm: registered the %s hook with options %s", hook, state.options())
@@ -125,7 +131,7 @@ def register(
         },
         ddp.process_group,
     )
-    return _attach(ddp, hook, hook_options)
+    return _attach(ddp, hook, hook_options, accumulate_steps)
 
 
 def wrap(
@@ -169,7 +175,7 @@ def wrap(
         ddp_kwargs["bucket_cap_mb"] = cap
         logger.info("pycomm.wrap: bucket_cap_mb=%s for the %s hook", cap, hook)
     ddp = DDP(module, process_group=process_group, **ddp_kwargs)
-    _attach(ddp, hook, hook_options)
+    _attach(ddp, hook, hook_options, accumulate_steps)
     return ddp
 
 

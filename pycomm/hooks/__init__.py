@@ -1,5 +1,6 @@
 """pycomm's DDP communication hooks and their states, usable with ``ddp.register_comm_hook``."""
 
+from pycomm.hooks.accumulate import AccumulateState, accumulate_hook
 from pycomm.hooks.allreduce import AllreduceState, allreduce_hook
 from pycomm.hooks.compressed import CompressedState, compressed_hook
 from pycomm.hooks.lowprec import Bf16State, Fp16State
@@ -8,6 +9,8 @@ from pycomm.hooks.quantized import Int8State, OneBitState
 from pycomm.hooks.state import HookState
 
 __all__ = [
+    "AccumulateState",
+    "accumulate_hook",
     "AllreduceState",
     "Bf16State",
     "CompressedState",

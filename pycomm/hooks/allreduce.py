@@ -32,7 +32,7 @@ def allreduce_hook(
     """
     tensor = check_bucket("allreduce", bucket)
     if state.world_size == 1:
-        state.count(bucket, 0)
+        state.count(bucket, 0, collectives=0)
         return completed(tensor)
     return exact_allreduce(state, bucket, tensor, state.process_group)
 

@@ -302,6 +302,15 @@ class CompressedState(HookState):
         self.fold()
         return self._stats
 
+    def reduced_sqnorm(self) -> Optional[float]:
+        """The squared norm of the latest step's reduced gradients, summed over its buckets'
+        decode passes; None after a warm-up (exact all-reduce) step or on one rank."""
+        self.fold()
+        last = self.iter - 1
+        if self.world_size == 1 or last < self.start_iter:
+            return None
+        return self._sqnorm.get(last)
+
     # --- checkpoint --------------------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
@@ -341,7 +350,7 @@ def _two_phase(state: CompressedState, bucket: dist.GradBucket, x: torch.Tensor)
     ws = state._workspace((bucket.index(), n, str(x.dtype)), w, row_bytes, c, x.device)
     send, recv, gathered, mine = ws["send"], ws["recv"], ws["gathered"], ws["mine"]
     codec.pack(codes, scales, w, out=send)
-    state.count(bucket, 2 * (w - 1) * row_bytes)
+    state.count(bucket, 2 * (w - 1) * row_bytes, collectives=2)
     phases = state._phases
     g1, g2 = phases.groups
     phase1 = dist.all_to_all_single(recv, send, group=g1, async_op=True).get_future()
@@ -425,7 +434,7 @@ def compressed_hook(
         state.fold()
     try:
         if state.world_size == 1:
-            state.count(bucket, 0)
+            state.count(bucket, 0, collectives=0)
             return completed(x)
         if state.iter < state.start_iter:
             return exact_allreduce(state, bucket, x, state._phases.groups[0])

@@ -79,5 +79,9 @@ def powersgd_hook(
     Example:
         >>> ddp.register_comm_hook(PowerSGDHookState(None), powersgd_hook)
     """
-    state.count(bucket, state.payload_bytes(bucket))
+    s = state.torch_state
+    # before start_powerSGD_iter one all-reduce; then the uncompressed tensors, P and Q
+    state.count(
+        bucket, state.payload_bytes(bucket), collectives=1 if s.iter < s.start_powerSGD_iter else 3
+    )
     return _psgd.powerSGD_hook(state.torch_state, bucket)

@@ -20,8 +20,9 @@ class HookState:
     """Base of every pycomm hook state.
 
     ``stats`` counts ``steps`` (iterations, one per last bucket), ``buckets`` (hook calls),
-    ``bytes_sent`` (the payload this rank put on the wire), ``bytes_fp32`` (what an fp32 ring
-    all-reduce of the same buckets sends) and ``compression`` (bytes_fp32 / bytes_sent).
+    ``collectives`` (collective calls issued), ``bytes_sent`` (the payload this rank put on the
+    wire), ``bytes_fp32`` (what an fp32 ring all-reduce of the same buckets sends) and
+    ``compression`` (bytes_fp32 / bytes_sent).
 
     Example:
         >>> state = pycomm.hooks.AllreduceState(process_group=None)
@@ -40,6 +41,7 @@ class HookState:
         self._stats: dict[str, Any] = {
             "steps": 0,
             "buckets": 0,
+            "collectives": 0,
             "bytes_sent": 0,
             "bytes_fp32": 0,
             "compression": 1.0,
@@ -58,15 +60,22 @@ class HookState:
         """What must be equal for state to be shared across ranks or loaded from a checkpoint."""
         return {"hook": self.hook_name, "options": self.options(), "world_size": self.world_size}
 
-    def count(self, bucket: dist.GradBucket, bytes_sent: int) -> None:
-        """Account one hook call on ``bucket`` that put ``bytes_sent`` bytes on the wire."""
+    def count(self, bucket: dist.GradBucket, bytes_sent: int, collectives: int = 1) -> None:
+        """Account one hook call on ``bucket`` that put ``bytes_sent`` bytes on the wire in
+        ``collectives`` collective calls."""
         s = self._stats
         s["buckets"] += 1
+        s["collectives"] += collectives
         s["bytes_sent"] += bytes_sent
         s["bytes_fp32"] += ring_bytes(bucket.buffer().numel() * 4, self.world_size)
         s["compression"] = s["bytes_fp32"] / s["bytes_sent"] if s["bytes_sent"] else 1.0
         if bucket.is_last():
             s["steps"] += 1
+
+    def reduced_sqnorm(self) -> Optional[float]:
+        """The squared L2 norm of the latest step's reduced gradients when the hook computed it
+        in its decode pass (no extra pass over the gradients); None when it did not."""
+        return None
 
     def state_dict(self) -> dict[str, Any]:
         """Counters and config fingerprint; subclasses add their tensors."""
@@ -74,6 +83,11 @@ class HookState:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state_dict`; a checkpoint of another hook or config is refused."""
+        self.check_fingerprint(state)
+        self._stats = dict(state["stats"])
+
+    def check_fingerprint(self, state: dict[str, Any]) -> None:
+        """Refuse (ValueError naming the field) a checkpoint of another hook or config."""
         mine, theirs = self.fingerprint(), state.get("fingerprint", {})
         for key in sorted(set(mine) | set(theirs)):
             if mine.get(key) != theirs.get(key):
@@ -81,7 +95,6 @@ class HookState:
                     f"pycomm: cannot load hook state: {key} is {theirs.get(key)!r} in the "
                     f"checkpoint but {mine.get(key)!r} here"
                 )
-        self._stats = dict(state["stats"])
 
 
 def check_bucket(hook: str, bucket: dist.GradBucket) -> torch.Tensor:

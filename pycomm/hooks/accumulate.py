@@ -1,0 +1,277 @@
+"""The accumulate stage: gradient accumulation in fp32 that communicates once per k micro-steps.
+
+Every micro-step (one backward pass) adds each bucket into a persistent fp32 buffer. On the
+first k - 1 micro-steps the hook then returns the bucket zeroed, without communicating, so that
+the next backward's gradients hold only the next micro-batch; on the k-th it runs the inner
+hook (all-reduce, 16-bit, int8, 1-bit, PowerSGD) on the fp32 sum, writes the reduced result
+back into the bucket (in the gradients' dtype, rounded once) and starts a new window.
+
+Accumulators are kept per parameter, in segments laid out as DDP's buckets are, so that each
+bucket is one fused add and is handed to the inner hook as it is, with no gather. DDP rebuilds
+its buckets after the first iteration, which can fall inside an accumulation window: a bucket
+whose parameters live in other segments gets a new segment and their sums move into it. The
+checkpoint stores the sums per parameter, so it does not depend on the layout either.
+"""
+
+from collections.abc import Iterable
+from typing import Any, Callable, Optional
+
+import torch
+import torch.distributed as dist
+
+from pycomm import ops
+from pycomm.hooks.state import HookState, check_bucket, completed
+
+
+class _Fp32Bucket:
+    """What the inner hook sees on a boundary micro-step: DDP's bucket, with the fp32 sum as
+    its buffer (``index``, ``is_last``, ``parameters`` and ``gradients`` as DDP's)."""
+
+    def __init__(self, bucket: dist.GradBucket, buffer: torch.Tensor) -> None:
+        self._bucket = bucket
+        self._buffer = buffer
+
+    def buffer(self) -> torch.Tensor:
+        return self._buffer
+
+    def set_buffer(self, tensor: torch.Tensor) -> None:
+        self._buffer.copy_(tensor)
+
+    def index(self) -> int:
+        return self._bucket.index()
+
+    def is_last(self) -> bool:
+        return self._bucket.is_last()
+
+    def parameters(self) -> list[torch.Tensor]:
+        return self._bucket.parameters()
+
+    def gradients(self) -> list[torch.Tensor]:
+        out, offset = [], 0
+        for p in self._bucket.parameters():
+            out.append(self._buffer[offset : offset + p.numel()].view(p.shape))
+            offset += p.numel()
+        return out
+
+
+class _Segment:
+    """The fp32 sums of one bucket's parameters, in the bucket's order."""
+
+    def __init__(self, key: tuple[int, ...], buffer: torch.Tensor, offsets: list[int]) -> None:
+        self.key = key  # parameter indices, in bucket order
+        self.buffer = buffer
+        self.offsets = offsets
+        self.live = set(key)  # parameters whose sums live here (not moved to a newer segment)
+
+
+class AccumulateState(HookState):
+    """State of :func:`accumulate_hook`: the inner hook and its state, ``accumulate_steps``,
+    the fp32 buffers and the micro-step counter.
+
+    Args:
+        inner_state, inner_hook: the hook that reduces the sum on every k-th micro-step.
+        accumulate_steps: k >= 1.
+        parameters: the model's trainable parameters, in ``module.parameters()`` order (the
+            checkpoint names them by position).
+        write_grads: also copy the result into each parameter's ``.grad`` on boundary steps:
+            needed with ``find_unused_parameters=True`` and ``gradient_as_bucket_view=False``,
+            where DDP leaves the gradient of a parameter unused in that micro-step untouched
+            (it would lose the sum of the earlier micro-steps). ``pycomm.wrap`` sets it.
+
+    Example:
+        >>> inner = pycomm.hooks.Int8State(None)
+        >>> params = [p for p in model.parameters() if p.requires_grad]
+        >>> state = AccumulateState(inner, pycomm.hooks.compressed_hook, 4, params)
+        >>> ddp.register_comm_hook(state, accumulate_hook)
+    """
+
+    hook_name = "accumulate"
+
+    def __init__(
+        self,
+        inner_state: Any,
+        inner_hook: Callable,
+        accumulate_steps: int,
+        parameters: Iterable[torch.Tensor],
+        write_grads: bool = False,
+    ) -> None:
+        group = getattr(inner_state, "process_group", None)
+        super().__init__(group)
+        if isinstance(accumulate_steps, bool) or not isinstance(accumulate_steps, int):
+            raise ValueError(
+                f"pycomm accumulate: accumulate_steps={accumulate_steps!r}, expected an int >= 1"
+            )
+        if accumulate_steps < 1:
+            raise ValueError(
+                f"pycomm accumulate: accumulate_steps={accumulate_steps}, expected an int >= 1"
+            )
+        self.inner = inner_state
+        self.inner_hook = inner_hook
+        self.accumulate_steps = accumulate_steps
+        self.params = list(parameters)
+        self.write_grads = write_grads
+        self._index = {id(p): i for i, p in enumerate(self.params)}
+        self.micro_step = 0  # backward passes seen
+        self._segments: dict[tuple[int, ...], _Segment] = {}
+        self._home: dict[int, _Segment] = {}  # parameter index -> segment holding its sum
+        self._pending: Optional[dict[int, torch.Tensor]] = None  # loaded sums, placed lazily
+
+    # --- what the loop reads ------------------------------------------------------------
+
+    @property
+    def inner_name(self) -> str:
+        return getattr(self.inner, "hook_name", getattr(self.inner_hook, "__name__", "?"))
+
+    def boundary(self) -> bool:
+        """Whether the next micro-step is the k-th of its window (the one that communicates)."""
+        return self.micro_step % self.accumulate_steps == self.accumulate_steps - 1
+
+    def reduced_sqnorm(self) -> Optional[float]:
+        """The inner hook's squared norm of the latest reduced gradients, where it has one."""
+        get = getattr(self.inner, "reduced_sqnorm", None)
+        return get() if get is not None else None
+
+    def options(self) -> dict[str, Any]:
+        inner = self.inner.options() if hasattr(self.inner, "options") else {}
+        return {"accumulate_steps": self.accumulate_steps, "inner": self.inner_name, **inner}
+
+    @property
+    def stats(self) -> dict[str, Any]:
+        inner = dict(self.inner.stats) if hasattr(self.inner, "stats") else {}
+        return {
+            **inner,
+            "micro_steps": self.micro_step,
+            "accumulate_steps": self.accumulate_steps,
+            "accumulate_bytes": sum(
+                s.buffer.numel() * s.buffer.element_size() for s in self._segments.values()
+            ),
+        }
+
+    # --- layout ---------------------------------------------------------------------------
+
+    def _segment(self, bucket: dist.GradBucket, x: torch.Tensor) -> _Segment:
+        params = bucket.parameters()
+        try:
+            key = tuple(self._index[id(p)] for p in params)
+        except KeyError:
+            raise ValueError(
+                f"pycomm accumulate: bucket {bucket.index()} holds a parameter that is not "
+                "among the parameters this state was built with"
+            ) from None
+        seg = self._segments.get(key)
+        if seg is not None:
+            return seg
+        offsets, total = [], 0
+        for p in params:
+            offsets.append(total)
+            total += p.numel()
+        if total != x.numel():
+            raise RuntimeError(
+                f"pycomm accumulate: bucket {bucket.index()} has {x.numel()} elements but its "
+                f"parameters {total}"
+            )
+        seg = _Segment(key, torch.zeros(total, dtype=torch.float32, device=x.device), offsets)
+        for i, off, p in zip(key, offsets, params):
+            old = self._home.get(i)
+            if old is not None:  # DDP re-bucketed mid-window: move this parameter's sum
+                o = old.offsets[old.key.index(i)]
+                seg.buffer[off : off + p.numel()].copy_(old.buffer[o : o + p.numel()])
+                old.live.discard(i)
+                if not old.live:
+                    del self._segments[old.key]
+            elif self._pending is not None and i in self._pending:
+                seg.buffer[off : off + p.numel()].copy_(self._pending.pop(i).reshape(-1))
+            self._home[i] = seg
+        self._segments[key] = seg
+        return seg
+
+    # --- checkpoint -------------------------------------------------------------------------
+
+    def fingerprint(self) -> dict[str, Any]:
+        inner = self.inner.fingerprint() if hasattr(self.inner, "fingerprint") else {}
+        return {
+            "hook": f"accumulate({self.inner_name})",
+            "accumulate_steps": self.accumulate_steps,
+            "parameters": [tuple(p.shape) for p in self.params],
+            "inner": inner,
+            "world_size": self.world_size,
+        }
+
+    def state_dict(self) -> dict[str, Any]:
+        """The micro-step counter, the sums per parameter (only mid-window) and the inner
+        hook's state."""
+        sums: dict[int, torch.Tensor] = {}
+        if self.micro_step % self.accumulate_steps:
+            for i, seg in self._home.items():
+                o = seg.offsets[seg.key.index(i)]
+                sums[i] = seg.buffer[o : o + self.params[i].numel()].clone()
+            if self._pending:
+                sums.update({i: t.clone() for i, t in self._pending.items()})
+        return {
+            "fingerprint": self.fingerprint(),
+            "micro_step": self.micro_step,
+            "sums": sums,
+            "inner": self.inner.state_dict() if hasattr(self.inner, "state_dict") else {},
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.check_fingerprint(state)
+        for i, t in state["sums"].items():
+            if t.numel() != self.params[i].numel():
+                raise ValueError(
+                    f"pycomm accumulate: the checkpoint's sum of parameter {i} has {t.numel()} "
+                    f"elements, expected {self.params[i].numel()}"
+                )
+        if hasattr(self.inner, "load_state_dict"):
+            self.inner.load_state_dict(state["inner"])
+        self.micro_step = int(state["micro_step"])
+        self._segments, self._home = {}, {}
+        self._pending = {i: t.detach().to(torch.float32).clone() for i, t in state["sums"].items()}
+
+
+def accumulate_hook(
+    state: AccumulateState, bucket: dist.GradBucket
+) -> torch.futures.Future[torch.Tensor]:
+    """Add the bucket into its fp32 sum; communicate (through the inner hook) only on every
+    ``accumulate_steps``-th micro-step, returning the reduced sum; else return zeros.
+
+    The gradient the optimizer sees after k micro-steps is what one step on the k times larger
+    batch gives, when each micro-batch's loss is scaled by 1/k (``pycomm.TrainLoop`` does).
+
+    Example:
+        >>> ddp = pycomm.wrap(model, hook="int8", accumulate_steps=4)
+        >>> pycomm.hook_state(ddp).stats["accumulate_bytes"]
+    """
+    x = check_bucket(f"{state.inner_name} (accumulate)", bucket)
+    k = state.accumulate_steps
+    first = state.micro_step % k == 0
+    final = state.boundary()
+    try:
+        seg = state._segment(bucket, x)
+        if first and state._pending is None:
+            seg.buffer.copy_(x)
+        else:
+            ops.accumulate_(seg.buffer, x)
+        if not final:
+            x.zero_()
+            return completed(x)
+        fut = state.inner_hook(state.inner, _Fp32Bucket(bucket, seg.buffer))
+    finally:
+        if bucket.is_last():
+            state.micro_step += 1
+            if state._pending is not None and not state._pending:
+                state._pending = None
+
+    def write_back(f: torch.futures.Future) -> torch.Tensor:
+        out = f.value()
+        x.copy_(out)
+        if state.write_grads:
+            for p, off in zip(bucket.parameters(), seg.offsets):
+                src = x[off : off + p.numel()].view(p.shape)
+                if p.grad is None:
+                    p.grad = src.clone()
+                else:
+                    p.grad.copy_(src)
+        return x
+
+    return fut.then(write_back)

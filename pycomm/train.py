@@ -1,0 +1,257 @@
+"""TrainLoop: gradient accumulation, clipping, loss scaling and non-finite skipping, done right
+over DDP (with or without a pycomm accumulate stage)."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import time
+import warnings
+from typing import Any, Callable, Optional
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from pycomm.hooks.accumulate import AccumulateState
+
+logger = logging.getLogger(__name__)
+
+_ATTR = "_pycomm_hook_state"  # as pycomm.wrap sets it
+
+
+def _check_positive_int(name: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"pycomm.TrainLoop: {name}={value!r}, expected an int >= 1")
+    return value
+
+
+class TrainLoop:
+    """Runs micro-batches through a DDP model and steps the optimizer on every k-th.
+
+    ``loss = loop.step(closure)``: ``closure()`` runs the forward pass of one micro-batch and
+    returns its loss (a scalar tensor). The loop scales it by 1/k (and by the GradScaler's
+    scale), runs backward, and on the k-th micro-step unscales, clips to ``max_grad_norm``,
+    skips the step on every rank together if the reduced gradient is not finite, steps and
+    zeroes the gradients. The optimizer so sees the gradient of one step on a k times larger
+    batch.
+
+    With a pycomm accumulate stage (``pycomm.wrap(..., accumulate_steps=k)``) k is the
+    stage's, every micro-step runs as usual and the stage communicates once per window, in
+    fp32; on a DDP without one, the first k - 1 micro-steps run forward and backward inside
+    ``ddp.no_sync()``. The clipping norm is the one the hook computed in its decode pass where
+    it has one; otherwise one pass over the gradients computes it.
+
+    Args:
+        ddp: a DistributedDataParallel model.
+        optimizer: its optimizer.
+        accumulate_steps: k; None: the accumulate stage's, or 1. Conflicting with the stage's:
+            ValueError.
+        max_grad_norm: clip the total L2 norm of the gradients to this (None: no clipping).
+        scaler: a ``torch.amp.GradScaler`` for mixed precision (None: none).
+        batch_size: samples per micro-batch per rank, for ``samples_per_second``.
+        progress: show a tqdm bar on rank 0 (one tick per optimizer step); ``total`` its
+            length.
+
+    Example:
+        >>> ddp = pycomm.wrap(model, hook="int8", accumulate_steps=4)
+        >>> loop = pycomm.TrainLoop(ddp, torch.optim.AdamW(ddp.parameters()), max_grad_norm=1.0)
+        >>> for x, y in loader:
+        ...     loss = loop.step(lambda: loss_fn(ddp(x), y))
+    """
+
+    def __init__(
+        self,
+        ddp: DDP,
+        optimizer: torch.optim.Optimizer,
+        *,
+        accumulate_steps: Optional[int] = None,
+        max_grad_norm: Optional[float] = None,
+        scaler: Optional[Any] = None,
+        batch_size: Optional[int] = None,
+        progress: bool = False,
+        total: Optional[int] = None,
+    ) -> None:
+        if not isinstance(ddp, DDP):
+            raise TypeError(
+                f"pycomm.TrainLoop: ddp is a {type(ddp).__name__}, expected a "
+                "DistributedDataParallel (pycomm.wrap makes one)"
+            )
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(
+                f"pycomm.TrainLoop: optimizer is a {type(optimizer).__name__}, expected a "
+                "torch.optim.Optimizer"
+            )
+        stage = getattr(ddp, _ATTR, None)
+        self._stage = stage if isinstance(stage, AccumulateState) else None
+        if self._stage is not None:
+            k = self._stage.accumulate_steps
+            if accumulate_steps is not None and accumulate_steps != k:
+                raise ValueError(
+                    f"pycomm.TrainLoop: accumulate_steps={accumulate_steps!r}, but the model's "
+                    f"pycomm accumulate stage has accumulate_steps={k}; pass None or {k}"
+                )
+        else:
+            k = (
+                1
+                if accumulate_steps is None
+                else _check_positive_int("accumulate_steps", accumulate_steps)
+            )
+        if max_grad_norm is not None:
+            if isinstance(max_grad_norm, bool) or not isinstance(max_grad_norm, (int, float)):
+                raise ValueError(
+                    f"pycomm.TrainLoop: max_grad_norm={max_grad_norm!r}, expected a positive "
+                    "number or None"
+                )
+            if not (math.isfinite(max_grad_norm) and max_grad_norm > 0):
+                raise ValueError(
+                    f"pycomm.TrainLoop: max_grad_norm={max_grad_norm!r}, expected a positive "
+                    "finite number or None"
+                )
+        if scaler is not None and not all(
+            hasattr(scaler, a) for a in ("scale", "unscale_", "step", "update", "get_scale")
+        ):
+            raise TypeError(
+                f"pycomm.TrainLoop: scaler is a {type(scaler).__name__}, expected a "
+                "torch.amp.GradScaler or None"
+            )
+        if batch_size is not None:
+            _check_positive_int("batch_size", batch_size)
+        self.ddp, self.optimizer, self.scaler = ddp, optimizer, scaler
+        self.accumulate_steps = k
+        self.max_grad_norm = None if max_grad_norm is None else float(max_grad_norm)
+        self.batch_size = batch_size
+        # where the stage is (after a resume, mid-window), else at the start of a window
+        self.micro_steps = self._stage.micro_step if self._stage is not None else 0
+        self.optimizer_steps = 0
+        self.skipped_steps = 0
+        self.last_grad_norm: Optional[float] = None
+        self._elapsed = 0.0  # seconds inside step()
+        self._warned = False
+        self._world = dist.get_world_size(ddp.process_group) if dist.is_initialized() else 1
+        self._bar = None
+        if progress and (not dist.is_initialized() or dist.get_rank() == 0):
+            try:
+                from tqdm.auto import tqdm
+            except ImportError as e:
+                raise ImportError(
+                    "pycomm.TrainLoop: progress=True needs tqdm: pip install tqdm"
+                ) from e
+            self._bar = tqdm(total=total, unit="step", desc="train")
+
+    @property
+    def samples_per_second(self) -> Optional[float]:
+        """Samples over all ranks per second spent in :meth:`step` (needs ``batch_size``)."""
+        if self.batch_size is None or self._elapsed <= 0:
+            return None
+        return self.batch_size * self._world * self.micro_steps / self._elapsed
+
+    def step(self, closure: Callable[[], torch.Tensor]) -> torch.Tensor:
+        """Run one micro-batch: ``closure()`` (the forward pass, returning the loss), backward,
+        and on every k-th call the optimizer step. Returns the micro-batch's loss, detached."""
+        if not callable(closure):
+            raise TypeError(
+                f"pycomm.TrainLoop.step: closure is a {type(closure).__name__}, expected a "
+                "callable that runs the forward pass and returns the loss"
+            )
+        t0 = time.perf_counter()
+        k = self.accumulate_steps
+        final = (self.micro_steps + 1) % k == 0
+        if self._stage is not None and self._stage.boundary() != final:
+            raise RuntimeError(
+                f"pycomm.TrainLoop: the accumulate stage is at micro-step "
+                f"{self._stage.micro_step} of its own count but this loop at "
+                f"{self.micro_steps}: the model ran backward outside the loop"
+            )
+        sync = final or self._stage is not None or k == 1
+        with contextlib.nullcontext() if sync else self.ddp.no_sync():
+            loss = closure()
+            if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+                got = (
+                    f"a tensor of shape {tuple(loss.shape)}"
+                    if isinstance(loss, torch.Tensor)
+                    else f"a {type(loss).__name__}"
+                )
+                raise TypeError(
+                    f"pycomm.TrainLoop.step: the closure returned {got}, expected a scalar "
+                    "loss tensor"
+                )
+            scaled = loss / k if k > 1 else loss
+            if self.scaler is not None:
+                scaled = self.scaler.scale(scaled)
+            scaled.backward()
+        self.micro_steps += 1
+        if final:
+            self._optimizer_step()
+        self._elapsed += time.perf_counter() - t0
+        return loss.detach()
+
+    def _grads(self) -> list[torch.Tensor]:
+        return [
+            p.grad
+            for group in self.optimizer.param_groups
+            for p in group["params"]
+            if p.grad is not None
+        ]
+
+    def _hook_sqnorm(self) -> Optional[float]:
+        state = self._stage if self._stage is not None else getattr(self.ddp, _ATTR, None)
+        get = getattr(state, "reduced_sqnorm", None)
+        return get() if get is not None else None
+
+    def _optimizer_step(self) -> None:
+        scaler = self.scaler
+        if scaler is not None:
+            scaler.unscale_(self.optimizer)
+        grads = self._grads()
+        sq = self._hook_sqnorm()
+        if sq is not None:
+            norm = math.sqrt(sq) if sq >= 0 else float("nan")
+            if scaler is not None:
+                norm /= float(scaler.get_scale())
+        elif grads:
+            norm = float(torch.nn.utils.get_total_norm(grads, norm_type=2.0))
+        else:
+            norm = 0.0
+        self.last_grad_norm = norm
+        if not math.isfinite(norm):
+            # The reduced gradients are the same on every rank, so is this decision.
+            self.skipped_steps += 1
+            if not self._warned:
+                self._warned = True
+                warnings.warn(
+                    f"pycomm.TrainLoop: non-finite gradient (norm {norm}) at optimizer step "
+                    f"{self.optimizer_steps + self.skipped_steps}: step skipped on every rank "
+                    "(counted in skipped_steps; this warning is shown once)",
+                    RuntimeWarning,
+                    stacklevel=3,
+                )
+            if scaler is not None:
+                scaler.step(self.optimizer)  # finds the inf itself and skips
+                scaler.update()
+            self.optimizer.zero_grad()
+            self._tick()
+            return
+        if self.max_grad_norm is not None and norm > self.max_grad_norm and grads:
+            torch._foreach_mul_(grads, self.max_grad_norm / (norm + 1e-6))
+        if scaler is not None:
+            scaler.step(self.optimizer)
+            scaler.update()
+        else:
+            self.optimizer.step()
+        self.optimizer.zero_grad()
+        self.optimizer_steps += 1
+        self._tick()
+
+    def _tick(self) -> None:
+        if self._bar is not None:
+            self._bar.update(1)
+            if self.last_grad_norm is not None:
+                self._bar.set_postfix(grad_norm=f"{self.last_grad_norm:.3g}")
+
+    def close(self) -> None:
+        """Close the progress bar, if any."""
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None

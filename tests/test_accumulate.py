@@ -1,0 +1,444 @@
+"""The fp32 accumulate stage and TrainLoop on gloo ranks: k micro-steps equal one step on the
+k-times larger batch, communicate a k-th as much, keep bf16 models closer to fp64, survive
+DDP's re-bucketing mid-window and a checkpoint mid-window, and skip non-finite steps on every
+rank together."""
+
+import copy
+import warnings
+
+import pytest
+import torch
+import torch.distributed as dist
+from harness import run_ranks
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import pycomm
+
+K = 4
+WIDTH = 24
+
+
+def _model(seed=0, dtype=torch.float32):
+    torch.manual_seed(seed)
+    m = torch.nn.Sequential(
+        torch.nn.Linear(WIDTH, 48),
+        torch.nn.Tanh(),
+        torch.nn.Linear(48, 48),
+        torch.nn.Tanh(),
+        torch.nn.Linear(48, 48),
+        torch.nn.Tanh(),
+        torch.nn.Linear(48, 5),
+    )
+    return m.to(dtype)
+
+
+def _batches(rank, n, size=6, seed=0, dtype=torch.float32):
+    g = torch.Generator().manual_seed(1000 * seed + rank)
+    return [
+        (
+            torch.randn(size, WIDTH, generator=g).to(dtype),
+            torch.randn(size, 5, generator=g).to(dtype),
+        )
+        for _ in range(n)
+    ]
+
+
+def _flat(module):
+    return torch.cat([p.detach().reshape(-1) for p in module.parameters()])
+
+
+class RecordingSGD(torch.optim.SGD):
+    """SGD that keeps a copy of the gradients it stepped with."""
+
+    def __init__(self, params, **kw):
+        super().__init__(params, **kw)
+        self.seen = []
+
+    def step(self, closure=None):
+        self.seen.append(
+            torch.cat([p.grad.reshape(-1).clone() for g in self.param_groups for p in g["params"]])
+        )
+        return super().step(closure)
+
+
+def _loop(ddp, opt, batches, **kw):
+    loop = pycomm.TrainLoop(ddp, opt, **kw)
+    for x, y in batches:
+        loop.step(lambda x=x, y=y: torch.nn.functional.mse_loss(ddp(x), y))
+    return loop
+
+
+# --- k micro-steps == one step on the concatenated batch ---------------------------------
+
+
+def _rank_equivalence(mode):
+    rank = dist.get_rank()
+    windows = 3  # the first spans DDP's re-bucketing after its first iteration
+    batches = _batches(rank, K * windows)
+    if mode == "plain":
+        ddp, kw = DDP(_model(), bucket_cap_mb=0.004), {"accumulate_steps": K}
+    else:
+        ddp = pycomm.wrap(_model(), hook=mode, accumulate_steps=K, bucket_cap_mb=0.004)
+        kw = {}
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
+    loop = _loop(ddp, opt, batches, **kw)
+
+    ref = DDP(_model(), bucket_cap_mb=0.004)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.05, momentum=0.9)
+    for w in range(windows):
+        chunk = batches[w * K : (w + 1) * K]
+        x = torch.cat([b[0] for b in chunk])
+        y = torch.cat([b[1] for b in chunk])
+        ref_opt.zero_grad()
+        torch.nn.functional.mse_loss(ref(x), y).backward()
+        ref_opt.step()
+    ours, theirs = _flat(ddp.module), _flat(ref.module)
+    buckets = len(ddp._get_ddp_logging_data().get("rebuilt_bucket_sizes", "").split(","))
+    return {
+        "rel": ((ours - theirs).norm() / theirs.norm()).item(),
+        "params": ours,
+        "optimizer_steps": loop.optimizer_steps,
+        "skipped": loop.skipped_steps,
+        "buckets": buckets,
+        "stats": dict(pycomm.hook_state(ddp).stats) if mode != "plain" else {},
+    }
+
+
+@pytest.mark.parametrize("nprocs", [2, 4])
+@pytest.mark.parametrize("mode", ["allreduce", "plain"])
+def test_k_micro_steps_equal_one_large_batch_step(nprocs, mode):
+    results = run_ranks(_rank_equivalence, nprocs, mode, timeout=120)
+    for r in results:
+        assert r["rel"] <= 1e-6, r["rel"]
+        assert r["optimizer_steps"] == 3 and r["skipped"] == 0
+        assert torch.equal(r["params"], results[0]["params"])
+    if mode != "plain":
+        stats = results[0]["stats"]
+        assert results[0]["buckets"] >= 3  # several buckets, re-bucketed mid-window
+        assert stats["micro_steps"] == 3 * K and stats["steps"] == 3
+        n = sum(p.numel() for p in _model().parameters())
+        assert stats["accumulate_bytes"] == 4 * n
+
+
+def _rank_compressed_stage(hook):
+    # With a compression hook the result is close to, not equal to, the large-batch step;
+    # error feedback sees one step per window.
+    rank = dist.get_rank()
+    batches = _batches(rank, K * 4)
+    ddp = pycomm.wrap(_model(), hook=hook, accumulate_steps=K, bucket_cap_mb=0.004)
+    opt = RecordingSGD(ddp.parameters(), lr=0.05)
+    _loop(ddp, opt, batches)
+    ref = DDP(_model(), bucket_cap_mb=0.004)
+    ref_opt = RecordingSGD(ref.parameters(), lr=0.05)
+    for w in range(4):
+        chunk = batches[w * K : (w + 1) * K]
+        ref_opt.zero_grad()
+        x, y = torch.cat([b[0] for b in chunk]), torch.cat([b[1] for b in chunk])
+        torch.nn.functional.mse_loss(ref(x), y).backward()
+        ref_opt.step()
+    # the two runs stepped the same parameters only up to the first compressed step
+    a, b = opt.seen[2], ref_opt.seen[2]
+    return ((a - b).norm() / b.norm()).item(), dict(pycomm.hook_state(ddp).stats)
+
+
+@pytest.mark.parametrize("hook, bound", [("bf16", 1e-2), ("int8", 5e-2), ("onebit", 1.5)])
+def test_stage_composes_with_compression(hook, bound):
+    results = run_ranks(_rank_compressed_stage, 2, hook, timeout=120)
+    for rel, stats in results:
+        assert 0 < rel <= bound, rel
+        assert stats["steps"] == 4 and stats["micro_steps"] == 4 * K
+        assert stats["bytes_sent"] < stats["bytes_fp32"]  # two of the four steps compressed
+
+
+# --- bytes and collectives ---------------------------------------------------------------
+
+
+def _rank_traffic(hook):
+    rank = dist.get_rank()
+    windows = 5
+    batches = _batches(rank, K * windows)
+    out = {}
+    for k in (1, K):
+        ddp = pycomm.wrap(_model(), hook=hook, accumulate_steps=k, bucket_cap_mb=0.004)
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.01)
+        loop = pycomm.TrainLoop(ddp, opt)
+        before = None
+        for i, (x, y) in enumerate(batches):
+            if i == 3 * K:  # after DDP's re-bucketing and the compression warm-up
+                before = dict(pycomm.hook_state(ddp).stats)
+            loop.step(lambda x=x, y=y, m=ddp: torch.nn.functional.mse_loss(m(x), y))
+        after = pycomm.hook_state(ddp).stats
+        out[k] = {c: after[c] - before[c] for c in ("bytes_sent", "collectives", "buckets")}
+    return out
+
+
+@pytest.mark.parametrize("hook", ["allreduce", "int8"])
+def test_accumulation_communicates_a_kth(hook):
+    out = run_ranks(_rank_traffic, 2, hook, timeout=120)[0]
+    assert out[1]["collectives"] > 0 and out[1]["bytes_sent"] > 0
+    assert out[1]["collectives"] == K * out[K]["collectives"]
+    assert out[1]["bytes_sent"] == K * out[K]["bytes_sent"]
+
+
+# --- bf16 models: the fp32 buffer beats bf16 no_sync -------------------------------------
+
+
+def _rank_bf16(k):
+    rank, world = dist.get_rank(), dist.get_world_size()
+    all_batches = [_batches(r, k, size=8, seed=3, dtype=torch.bfloat16) for r in range(world)]
+    mine = all_batches[rank]
+    seen = {}
+    for mode in ("stage", "no_sync"):
+        if mode == "stage":
+            ddp = pycomm.wrap(_model(dtype=torch.bfloat16), accumulate_steps=k)
+        else:
+            ddp = DDP(_model(dtype=torch.bfloat16))
+        opt = RecordingSGD(ddp.parameters(), lr=0.0)
+        _loop(ddp, opt, mine, **({} if mode == "stage" else {"accumulate_steps": k}))
+        seen[mode] = opt.seen[-1].double()
+    # fp64: the mean over every rank's micro-batches of the micro-batch losses
+    ref = _model(dtype=torch.bfloat16).double()
+    for r in range(world):
+        for x, y in all_batches[r]:
+            loss = torch.nn.functional.mse_loss(ref(x.double()), y.double()) / (k * world)
+            loss.backward()
+    exact = torch.cat([p.grad.reshape(-1) for p in ref.parameters()])
+    return {m: ((g - exact).norm() / exact.norm()).item() for m, g in seen.items()}
+
+
+def test_bf16_model_accumulates_closer_to_fp64_than_bf16_no_sync():
+    for errs in run_ranks(_rank_bf16, 2, 16, timeout=120):
+        assert errs["stage"] < errs["no_sync"], errs
+        assert errs["stage"] < 1e-2, errs
+
+
+# --- parameters used in some micro-steps only --------------------------------------------
+
+
+class TwoHeads(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(5)
+        self.body = torch.nn.Linear(WIDTH, 32)
+        self.a = torch.nn.Linear(32, 5)
+        self.b = torch.nn.Linear(32, 5)
+        self.use_b = False
+
+    def forward(self, x):
+        h = torch.tanh(self.body(x))
+        return self.b(h) if self.use_b else self.a(h)
+
+
+def _uses_b(rank, micro):
+    # head b on rank 0 in micro-steps 0-1 of each window and on rank 1 in micro-step 2; never
+    # in the k-th, where DDP sees it unused by every rank
+    return (rank == 0 and micro % K < 2) or (rank == 1 and micro % K == 2)
+
+
+def _rank_unused(mode, bucket_view):
+    rank, world = dist.get_rank(), dist.get_world_size()
+    batches = _batches(rank, K * 2, seed=7)
+    model = TwoHeads()
+    kw = {"find_unused_parameters": True, "gradient_as_bucket_view": bucket_view}
+    if mode == "plain":
+        ddp, lkw = DDP(model, **kw), {"accumulate_steps": K}
+    else:
+        ddp, lkw = pycomm.wrap(model, hook=mode, accumulate_steps=K, **kw), {}
+    opt = RecordingSGD(ddp.parameters(), lr=0.1)
+    loop = pycomm.TrainLoop(ddp, opt, **lkw)
+    for i, (x, y) in enumerate(batches):
+        model.use_b = _uses_b(rank, i)
+        loop.step(lambda x=x, y=y: torch.nn.functional.mse_loss(ddp(x), y))
+    # the same on one process: the mean over ranks and micro-steps
+    ref = TwoHeads()
+    ref_opt = RecordingSGD(ref.parameters(), lr=0.1)
+    for w in range(2):
+        ref_opt.zero_grad()
+        for r in range(world):
+            for i, (x, y) in enumerate(_batches(r, K * 2, seed=7)):
+                if i // K != w:
+                    continue
+                ref.use_b = _uses_b(r, i)
+                (torch.nn.functional.mse_loss(ref(x), y) / (K * world)).backward()
+        for p in ref.parameters():
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        ref_opt.step()
+    return opt.seen, ref_opt.seen
+
+
+@pytest.mark.parametrize("bucket_view", [False, True])
+@pytest.mark.parametrize("mode", ["allreduce", "plain"])
+def test_parameters_used_in_some_micro_steps(mode, bucket_view):
+    results = run_ranks(_rank_unused, 2, mode, bucket_view, timeout=120)
+    for seen, ref in results:
+        assert len(seen) == 2
+        for a, b in zip(seen, ref):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+            assert b.abs().sum() > 0
+    for a, b in zip(results[0][0], results[1][0]):
+        assert torch.equal(a, b)
+
+
+# --- a NaN on one rank: every rank skips -------------------------------------------------
+
+
+def _rank_nan(mode, max_grad_norm):
+    rank = dist.get_rank()
+    batches = _batches(rank, K * 3, seed=9)
+    if mode == "plain":
+        ddp, kw = DDP(_model()), {"accumulate_steps": K}
+    else:
+        ddp = pycomm.wrap(_model(), hook=mode, accumulate_steps=K, hook_options=_OPTS.get(mode))
+        kw = {}
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
+    loop = pycomm.TrainLoop(ddp, opt, max_grad_norm=max_grad_norm, **kw)
+    snapshots = []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for i, (x, y) in enumerate(batches):
+            if i % K == 0:
+                snapshots.append(_flat(ddp.module).clone())
+            if rank == 1 and i == K + 2:
+                x = x.clone()
+                x[0, 0] = float("nan")
+            loop.step(lambda x=x, y=y: torch.nn.functional.mse_loss(ddp(x), y))
+    snapshots.append(_flat(ddp.module).clone())
+    messages = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
+    return snapshots, loop.optimizer_steps, loop.skipped_steps, messages
+
+
+_OPTS = {"int8": {"start_iter": 2}}
+
+
+@pytest.mark.parametrize(
+    "mode, max_grad_norm", [("plain", None), ("allreduce", 1.0), ("int8", 1.0)]
+)
+def test_non_finite_on_one_rank_skips_everywhere(mode, max_grad_norm):
+    results = run_ranks(_rank_nan, 2, mode, max_grad_norm, timeout=120)
+    for snaps, steps, skipped, messages in results:
+        assert steps == 2 and skipped == 1
+        assert not torch.equal(snaps[0], snaps[1])  # window 0 stepped
+        assert torch.equal(snaps[1], snaps[2])  # window 1 (the NaN) did not
+        assert torch.isfinite(snaps[3]).all() and not torch.equal(snaps[2], snaps[3])
+        assert len([m for m in messages if "non-finite" in m]) == 1
+    assert torch.equal(results[0][0][-1], results[1][0][-1])
+
+
+# --- clipping with the hook's norm --------------------------------------------------------
+
+
+def _rank_clip(mode):
+    rank = dist.get_rank()
+    batches = _batches(rank, K * 4, seed=11)
+    ddp = pycomm.wrap(_model(), hook=mode, accumulate_steps=K)
+    opt = RecordingSGD(ddp.parameters(), lr=0.05)
+    loop = pycomm.TrainLoop(ddp, opt, max_grad_norm=0.05)
+    norms = []
+    for i, (x, y) in enumerate(batches):
+        loop.step(lambda x=x, y=y: torch.nn.functional.mse_loss(ddp(x), y) * 50)
+        if (i + 1) % K == 0:
+            norms.append(loop.last_grad_norm)
+    return norms, [g.norm().item() for g in opt.seen]
+
+
+@pytest.mark.parametrize("mode", ["allreduce", "int8"])
+def test_clipping_to_max_grad_norm(mode):
+    norms, clipped = run_ranks(_rank_clip, 2, mode, timeout=120)[0]
+    assert all(n > 0.05 for n in norms), norms  # every step needed clipping
+    for c in clipped:
+        assert abs(c - 0.05) <= 1e-4, clipped
+
+
+# --- checkpoint mid-window ----------------------------------------------------------------
+
+
+def _rank_resume():
+    rank = dist.get_rank()
+    batches = _batches(rank, K * 3, seed=13)
+
+    def build():
+        ddp = pycomm.wrap(_model(), hook="allreduce", accumulate_steps=K, bucket_cap_mb=0.004)
+        return ddp, torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
+
+    ddp, opt = build()
+    loop = pycomm.TrainLoop(ddp, opt)
+    for x, y in batches:
+        loop.step(lambda x=x, y=y: torch.nn.functional.mse_loss(ddp(x), y))
+    straight = _flat(ddp.module)
+
+    cut = K + 2  # mid-window
+    ddp, opt = build()
+    loop = pycomm.TrainLoop(ddp, opt)
+    for x, y in batches[:cut]:
+        loop.step(lambda x=x, y=y: torch.nn.functional.mse_loss(ddp(x), y))
+    saved = copy.deepcopy(
+        {
+            "model": ddp.module.state_dict(),
+            "opt": opt.state_dict(),
+            "hook": pycomm.hook_state(ddp).state_dict(),
+        }
+    )
+    assert saved["hook"]["micro_step"] == cut and saved["hook"]["sums"]
+
+    ddp, opt = build()  # fresh DDP: buckets its first iteration differently
+    ddp.module.load_state_dict(saved["model"])
+    opt.load_state_dict(saved["opt"])
+    pycomm.hook_state(ddp).load_state_dict(saved["hook"])
+    loop = pycomm.TrainLoop(ddp, opt)
+    assert loop.micro_steps == cut
+    for x, y in batches[cut:]:
+        loop.step(lambda x=x, y=y: torch.nn.functional.mse_loss(ddp(x), y))
+    return straight, _flat(ddp.module)
+
+
+def test_resume_mid_window_is_bitwise_equal():
+    for straight, resumed in run_ranks(_rank_resume, 2, timeout=120):
+        assert torch.equal(straight, resumed)
+
+
+# --- bad input ---------------------------------------------------------------------------
+
+
+def _rank_bad_input():
+    errors = {}
+    ddp = pycomm.wrap(_model(), accumulate_steps=K)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    cases = {
+        "conflict": lambda: pycomm.TrainLoop(ddp, opt, accumulate_steps=2),
+        "norm": lambda: pycomm.TrainLoop(ddp, opt, max_grad_norm=-1.0),
+        "norm_nan": lambda: pycomm.TrainLoop(ddp, opt, max_grad_norm=float("nan")),
+        "k_zero": lambda: pycomm.TrainLoop(DDP(_model()), opt, accumulate_steps=0),
+        "not_ddp": lambda: pycomm.TrainLoop(_model(), opt),
+        "not_opt": lambda: pycomm.TrainLoop(ddp, "sgd"),
+        "closure": lambda: pycomm.TrainLoop(ddp, opt).step(3),
+        "vector_loss": lambda: pycomm.TrainLoop(ddp, opt).step(
+            lambda: ddp(torch.randn(2, WIDTH)).sum(0)
+        ),
+        "wrap_k": lambda: pycomm.wrap(_model(), accumulate_steps=0),
+    }
+    for name, fn in cases.items():
+        try:
+            fn()
+            errors[name] = None
+        except Exception as e:  # noqa: BLE001 - the test compares types and messages
+            errors[name] = (type(e).__name__, str(e))
+    return errors
+
+
+def test_bad_input_names_the_argument():
+    errors = run_ranks(_rank_bad_input, 1, timeout=60)[0]
+    expect = {
+        "conflict": ("ValueError", "accumulate_steps=2"),
+        "norm": ("ValueError", "max_grad_norm=-1.0"),
+        "norm_nan": ("ValueError", "max_grad_norm=nan"),
+        "k_zero": ("ValueError", "accumulate_steps=0"),
+        "not_ddp": ("TypeError", "ddp is a Sequential"),
+        "not_opt": ("TypeError", "optimizer is a str"),
+        "closure": ("TypeError", "closure is a int"),
+        "vector_loss": ("TypeError", "expected a scalar loss"),
+        "wrap_k": ("ValueError", "accumulate_steps=0"),
+    }
+    for name, (kind, text) in expect.items():
+        assert errors[name] is not None, name
+        assert errors[name][0] == kind and text in errors[name][1], (name, errors[name])
