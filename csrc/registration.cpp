@@ -31,21 +31,23 @@ TORCH_LIBRARY(pycomm, m) {
   // BFloat16, n elements, any shape and strides), computes y = x * scale + residual over
   // `numel` >= n elements (x padded with zeros), and updates residual (optional; Float,
   // contiguous, numel elements, x's device) in place to y - decode(code), except where the
-  // block (16-bit: the element) is non-finite, where it keeps its value.
+  // block (16-bit: the element) is non-finite, where it keeps its value. With residual_out
+  // (as residual, not overlapping it) the new residual goes there and residual is only read:
+  // the hooks keep two and commit a step's only once it is known to be finite everywhere.
   //
   // Returns [numel] of dtype (Half or BFloat16): y rounded.
-  m.def("encode16(Tensor x, Tensor(a!)? residual, float scale, ScalarType dtype, int numel) "
-        "-> Tensor");
+  m.def("encode16(Tensor x, Tensor(a!)? residual, float scale, ScalarType dtype, int numel, "
+        "Tensor(b!)? residual_out=None) -> Tensor");
   // block >= 1 divides numel. Returns (codes Char [numel], scales Float [numel / block]):
   // per block s = absmax / 127, codes round_half_even(y * 127 / absmax); a non-finite block
   // has scale NaN and codes 0.
-  m.def("quantize_int8(Tensor x, Tensor(a!)? residual, float scale, int block, int numel) "
-        "-> (Tensor, Tensor)");
+  m.def("quantize_int8(Tensor x, Tensor(a!)? residual, float scale, int block, int numel, "
+        "Tensor(b!)? residual_out=None) -> (Tensor, Tensor)");
   // block % 8 == 0 divides numel. Returns (bits Byte [numel / 8], scales BFloat16
   // [numel / block]): bit j of byte k is y[8k + j] >= 0; scale = mean |y| of the block, NaN
   // for a non-finite block.
-  m.def("quantize_onebit(Tensor x, Tensor(a!)? residual, float scale, int block, int numel) "
-        "-> (Tensor, Tensor)");
+  m.def("quantize_onebit(Tensor x, Tensor(a!)? residual, float scale, int block, int numel, "
+        "Tensor(b!)? residual_out=None) -> (Tensor, Tensor)");
   // The decoders: R >= 1 rows of m elements each, contiguous. out (Float, Half or BFloat16,
   // contiguous, numel <= m, the rows' device) = scale * the fp32 sum over rows, in row order,
   // of each row's first out.numel() decoded elements, rounded once to out's dtype. Each

@@ -191,24 +191,30 @@ def scale_(t: torch.Tensor, scale: float) -> None:
 # --- compression codecs (arithmetic: pycomm.reference) ------------------------------------
 
 
-def _check_encoder(op: str, x, residual, numel: int) -> None:
+def _check_residual(op: str, arg: str, r, x, numel: int) -> None:
+    if r.dtype != torch.float32:
+        raise RuntimeError(f"{op}: {arg} has dtype {r.dtype}, expected Float")
+    if r.device != x.device:
+        raise RuntimeError(f"{op}: {arg} is on {r.device}, expected {x.device} like x")
+    if r.numel() != numel:
+        raise RuntimeError(f"{op}: {arg} has {r.numel()} elements, expected numel = {numel}")
+    if not r.is_contiguous():
+        raise RuntimeError(f"{op}: {arg} has strides {r.stride()}, expected a contiguous tensor")
+
+
+def _check_encoder(op: str, x, residual, numel: int, residual_out=None) -> None:
     _check_float(op, "x", x)
     if numel < x.numel():
         raise RuntimeError(f"{op}: numel is {numel}, expected >= x.numel() = {x.numel()}")
-    if residual is None:
+    if residual is not None:
+        _check_residual(op, "residual", residual, x, numel)
+    if residual_out is None:
         return
-    if residual.dtype != torch.float32:
-        raise RuntimeError(f"{op}: residual has dtype {residual.dtype}, expected Float")
-    if residual.device != x.device:
-        raise RuntimeError(f"{op}: residual is on {residual.device}, expected {x.device} like x")
-    if residual.numel() != numel:
+    if residual is None:
         raise RuntimeError(
-            f"{op}: residual has {residual.numel()} elements, expected numel = {numel}"
+            f"{op}: residual_out is given without residual, expected both or residual alone"
         )
-    if not residual.is_contiguous():
-        raise RuntimeError(
-            f"{op}: residual has strides {residual.stride()}, expected a contiguous tensor"
-        )
+    _check_residual(op, "residual_out", residual_out, x, numel)
 
 
 def _check_block(op: str, block: int, numel: int, multiple_of: int) -> None:
@@ -260,23 +266,23 @@ def _check_out(op: str, out, ref_arg: str, ref, m: int) -> None:
 
 
 @torch.library.register_fake("pycomm::encode16")
-def _encode16_fake(x, residual, scale, dtype, numel):
-    _check_encoder("pycomm.encode16", x, residual, numel)
+def _encode16_fake(x, residual, scale, dtype, numel, residual_out=None):
+    _check_encoder("pycomm.encode16", x, residual, numel, residual_out)
     if dtype not in (torch.float16, torch.bfloat16):
         raise RuntimeError(f"pycomm.encode16: dtype is {dtype}, expected Half or BFloat16")
     return x.new_empty(numel, dtype=dtype)
 
 
 @torch.library.register_fake("pycomm::quantize_int8")
-def _quantize_int8_fake(x, residual, scale, block, numel):
-    _check_encoder("pycomm.quantize_int8", x, residual, numel)
+def _quantize_int8_fake(x, residual, scale, block, numel, residual_out=None):
+    _check_encoder("pycomm.quantize_int8", x, residual, numel, residual_out)
     _check_block("pycomm.quantize_int8", block, numel, 1)
     return x.new_empty(numel, dtype=torch.int8), x.new_empty(numel // block, dtype=torch.float32)
 
 
 @torch.library.register_fake("pycomm::quantize_onebit")
-def _quantize_onebit_fake(x, residual, scale, block, numel):
-    _check_encoder("pycomm.quantize_onebit", x, residual, numel)
+def _quantize_onebit_fake(x, residual, scale, block, numel, residual_out=None):
+    _check_encoder("pycomm.quantize_onebit", x, residual, numel, residual_out)
     _check_block("pycomm.quantize_onebit", block, numel, 8)
     return (
         x.new_empty(numel // 8, dtype=torch.uint8),
@@ -333,15 +339,17 @@ def encode16(
     scale: float,
     dtype: torch.dtype,
     numel: int,
+    residual_out: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Round ``y = x * scale + residual`` (x padded with zeros to ``numel``) to ``dtype``
     (fp16 or bf16) in one pass; ``residual`` (fp32, ``numel``, optional) becomes the rounding
-    error, except where the result is not finite.
+    error, except where the result is not finite. With ``residual_out`` the new residual is
+    written there and ``residual`` is only read (the encoders all take it).
 
     Example:
         >>> payload = pycomm.ops.encode16(bucket, residual, 1 / world_size, torch.bfloat16, n)
     """
-    return torch.ops.pycomm.encode16(x, residual, float(scale), dtype, int(numel))
+    return torch.ops.pycomm.encode16(x, residual, float(scale), dtype, int(numel), residual_out)
 
 
 def quantize_int8(
@@ -350,6 +358,7 @@ def quantize_int8(
     scale: float,
     block: int,
     numel: int,
+    residual_out: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Symmetric int8 codes of ``y = x * scale + residual`` per block of ``block`` elements,
     with error feedback, in one pass. Returns ``(codes int8 [numel], scales fp32
@@ -358,7 +367,9 @@ def quantize_int8(
     Example:
         >>> codes, scales = pycomm.ops.quantize_int8(bucket, residual, 1.0, 256, n)
     """
-    return torch.ops.pycomm.quantize_int8(x, residual, float(scale), int(block), int(numel))
+    return torch.ops.pycomm.quantize_int8(
+        x, residual, float(scale), int(block), int(numel), residual_out
+    )
 
 
 def quantize_onebit(
@@ -367,6 +378,7 @@ def quantize_onebit(
     scale: float,
     block: int,
     numel: int,
+    residual_out: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sign bits of ``y = x * scale + residual`` (8 per byte) and one bf16 scale per block
     (the block's mean ``|y|``), with error feedback, in one pass. Returns ``(bits uint8
@@ -375,7 +387,9 @@ def quantize_onebit(
     Example:
         >>> bits, scales = pycomm.ops.quantize_onebit(bucket, residual, 1.0, 64, n)
     """
-    return torch.ops.pycomm.quantize_onebit(x, residual, float(scale), int(block), int(numel))
+    return torch.ops.pycomm.quantize_onebit(
+        x, residual, float(scale), int(block), int(numel), residual_out
+    )
 
 
 def decode16_sum(chunks: torch.Tensor, scale: float, out: torch.Tensor) -> torch.Tensor:

@@ -46,7 +46,8 @@ def scale_(t: torch.Tensor, scale: float) -> None:
 # residual when one is given, and encodes ``numel`` >= n elements (x padded with zeros). The
 # residual (fp32, ``numel`` elements) is updated in place to y - decode(code), except where the
 # block (or, for 16-bit, the element) is non-finite: there it keeps its old value, so that a
-# NaN never poisons later steps. Non-finite input never becomes finite output: a non-finite
+# NaN never poisons later steps. With ``residual_out`` the new residual goes there instead and
+# ``residual`` is left as it was. Non-finite input never becomes finite output: a non-finite
 # block gets a NaN scale, so it decodes to NaN on every rank.
 
 
@@ -61,17 +62,18 @@ def _prepare(x, residual, scale, numel):
     return y
 
 
-def encode16(x, residual, scale, dtype, numel):
+def encode16(x, residual, scale, dtype, numel, residual_out=None):
     """y = x * scale (+ residual), padded to numel, rounded to dtype (Half or BFloat16)."""
     y = _prepare(x, residual, scale, numel)
     out = y.to(dtype)
     if residual is not None:
         back = out.float()
-        residual.copy_(torch.where(back.isfinite(), y - back, residual))
+        new = torch.where(back.isfinite(), y - back, residual)
+        (residual if residual_out is None else residual_out).copy_(new)
     return out
 
 
-def quantize_int8(x, residual, scale, block, numel):
+def quantize_int8(x, residual, scale, block, numel, residual_out=None):
     """Symmetric int8 per block of ``block`` elements: s = absmax / 127 (fp32),
     q = round_half_even(y * (127 / absmax)), decode q * s. Returns (codes int8 [numel],
     scales fp32 [numel / block])."""
@@ -87,11 +89,12 @@ def quantize_int8(x, residual, scale, block, numel):
     q = torch.where(finite[:, None], q, torch.zeros_like(q))
     if residual is not None:
         r = residual.view(-1, block)
-        r.copy_(torch.where(finite[:, None], y - q * s[:, None], r))
+        new = torch.where(finite[:, None], y - q * s[:, None], r)
+        (residual if residual_out is None else residual_out).view(-1, block).copy_(new)
     return q.to(torch.int8).view(-1), s
 
 
-def quantize_onebit(x, residual, scale, block, numel):
+def quantize_onebit(x, residual, scale, block, numel, residual_out=None):
     """Sign bits per element (1 for y >= 0), 8 per byte, element 8k+j at bit j of byte k; one
     bf16 scale per block: mean |y| summed in fp64, rounded to fp32 then bf16. Decode: +s or
     -s. Returns (bits uint8 [numel / 8], scales bf16 [numel / block])."""
@@ -103,7 +106,8 @@ def quantize_onebit(x, residual, scale, block, numel):
     if residual is not None:
         dec = torch.where(pos, s.float()[:, None], -s.float()[:, None])
         r = residual.view(-1, block)
-        r.copy_(torch.where(finite[:, None], y - dec, r))
+        new = torch.where(finite[:, None], y - dec, r)
+        (residual if residual_out is None else residual_out).view(-1, block).copy_(new)
     weights = (2 ** torch.arange(8, device=y.device)).to(torch.uint8)
     bits = (pos.view(-1, 8).to(torch.uint8) * weights).sum(1, dtype=torch.uint8)
     return bits, s

@@ -66,6 +66,48 @@ def _check_encoder(name, x, scale, arg, numel, with_residual, updates=True):
 # --- encoders against the reference --------------------------------------------------------
 
 
+@pytest.mark.parametrize(
+    "name, arg, block",
+    [("quantize_int8", 64, 64), ("quantize_onebit", 64, 64), ("encode16", torch.bfloat16, 8)],
+)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_residual_out_leaves_residual_and_matches_in_place(name, arg, block, dtype):
+    # What the hooks rely on to drop a step's residuals when it turns out non-finite: the new
+    # residual in residual_out (NaN blocks keep the old value there too), the old one intact,
+    # everything else as the in-place update gives it.
+    for n in _sizes(block):
+        numel = _numel(n, block, pad_blocks=1)
+        x = _x(n, dtype, block)
+        old = _residual(numel)
+        r_in, out = old.clone(), torch.full((numel,), 123.0)
+        got = getattr(ops, name)(x, r_in, 0.5, arg, numel, residual_out=out)
+        _bits_equal(r_in, old)
+        in_place = old.clone()
+        want = getattr(ops, name)(x, in_place, 0.5, arg, numel)
+        _bits_equal(out, in_place)
+        ref_in, ref_out = old.clone(), torch.full((numel,), 123.0)
+        ref = getattr(reference, name)(x, ref_in, 0.5, arg, numel, residual_out=ref_out)
+        _bits_equal(ref_out, out)
+        _bits_equal(ref_in, old)
+        got, want, ref = ((t,) if isinstance(t, torch.Tensor) else t for t in (got, want, ref))
+        for a, b, c in zip(got, want, ref):
+            _bits_equal(a, b)
+            _bits_equal(a, c)
+
+
+def test_residual_out_bad_input():
+    x, r = torch.ones(16), torch.zeros(16)
+    with pytest.raises(RuntimeError, match="residual_out is given without residual"):
+        ops.quantize_int8(x, None, 1.0, 8, 16, residual_out=r)
+    with pytest.raises(RuntimeError, match="residual_out has 8 elements, expected numel = 16"):
+        ops.quantize_onebit(x, r, 1.0, 8, 16, residual_out=torch.zeros(8))
+    with pytest.raises(RuntimeError, match="residual_out has dtype Half"):
+        ops.encode16(x, r, 1.0, torch.float16, 16, residual_out=torch.zeros(16).half())
+    big = torch.zeros(24)
+    with pytest.raises(RuntimeError, match="residual_out overlaps residual"):
+        ops.quantize_int8(x, big[:16], 1.0, 8, 16, residual_out=big[8:])
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("block", [1, 8, 64, 100, 256])
 def test_quantize_int8(dtype, block):
@@ -519,6 +561,9 @@ def _samples():
         yield "quantize_int8", (x.t(), None, 1.0, 100, 300)
         yield "quantize_onebit", (x, _residual(320), 0.5, 64, 320)
         yield "quantize_onebit", (x.t(), None, 1.0, 8, 320)
+        yield "quantize_int8", (x, _residual(320), 0.5, 64, 320, torch.zeros(320))
+        yield "quantize_onebit", (x, _residual(320), 0.5, 64, 320, torch.zeros(320))
+        yield "encode16", (x, _residual(320), 0.5, torch.float16, 320, torch.zeros(320))
     for out_dtype in OUT_DTYPES:
         codes, scales = _encode_rows("quantize_int8", 2, 300, 64, 320, False)
         yield "dequantize_int8_sum", (codes, scales, 64, 0.5, torch.empty(310, dtype=out_dtype))

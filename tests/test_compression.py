@@ -120,7 +120,7 @@ def _rank_bucket(hook, options, n, steps, nan_step):
         ddp(x).backward()
         sent.append(state.stats["bytes_sent"] - before)
         outs.append(ddp.module.p.grad.clone())
-    res = {k: {name: t.clone() for name, t in r.items()} for k, r in state.residuals.items()}
+    res = state.state_dict()["residuals"]  # committed: the last step's included
     return outs, sent, dict(state.stats), res, c
 
 

@@ -14,6 +14,7 @@
 // than torch's: a 1-bit block's sum of |y| (exact, hence equal, unless one block spans more
 // than ~2^(29 - log2 block) in magnitude) and the decoders' squared norm.
 #include <ATen/ATen.h>
+#include <ATen/MemoryOverlap.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
@@ -113,6 +114,11 @@ const std::array<std::array<float, 8>, 256> kSigns = [] {
   return t;
 }();
 
+// A non-finite block keeps its residual: copied over when it is written to another tensor.
+inline void keep_residual(float* r, const float* r_in, int64_t i, int64_t len) {
+  if (r != nullptr && r != r_in) std::memcpy(r + i, r_in + i, len * sizeof(float));
+}
+
 // y = x * s (+ r), x zero beyond its n elements: the references' y, staged a tile at a time.
 template <typename T>
 struct Source {
@@ -154,7 +160,8 @@ struct Source {
 struct Int8Codec {
   int8_t* codes;       // [numel]
   float* scales;       // [numel / block]
-  float* r;            // [numel] or nullptr
+  float* r;            // [numel] residual written, or nullptr
+  const float* r_in;   // [numel] residual read (r itself when updated in place)
   using Stat = float;  // absmax, NaN-propagating: finite iff the block is
   struct Param {
     float s, inv;
@@ -200,6 +207,7 @@ struct Int8Codec {
   void quant(int64_t i, const float* y, int64_t len, const Param& p) const {
     if (!p.finite) {
       std::memset(codes + i, 0, len);
+      keep_residual(r, r_in, i, len);
       return;
     }
     constexpr int64_t W = FVec::size();
@@ -229,7 +237,8 @@ struct Int8Codec {
 struct OnebitCodec {
   uint8_t* bits;         // [numel / 8]
   at::BFloat16* scales;  // [numel / block]
-  float* r;              // [numel] or nullptr
+  float* r;              // [numel] residual written, or nullptr
+  const float* r_in;     // [numel] residual read (r itself when updated in place)
   int64_t block;
   using Stat = double;  // sum of |y|: finite iff the block is (no fp32 sum overflows fp64)
   struct Param {
@@ -276,6 +285,7 @@ struct OnebitCodec {
   // Bits (and residual) of elements [i, i + len) of one block, i and len multiples of 8.
   void quant(int64_t i, const float* y, int64_t len, const Param& p) const {
     uint8_t* out = bits + i / 8;
+    if (!p.finite) keep_residual(r, r_in, i, len);
     float* rp = (r != nullptr && p.finite) ? r + i : nullptr;
     const FVec zero(0.0f), pos_s(p.s), neg_s(-p.s);
     for (int64_t j = 0; j < len; j += FVec::size()) {
@@ -325,23 +335,38 @@ void encode_blocks(const Source<T>& src, int64_t nblocks, int64_t block, const C
 
 // x: any float dtype, n <= numel elements, any strides. residual: [numel] fp32 contiguous on
 // x's device, or absent.
+void check_residual(const char* op, const char* arg, const at::Tensor& r, const at::Tensor& x,
+                    int64_t numel) {
+  TORCH_CHECK(r.defined(), op, ": ", arg, " is an undefined tensor");
+  TORCH_CHECK(r.layout() == at::kStrided, op, ": ", arg, " has layout ", r.layout(),
+              ", expected a dense (strided) tensor");
+  TORCH_CHECK(r.scalar_type() == at::kFloat, op, ": ", arg, " has dtype ", r.scalar_type(),
+              ", expected Float");
+  check_same_device(op, arg, r, "x", x);
+  TORCH_CHECK(r.numel() == numel, op, ": ", arg, " has ", r.numel(),
+              " elements, expected numel = ", numel);
+  TORCH_CHECK(r.is_contiguous(), op, ": ", arg, " has strides ", r.strides(),
+              ", expected a contiguous tensor");
+}
+
+// residual_out: absent (residual is updated in place), or as residual, given with it, and not
+// overlapping it (residual is then only read).
 void check_encoder(const char* op, const at::Tensor& x,
-                   const std::optional<at::Tensor>& residual, int64_t numel) {
+                   const std::optional<at::Tensor>& residual, int64_t numel,
+                   const std::optional<at::Tensor>& residual_out) {
   check_float(op, "x", x);
   TORCH_CHECK(numel >= x.numel(), op, ": numel is ", numel, ", expected >= x.numel() = ",
               x.numel());
-  if (!residual.has_value()) return;
-  const auto& r = *residual;
-  TORCH_CHECK(r.defined(), op, ": residual is an undefined tensor");
-  TORCH_CHECK(r.layout() == at::kStrided, op, ": residual has layout ", r.layout(),
-              ", expected a dense (strided) tensor");
-  TORCH_CHECK(r.scalar_type() == at::kFloat, op, ": residual has dtype ", r.scalar_type(),
-              ", expected Float");
-  check_same_device(op, "residual", r, "x", x);
-  TORCH_CHECK(r.numel() == numel, op, ": residual has ", r.numel(), " elements, expected numel = ",
-              numel);
-  TORCH_CHECK(r.is_contiguous(), op, ": residual has strides ", r.strides(),
-              ", expected a contiguous tensor");
+  if (residual.has_value()) check_residual(op, "residual", *residual, x, numel);
+  if (!residual_out.has_value()) return;
+  TORCH_CHECK(residual.has_value(), op,
+              ": residual_out is given without residual, expected both or residual alone");
+  check_residual(op, "residual_out", *residual_out, x, numel);
+  const auto& a = *residual;
+  const auto& b = *residual_out;
+  TORCH_CHECK(numel == 0 || a.data_ptr() == b.data_ptr() ||
+                  at::get_overlap_status(a, b) == at::MemOverlapStatus::No,
+              op, ": residual_out overlaps residual, expected separate tensors (or the same one)");
 }
 
 void check_block(const char* op, int64_t block, int64_t numel, int64_t multiple_of) {
@@ -352,15 +377,17 @@ void check_block(const char* op, int64_t block, int64_t numel, int64_t multiple_
               block);
 }
 
-// Calls f(Source<T>, r) with T x's dtype and r the residual's data (nullptr without one).
+// Calls f(Source<T>, r) with T x's dtype, the source reading residual and r the residual to
+// write (residual_out's data if given, else residual's; nullptr without one).
 template <typename F>
 void with_source(const at::Tensor& x, const std::optional<at::Tensor>& residual, double scale,
-                 F&& f) {
+                 const std::optional<at::Tensor>& residual_out, F&& f) {
   const at::Tensor xc = x.contiguous();
-  float* r = residual.has_value() ? residual->data_ptr<float>() : nullptr;
+  float* r_in = residual.has_value() ? residual->data_ptr<float>() : nullptr;
+  float* r = residual_out.has_value() ? residual_out->data_ptr<float>() : r_in;
   dispatch_float(xc.scalar_type(), [&](auto tag) {
     using T = decltype(tag);
-    f(Source<T>{xc.const_data_ptr<T>(), r, xc.numel(), static_cast<float>(scale)}, r);
+    f(Source<T>{xc.const_data_ptr<T>(), r_in, xc.numel(), static_cast<float>(scale)}, r);
   });
 }
 
@@ -368,14 +395,16 @@ void with_source(const at::Tensor& x, const std::optional<at::Tensor>& residual,
 // dtype: Half or BFloat16. Returns [numel] of dtype: y = x * scale (+ residual) padded with
 // zeros to numel, rounded; residual = y - returned where that is finite.
 at::Tensor encode16_cpu(const at::Tensor& x, const std::optional<at::Tensor>& residual,
-                        double scale, at::ScalarType dtype, int64_t numel) {
+                        double scale, at::ScalarType dtype, int64_t numel,
+                        const std::optional<at::Tensor>& residual_out) {
   constexpr const char* op = "pycomm.encode16";
-  check_encoder(op, x, residual, numel);
+  check_encoder(op, x, residual, numel, residual_out);
   TORCH_CHECK(dtype == at::kHalf || dtype == at::kBFloat16, op, ": dtype is ", dtype,
               ", expected Half or BFloat16");
   at::Tensor out = at::empty({numel}, x.options().dtype(dtype));
   if (numel == 0) return out;
-  with_source(x, residual, scale, [&](const auto& src, float* r) {
+  with_source(x, residual, scale, residual_out, [&](const auto& src, float* r) {
+    const float* r_in = src.r;
     dispatch_float(dtype, [&](auto out_tag) {
       using out_t = decltype(out_tag);
       out_t* o = out.data_ptr<out_t>();
@@ -386,6 +415,7 @@ at::Tensor encode16_cpu(const at::Tensor& x, const std::optional<at::Tensor>& re
           src.load(i, len, y);
           out_t* dst = o + i;
           float* rp = r != nullptr ? r + i : nullptr;
+          const float* rin = r != nullptr ? r_in + i : nullptr;
           int64_t j = 0;
           for (; j + kStep <= len; j += kStep) {
             FVec a, b2;
@@ -395,8 +425,8 @@ at::Tensor encode16_cpu(const at::Tensor& x, const std::optional<at::Tensor>& re
             FVec ba, bb;
             VecIO<out_t>::load(dst + j, ba, bb);
             const FVec lim(kMaxFinite);
-            const FVec ra = FVec::blendv(FVec::loadu(rp + j), a - ba, ba.abs() <= lim);
-            const FVec rb = FVec::blendv(FVec::loadu(rp + j + FVec::size()), b2 - bb,
+            const FVec ra = FVec::blendv(FVec::loadu(rin + j), a - ba, ba.abs() <= lim);
+            const FVec rb = FVec::blendv(FVec::loadu(rin + j + FVec::size()), b2 - bb,
                                          bb.abs() <= lim);
             VecIO<float>::store(rp + j, ra, rb);
           }
@@ -404,7 +434,7 @@ at::Tensor encode16_cpu(const at::Tensor& x, const std::optional<at::Tensor>& re
             dst[j] = static_cast<out_t>(y[j]);
             if (rp == nullptr) continue;
             const float back = static_cast<float>(dst[j]);
-            if (std::isfinite(back)) rp[j] = y[j] - back;
+            rp[j] = std::isfinite(back) ? y[j] - back : rin[j];
           }
         }
       });
@@ -417,15 +447,16 @@ at::Tensor encode16_cpu(const at::Tensor& x, const std::optional<at::Tensor>& re
 // scales fp32 [numel / block]).
 std::tuple<at::Tensor, at::Tensor> quantize_int8_cpu(const at::Tensor& x,
                                                      const std::optional<at::Tensor>& residual,
-                                                     double scale, int64_t block, int64_t numel) {
+                                                     double scale, int64_t block, int64_t numel,
+                                                     const std::optional<at::Tensor>& residual_out) {
   constexpr const char* op = "pycomm.quantize_int8";
-  check_encoder(op, x, residual, numel);
+  check_encoder(op, x, residual, numel, residual_out);
   check_block(op, block, numel, 1);
   at::Tensor codes = at::empty({numel}, x.options().dtype(at::kChar));
   at::Tensor scales = at::empty({numel / block}, x.options().dtype(at::kFloat));
   if (numel == 0) return {codes, scales};
-  with_source(x, residual, scale, [&](const auto& src, float* r) {
-    const Int8Codec codec{codes.data_ptr<int8_t>(), scales.data_ptr<float>(), r};
+  with_source(x, residual, scale, residual_out, [&](const auto& src, float* r) {
+    const Int8Codec codec{codes.data_ptr<int8_t>(), scales.data_ptr<float>(), r, src.r};
     encode_blocks(src, numel / block, block, codec);
   });
   return {codes, scales};
@@ -436,15 +467,17 @@ std::tuple<at::Tensor, at::Tensor> quantize_int8_cpu(const at::Tensor& x,
 std::tuple<at::Tensor, at::Tensor> quantize_onebit_cpu(const at::Tensor& x,
                                                        const std::optional<at::Tensor>& residual,
                                                        double scale, int64_t block,
-                                                       int64_t numel) {
+                                                       int64_t numel,
+                                                       const std::optional<at::Tensor>& residual_out) {
   constexpr const char* op = "pycomm.quantize_onebit";
-  check_encoder(op, x, residual, numel);
+  check_encoder(op, x, residual, numel, residual_out);
   check_block(op, block, numel, 8);
   at::Tensor bits = at::empty({numel / 8}, x.options().dtype(at::kByte));
   at::Tensor scales = at::empty({numel / block}, x.options().dtype(at::kBFloat16));
   if (numel == 0) return {bits, scales};
-  with_source(x, residual, scale, [&](const auto& src, float* r) {
-    const OnebitCodec codec{bits.data_ptr<uint8_t>(), scales.data_ptr<at::BFloat16>(), r, block};
+  with_source(x, residual, scale, residual_out, [&](const auto& src, float* r) {
+    const OnebitCodec codec{bits.data_ptr<uint8_t>(), scales.data_ptr<at::BFloat16>(), r, src.r,
+                            block};
     encode_blocks(src, numel / block, block, codec);
   });
   return {bits, scales};

@@ -45,7 +45,7 @@ class Codec:
     def scale_bytes(self, m: int) -> int:
         return 0
 
-    def encode(self, x, residual, scale, numel):
+    def encode(self, x, residual, scale, numel, residual_out=None):
         raise NotImplementedError
 
     def decode_sum(self, codes, scales, scale, out):
@@ -93,8 +93,8 @@ class Float16Codec(Codec):
     def code_bytes(self, m: int) -> int:
         return 2 * m
 
-    def encode(self, x, residual, scale, numel):
-        return ops.encode16(x, residual, scale, self.code_dtype, numel), None
+    def encode(self, x, residual, scale, numel, residual_out=None):
+        return ops.encode16(x, residual, scale, self.code_dtype, numel, residual_out), None
 
     def decode_sum(self, codes, scales, scale, out):
         return ops.decode16_sum(codes, scale, out)
@@ -109,8 +109,8 @@ class Int8Codec(Codec):
     def scale_bytes(self, m: int) -> int:
         return 4 * (m // self.block)
 
-    def encode(self, x, residual, scale, numel):
-        return ops.quantize_int8(x, residual, scale, self.block, numel)
+    def encode(self, x, residual, scale, numel, residual_out=None):
+        return ops.quantize_int8(x, residual, scale, self.block, numel, residual_out)
 
     def decode_sum(self, codes, scales, scale, out):
         return ops.dequantize_int8_sum(codes, scales, self.block, scale, out)
@@ -125,8 +125,8 @@ class OneBitCodec(Codec):
     def scale_bytes(self, m: int) -> int:
         return 2 * (m // self.block)
 
-    def encode(self, x, residual, scale, numel):
-        return ops.quantize_onebit(x, residual, scale, self.block, numel)
+    def encode(self, x, residual, scale, numel, residual_out=None):
+        return ops.quantize_onebit(x, residual, scale, self.block, numel, residual_out)
 
     def decode_sum(self, codes, scales, scale, out):
         return ops.dequantize_onebit_sum(codes, scales, self.block, scale, out)
@@ -201,8 +201,14 @@ class CompressedState(HookState):
         )
         self.codec = self.make_codec(options)
         self.iter = 0
-        # (bucket index, numel, dtype) -> {"r1": phase-1 residual, "r2": phase-2 residual}
+        # (bucket index, numel, dtype) -> {"r1": phase-1 residual, "r2": phase-2 residual}, as
+        # of the last finite step. A step writes its new residuals into _next and they are
+        # committed (swapped in) once every bucket of the step decoded finite, on every rank
+        # alike: a step with a NaN or Inf anywhere leaves the residuals bitwise as they were.
         self.residuals: dict[tuple, dict[str, torch.Tensor]] = {}
+        self._next: dict[tuple, dict[str, torch.Tensor]] = {}
+        self._touched: set[tuple] = set()  # buckets whose _next holds the current step's
+        self._bad_steps: set[int] = set()
         self._pending: Optional[dict[tuple, dict[str, torch.Tensor]]] = None
         self._buffers: dict[tuple, dict[str, torch.Tensor]] = {}
         self._lock = threading.Lock()  # decode callbacks of different buckets may race
@@ -236,8 +242,10 @@ class CompressedState(HookState):
         return {"r1": self.world_size * c, "r2": c}
 
     def _residual(self, key: tuple, n: int) -> tuple:
+        """(r1, r2, r1_out, r2_out): the committed residuals of bucket ``key`` to read and the
+        buffers this step's new ones go to (all None without error feedback)."""
         if not self.error_feedback:
-            return None, None
+            return None, None, None, None
         res = self.residuals.get(key)
         if res is None:
             if self._pending is not None:
@@ -254,10 +262,24 @@ class CompressedState(HookState):
                     for name, numel in self.residual_sizes(n).items()
                 }
             self.residuals[key] = res
-            self._stats["residual_bytes"] = sum(
+            self._next[key] = {name: torch.empty_like(t) for name, t in res.items()}
+            self._stats["residual_bytes"] = 2 * sum(
                 t.numel() * 4 for r in self.residuals.values() for t in r.values()
             )
-        return res["r1"], res.get("r2")
+        nxt = self._next[key]
+        self._touched.add(key)
+        return res["r1"], res.get("r2"), nxt["r1"], nxt.get("r2")
+
+    def commit(self) -> None:
+        """End of a step (all its buckets decoded): keep its new residuals, unless some bucket
+        came out non-finite, in which case the step's residual updates are dropped."""
+        self.fold()
+        step = self.iter - 1
+        if step not in self._bad_steps:
+            for key in self._touched:
+                self.residuals[key], self._next[key] = self._next[key], self.residuals[key]
+        self._touched = set()
+        self._bad_steps = {s for s in self._bad_steps if s > step}
 
     def _workspace(self, key: tuple, w: int, row_bytes: int, c: int, device) -> dict:
         """The buffers of one bucket's exchange, allocated once: fresh ones every step cost
@@ -292,6 +314,9 @@ class CompressedState(HookState):
             sq, bad = st.tolist()
             self._sqnorm[step] = self._sqnorm.get(step, 0.0) + sq
             self._stats["nonfinite_buckets"] += int(bad > 0)
+            if bad > 0:  # the norm of a gradient holding NaN or Inf is not finite
+                self._bad_steps.add(step)
+                self._sqnorm[step] = float("nan")
         if self._sqnorm:
             latest = max(self._sqnorm)
             self.last_sqnorm = self._sqnorm[latest]
@@ -314,6 +339,13 @@ class CompressedState(HookState):
     # --- checkpoint --------------------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
+        if self._touched and not self._fold_next:
+            raise RuntimeError(
+                f"pycomm {self.hook_name} hook: state_dict() in the middle of a step; call it "
+                "after backward() has returned"
+            )
+        if self._touched:
+            self.commit()
         return {
             **super().state_dict(),
             "iter": self.iter,
@@ -335,7 +367,7 @@ class CompressedState(HookState):
                         f"{numel} for this world size and block"
                     )
         self.iter = int(state["iter"])
-        self.residuals = {}
+        self.residuals, self._next, self._touched = {}, {}, set()
         self._pending = {k: {n: t.clone() for n, t in r.items()} for k, r in loaded.items()}
 
 
@@ -344,8 +376,8 @@ def _two_phase(state: CompressedState, bucket: dist.GradBucket, x: torch.Tensor)
     n, step = x.numel(), state.iter
     c = state.chunk(n)
     state.device = x.device
-    r1, r2 = state._residual((bucket.index(), n, str(x.dtype)), n)
-    codes, scales = codec.encode(x, r1, 1.0 / w, w * c)
+    r1, r2, r1_out, r2_out = state._residual((bucket.index(), n, str(x.dtype)), n)
+    codes, scales = codec.encode(x, r1, 1.0 / w, w * c, r1_out)
     row_bytes = codec.code_bytes(c) + codec.scale_bytes(c)
     ws = state._workspace((bucket.index(), n, str(x.dtype)), w, row_bytes, c, x.device)
     send, recv, gathered, mine = ws["send"], ws["recv"], ws["gathered"], ws["mine"]
@@ -378,11 +410,11 @@ def _two_phase(state: CompressedState, bucket: dist.GradBucket, x: torch.Tensor)
             codes1, scales1 = codec.split(recv, c)
             codec.decode_sum(codes1, scales1, 1.0, mine)
             if phases.nccl:
-                row = codec.pack(*codec.encode(mine, r2, 1.0, c), 1)
+                row = codec.pack(*codec.encode(mine, r2, 1.0, c, r2_out), 1)
                 work = dist.all_gather_into_tensor(gathered, row, group=g2, async_op=True)
             else:  # gloo: all_to_all_single measured 3-7x faster than all_gather
                 rows = ws["rows"]
-                codec.pack(*codec.encode(mine, r2, 1.0, c), 1, out=rows[:1])
+                codec.pack(*codec.encode(mine, r2, 1.0, c, r2_out), 1, out=rows[:1])
                 rows[1:] = rows[:1]
                 work = dist.all_to_all_single(gathered, rows, group=g2, async_op=True)
         except BaseException as e:  # noqa: BLE001
@@ -400,8 +432,8 @@ def _plain16(state: CompressedState, bucket: dist.GradBucket, x: torch.Tensor):
     """16-bit all-reduce: encode (pre-scaled, optional residual), sum in 16 bits, decode."""
     n, w, step = x.numel(), state.world_size, state.iter
     state.device = x.device
-    r1, _ = state._residual((bucket.index(), n, str(x.dtype)), n)
-    enc = ops.encode16(x, r1, 1.0 / w, state.codec.code_dtype, n)
+    r1, _, r1_out, _ = state._residual((bucket.index(), n, str(x.dtype)), n)
+    enc = ops.encode16(x, r1, 1.0 / w, state.codec.code_dtype, n, r1_out)
     state.count(bucket, ring_bytes(2 * n, w))
     work = dist.all_reduce(enc, group=state._phases.groups[0], async_op=True)
 
@@ -430,8 +462,8 @@ def compressed_hook(
             f"expected float32, bfloat16 or float16"
         )
     if state._fold_next:  # a new step: the previous one's decodes are all done
+        state.commit()
         state._fold_next = False
-        state.fold()
     try:
         if state.world_size == 1:
             state.count(bucket, 0, collectives=0)
