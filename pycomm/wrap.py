@@ -88,6 +88,8 @@ def _agree_across_ranks(where: str, fields: dict[str, Any], group) -> None:
 def _attach(ddp: DDP, hook: str, hook_options: dict[str, Any], accumulate_steps: int) -> HookState:
     state_cls, fn = HOOKS[hook]
     state = state_cls(ddp.process_group, **hook_options)
+    if hasattr(state, "bind_parameters"):  # the hook's own bucket layout (resumes bit for bit)
+        state.bind_parameters([p for p in ddp.module.parameters() if p.requires_grad])
     if accumulate_steps > 1:
         state = AccumulateState(
             state,

@@ -248,7 +248,7 @@ def test_bad_bucket_names_hook_dtype_and_index():
     assert "pycomm onebit hook: bucket 3 has dtype torch.float64" in msgs[8]
 
 
-def _rank_resume(widths):
+def _rank_resume(widths, bound):
     g = torch.Generator().manual_seed(dist.get_rank())
 
     def train(ddp, steps):
@@ -256,14 +256,23 @@ def _rank_resume(widths):
             ddp.zero_grad()
             ddp(torch.randn(8, 48, generator=g)).square().mean().backward()
 
-    ddp = pycomm.wrap(_model(), hook="int8")
+    def build(module):
+        if bound:  # pycomm.wrap binds the parameters: the hook keeps its own layout
+            ddp = pycomm.wrap(module, hook="int8")
+            return ddp, pycomm.hook_state(ddp)
+        ddp = DDP(module, bucket_cap_mb=8)
+        state = pycomm.hooks.Int8State(None)
+        ddp.register_comm_hook(state, pycomm.hooks.compressed_hook)
+        return ddp, state
+
+    ddp, state = build(_model())
     train(ddp, 4)
-    saved = pycomm.hook_state(ddp).state_dict()
+    saved = state.state_dict()
     torch.manual_seed(0)
     other = torch.nn.Sequential(torch.nn.Linear(48, widths[dist.get_rank()]))
-    fresh = pycomm.wrap(_model() if widths[0] == 48 else other, hook="int8")
-    pycomm.hook_state(fresh).load_state_dict(saved)
+    fresh, fresh_state = build(_model() if widths[0] == 48 else other)
     try:
+        fresh_state.load_state_dict(saved)
         train(fresh, 2)
     except Exception as e:  # noqa: BLE001 - DDP wraps what the hook raised
         return str(e), saved["residuals"]
@@ -272,11 +281,15 @@ def _rank_resume(widths):
 
 def test_residuals_in_state_dict_and_layout_mismatch_named():
     # same model: the residuals load and training goes on
-    for err, residuals in run_ranks(_rank_resume, 2, [48, 48], timeout=60):
-        assert err is None
-        assert residuals and all(r["r1"].abs().sum() > 0 for r in residuals.values())
-    # another model, so another bucket layout: an error naming the bucket, on every rank
-    for err, _ in run_ranks(_rank_resume, 2, [20, 20], timeout=60):
+    for bound in (True, False):
+        for err, residuals in run_ranks(_rank_resume, 2, [48, 48], bound, timeout=60):
+            assert err is None
+            assert residuals and all(r["r1"].abs().sum() > 0 for r in residuals.values())
+    # another model: with the parameters bound, load_state_dict names them
+    for err, _ in run_ranks(_rank_resume, 2, [20, 20], True, timeout=60):
+        assert err is not None and "cannot load hook state: parameters is" in err, err
+    # unbound (plain register_comm_hook), the bucket that has no residual is named
+    for err, _ in run_ranks(_rank_resume, 2, [20, 20], False, timeout=60):
         assert err is not None and "pycomm int8 hook: bucket 0" in err, err
         assert "has no residual in the loaded state" in err
 

@@ -12,6 +12,7 @@ phase 2 was issued. So every rank issues the same collectives in the same order 
 however its phase 1s happen to complete (the trap that aborts torch's PowerSGD on gloo).
 """
 
+import logging
 import math
 import threading
 from typing import Any, Optional
@@ -24,6 +25,8 @@ from pycomm.hooks.allreduce import exact_allreduce
 from pycomm.hooks.state import HookState, check_bucket, completed, ring_bytes
 
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
+
+logger = logging.getLogger(__name__)
 
 
 class Codec:
@@ -215,10 +218,50 @@ class CompressedState(HookState):
         self._decoded: list[tuple[int, torch.Tensor]] = []  # (step, [sqnorm, non-finite])
         self._sqnorm: dict[int, float] = {}
         self._fold_next = False
-        self._stats.update(nonfinite_buckets=0, residual_bytes=0)
+        self._stats.update(nonfinite_buckets=0, residual_bytes=0, rebucketed_steps=0)
         self.last_sqnorm = 0.0
         self.device = torch.device("cpu")  # of the buckets; set by the hook
         self._phases = _phase_groups(process_group) if self.world_size > 1 else None
+        # With the model's parameters bound (pycomm.wrap does), the hook keeps its own bucket
+        # layout: DDP's buckets as they were at the first compressed step, as parameter
+        # positions. Residuals, blocks and chunks follow it, so a freshly built DDP that
+        # buckets its first iteration differently (a resume) is re-bucketed into it and
+        # reduces bit for bit as the uninterrupted run would.
+        self._params: Optional[list[torch.Tensor]] = None
+        self._param_index: dict[int, int] = {}
+        self.layout: Optional[list[tuple[int, ...]]] = None
+        self._layout_index: dict[tuple[int, ...], int] = {}
+        self._recording = False
+        self._rebucket: Optional[_Rebucket] = None
+
+    def bind_parameters(self, params: list[torch.Tensor]) -> None:
+        """The model's trainable parameters in ``module.parameters()`` order: names buckets
+        by their parameters' positions (see :attr:`layout`). ``pycomm.wrap`` calls it.
+
+        Example:
+            >>> state.bind_parameters([p for p in model.parameters() if p.requires_grad])
+        """
+        self._params = list(params)
+        self._param_index = {id(p): i for i, p in enumerate(self._params)}
+
+    def fingerprint(self) -> dict[str, Any]:
+        fp = super().fingerprint()
+        if self._params is not None:
+            fp["parameters"] = [list(p.shape) for p in self._params]
+        return fp
+
+    def _bucket_key(self, bucket: dist.GradBucket) -> tuple[int, ...]:
+        try:
+            return tuple(self._param_index[id(p)] for p in bucket.parameters())
+        except KeyError:
+            raise ValueError(
+                f"pycomm {self.hook_name} hook: bucket {bucket.index()} holds a parameter that "
+                "is not among the bound parameters (bind_parameters)"
+            ) from None
+
+    def _set_layout(self, layout: list[tuple[int, ...]]) -> None:
+        self.layout = [tuple(k) for k in layout]
+        self._layout_index = {k: i for i, k in enumerate(self.layout)}
 
     def make_codec(self, options: dict[str, Any]) -> Codec:
         raise NotImplementedError
@@ -352,6 +395,7 @@ class CompressedState(HookState):
             "residuals": {
                 k: {n: t.clone() for n, t in r.items()} for k, r in self.residuals.items()
             },
+            "layout": None if self.layout is None else [list(k) for k in self.layout],
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -366,20 +410,36 @@ class CompressedState(HookState):
                         f"{key[0]} ({key[1]} elements): {name} has {got} elements, expected "
                         f"{numel} for this world size and block"
                     )
+        layout = state.get("layout")
+        if layout is not None and self._params is not None:
+            seen = sorted(i for k in layout for i in k)
+            if seen != list(range(len(self._params))):
+                raise ValueError(
+                    f"pycomm {self.hook_name} hook: the checkpoint's bucket layout covers "
+                    f"parameters {seen[:8]}..., expected each of the {len(self._params)} "
+                    "bound parameters once"
+                )
         self.iter = int(state["iter"])
+        if layout is not None:
+            self._set_layout(layout)
+        self._recording, self._rebucket = False, None
         self.residuals, self._next, self._touched = {}, {}, set()
         self._pending = {k: {n: t.clone() for n, t in r.items()} for k, r in loaded.items()}
 
 
-def _two_phase(state: CompressedState, bucket: dist.GradBucket, x: torch.Tensor):
+def _two_phase(
+    state: CompressedState, bucket: dist.GradBucket, x: torch.Tensor, index: Optional[int] = None
+):
+    """The two-phase exchange of ``x`` as the hook's bucket ``index`` (default DDP's)."""
     codec, w = state.codec, state.world_size
+    index = bucket.index() if index is None else index
     n, step = x.numel(), state.iter
     c = state.chunk(n)
     state.device = x.device
-    r1, r2, r1_out, r2_out = state._residual((bucket.index(), n, str(x.dtype)), n)
+    r1, r2, r1_out, r2_out = state._residual((index, n, str(x.dtype)), n)
     codes, scales = codec.encode(x, r1, 1.0 / w, w * c, r1_out)
     row_bytes = codec.code_bytes(c) + codec.scale_bytes(c)
-    ws = state._workspace((bucket.index(), n, str(x.dtype)), w, row_bytes, c, x.device)
+    ws = state._workspace((index, n, str(x.dtype)), w, row_bytes, c, x.device)
     send, recv, gathered, mine = ws["send"], ws["recv"], ws["gathered"], ws["mine"]
     codec.pack(codes, scales, w, out=send)
     state.count(bucket, 2 * (w - 1) * row_bytes, collectives=2)
@@ -428,11 +488,136 @@ def _two_phase(state: CompressedState, bucket: dist.GradBucket, x: torch.Tensor)
     return result
 
 
-def _plain16(state: CompressedState, bucket: dist.GradBucket, x: torch.Tensor):
+class _Rebucket:
+    """One step of DDP buckets that differ from the hook's layout: each DDP bucket is copied
+    into the hook buckets holding its parameters; a hook bucket whose parameters have all
+    arrived is reduced (in the order they complete, the same on every rank); a DDP bucket's
+    future completes once all its parameters came back."""
+
+    def __init__(self, state: CompressedState, dtype: torch.dtype, device: torch.device) -> None:
+        params = state._params
+        self.lock = threading.Lock()
+        self.where: dict[int, tuple[int, int]] = {}  # parameter -> (hook bucket, offset)
+        self.sizes: list[int] = []
+        self.buffers: dict[int, torch.Tensor] = {}  # allocated when a parameter arrives
+        self.missing: list[set[int]] = []
+        self.dtype, self.device = dtype, device
+        for r, key in enumerate(state.layout):
+            off = 0
+            for i in key:
+                self.where[i] = (r, off)
+                off += params[i].numel()
+            self.sizes.append(off)
+            self.missing.append(set(key))
+        # parameter -> (DDP bucket tensor, offset, that bucket's pending set, its future)
+        self.owner: dict[int, tuple[torch.Tensor, int, set[int], torch.futures.Future]] = {}
+
+
+class _HookBucket:
+    """A hook bucket as the two-phase path sees it (index, buffer, is_last)."""
+
+    def __init__(self, index: int, buffer: torch.Tensor, last: bool) -> None:
+        self._index, self._buffer, self._last = index, buffer, last
+
+    def index(self) -> int:
+        return self._index
+
+    def buffer(self) -> torch.Tensor:
+        return self._buffer
+
+    def is_last(self) -> bool:
+        return self._last
+
+
+def _laid_out(state: CompressedState, bucket: dist.GradBucket, x: torch.Tensor, reduce):
+    """``reduce`` (the two-phase or the 16-bit path) on the hook's own layout (see
+    CompressedState.bind_parameters)."""
+    key = state._bucket_key(bucket)
+    if state.layout is None or state._recording:  # the first compressed step defines it
+        if state.layout is None:
+            state._set_layout([])
+            state._recording = True
+        state.layout.append(key)
+        state._layout_index[key] = len(state.layout) - 1
+        if bucket.is_last():
+            state._recording = False
+        return reduce(state, bucket, x, len(state.layout) - 1)
+    r = state._layout_index.get(key)
+    if r is not None:
+        return reduce(state, bucket, x, r)
+    rb = state._rebucket
+    if rb is None:
+        logger.info(
+            "pycomm %s hook: DDP's buckets differ from the hook's layout; re-bucketing",
+            state.hook_name,
+        )
+        rb = state._rebucket = _Rebucket(state, x.dtype, x.device)
+        state._stats["rebucketed_steps"] += 1
+    params = state._params
+    fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+    pending = set(key)
+    off, complete = 0, []
+    for i in key:
+        n = params[i].numel()
+        r, o = rb.where[i]
+        if r not in rb.buffers:
+            rb.buffers[r] = torch.empty(rb.sizes[r], dtype=rb.dtype, device=rb.device)
+        rb.buffers[r][o : o + n].copy_(x[off : off + n])
+        rb.owner[i] = (x, off, pending, fut)
+        rb.missing[r].discard(i)
+        if not rb.missing[r]:
+            complete.append(r)
+        off += n
+    if off != x.numel():
+        raise RuntimeError(
+            f"pycomm {state.hook_name} hook: bucket {bucket.index()} has {x.numel()} elements "
+            f"but its parameters {off}"
+        )
+    complete.sort()
+    for r in complete:
+        # the step is counted once: on DDP's last bucket, by the last hook bucket it completes
+        last = bucket.is_last() and r == complete[-1]
+        reduced = reduce(state, _HookBucket(r, rb.buffers[r], last), rb.buffers[r], r)
+        reduced.then(lambda f, r=r: _scatter(rb, state, r, f))
+    if bucket.is_last():
+        state._rebucket = None
+    return fut
+
+
+def _scatter(rb: _Rebucket, state: CompressedState, r: int, f: torch.futures.Future) -> None:
+    """Copy a reduced hook bucket back into the DDP buckets it came from; complete those whose
+    parameters are all back."""
+    params = state._params
+    try:
+        out = f.value()
+    except BaseException as e:  # noqa: BLE001 - handed to every waiting DDP bucket
+        for i in state.layout[r]:
+            _x, _o, _pending, fut = rb.owner[i]
+            if not fut.done():
+                fut.set_exception(e)
+        return
+    done = []
+    for i in state.layout[r]:
+        x, off, pending, fut = rb.owner[i]
+        n = params[i].numel()
+        o = rb.where[i][1]
+        x[off : off + n].copy_(out[o : o + n])
+        with rb.lock:
+            pending.discard(i)
+            if not pending:
+                done.append((x, fut))
+    for x, fut in done:
+        fut.set_result(x)
+
+
+def _plain16(
+    state: CompressedState, bucket: dist.GradBucket, x: torch.Tensor, index: Optional[int] = None
+):
     """16-bit all-reduce: encode (pre-scaled, optional residual), sum in 16 bits, decode."""
     n, w, step = x.numel(), state.world_size, state.iter
+    index = bucket.index() if index is None else index
     state.device = x.device
-    r1, _, r1_out, _ = state._residual((bucket.index(), n, str(x.dtype)), n)
+    r1, _, r1_out, _ = state._residual((index, n, str(x.dtype)), n)
     enc = ops.encode16(x, r1, 1.0 / w, state.codec.code_dtype, n, r1_out)
     state.count(bucket, ring_bytes(2 * n, w))
     work = dist.all_reduce(enc, group=state._phases.groups[0], async_op=True)
@@ -464,15 +649,17 @@ def compressed_hook(
     if state._fold_next:  # a new step: the previous one's decodes are all done
         state.commit()
         state._fold_next = False
+        state._rebucket = None
     try:
         if state.world_size == 1:
             state.count(bucket, 0, collectives=0)
             return completed(x)
         if state.iter < state.start_iter:
             return exact_allreduce(state, bucket, x, state._phases.groups[0])
-        if getattr(state, "two_phase", True):
-            return _two_phase(state, bucket, x)
-        return _plain16(state, bucket, x)
+        reduce = _two_phase if getattr(state, "two_phase", True) else _plain16
+        if state._params is not None:
+            return _laid_out(state, bucket, x, reduce)
+        return reduce(state, bucket, x)
     finally:
         if bucket.is_last():
             state.iter += 1
