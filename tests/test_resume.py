@@ -88,3 +88,70 @@ def test_resume_is_bitwise_equal_to_an_uninterrupted_run(hook, options, accumula
         assert stats["rebucketed_steps"] == (1 if accumulate == 1 else 0)
         assert stats["compression"] > 1.0  # compressed steps on both sides of the checkpoint
         assert torch.equal(straight, resumed)
+
+
+# --- a checkpoint of another world size, and mixed parameter dtypes ----------------------
+
+
+def _rank_save_state():
+    ddp = pycomm.wrap(_model(), hook="int8", bucket_cap_mb=0.004)
+    for _ in range(3):
+        ddp.zero_grad()
+        ddp(torch.randn(4, 40)).square().mean().backward()
+    return pycomm.hook_state(ddp).state_dict()
+
+
+def _rank_load_state(saved):
+    ddp = pycomm.wrap(_model(), hook="int8", bucket_cap_mb=0.004)
+    try:
+        pycomm.hook_state(ddp).load_state_dict(saved)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def test_loading_another_world_size_names_it():
+    saved = run_ranks(_rank_save_state, 2, timeout=60)[0]
+    for err in run_ranks(_rank_load_state, 3, saved, timeout=60):
+        assert err is not None and "world_size is 2 in the checkpoint but 3 here" in err, err
+
+
+class Mixed(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a = torch.nn.Linear(40, 40)
+        self.b = torch.nn.Linear(40, 40).to(torch.bfloat16)
+        self.c = torch.nn.Linear(40, 3).to(torch.float16)
+
+    def forward(self, x):
+        h = torch.tanh(self.a(x)).to(torch.bfloat16)
+        h = torch.tanh(self.b(h)).to(torch.float16)
+        return self.c(h).float()
+
+
+def _rank_mixed(hook):
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    g = torch.Generator().manual_seed(dist.get_rank())
+    ddp = pycomm.wrap(Mixed(), hook=hook, bucket_cap_mb=0.004)
+    ref = DDP(Mixed(), bucket_cap_mb=0.004)
+    errors, dtypes = [], set()
+    for _ in range(4):
+        x = torch.randn(8, 40, generator=g)
+        for m in (ddp, ref):
+            m.zero_grad()
+            m(x).square().mean().backward()
+        for p, q in zip(ddp.module.parameters(), ref.module.parameters()):
+            assert p.grad.dtype == p.dtype == q.grad.dtype
+            dtypes.add(str(p.grad.dtype))
+            errors.append(((p.grad.float() - q.grad.float()).norm() / q.grad.float().norm()).item())
+    return max(errors), sorted(dtypes), pycomm.hook_state(ddp).stats["buckets"]
+
+
+@pytest.mark.parametrize("hook, bound", [("allreduce", 0.0), ("bf16", 1e-2), ("int8", 5e-2)])
+def test_mixed_dtypes_keep_each_bucket_dtype(hook, bound):
+    for err, dtypes, buckets in run_ranks(_rank_mixed, 2, hook, timeout=60):
+        assert dtypes == ["torch.bfloat16", "torch.float16", "torch.float32"]
+        assert buckets >= 3 * 4  # one bucket per dtype at least, every step
+        assert err <= bound, err
