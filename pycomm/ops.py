@@ -233,8 +233,16 @@ def _check_rows(op: str, arg: str, t, dtypes, expected: str) -> None:
         raise RuntimeError(f"{op}: {arg} has shape {list(t.shape)}, expected a 2-D [R, m] tensor")
     if t.shape[0] < 1:
         raise RuntimeError(f"{op}: {arg} has shape {list(t.shape)}, expected R >= 1 rows")
-    if not t.is_contiguous():
-        raise RuntimeError(f"{op}: {arg} has strides {t.stride()}, expected a contiguous tensor")
+    _check_row_major(op, arg, t)
+
+
+def _check_row_major(op: str, arg: str, t) -> None:
+    rows, cols = t.shape
+    if (cols > 1 and t.stride(1) != 1) or (rows > 1 and t.stride(0) < cols):
+        raise RuntimeError(
+            f"{op}: {arg} has shape {list(t.shape)} and strides {list(t.stride())}, expected "
+            "contiguous rows (stride 1 within a row, rows apart by >= a row)"
+        )
 
 
 def _check_scales(op: str, scales, dtype, ref_arg: str, ref, rows: int, m: int, block: int):
@@ -249,10 +257,7 @@ def _check_scales(op: str, scales, dtype, ref_arg: str, ref, rows: int, m: int, 
             f"{op}: scales has shape {list(scales.shape)}, expected [{rows}, {m // block}] "
             f"([R, m / block])"
         )
-    if not scales.is_contiguous():
-        raise RuntimeError(
-            f"{op}: scales has strides {scales.stride()}, expected a contiguous tensor"
-        )
+    _check_row_major(op, "scales", scales)
 
 
 def _check_out(op: str, out, ref_arg: str, ref, m: int) -> None:

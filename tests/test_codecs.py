@@ -95,6 +95,40 @@ def test_residual_out_leaves_residual_and_matches_in_place(name, arg, block, dty
             _bits_equal(a, c)
 
 
+@pytest.mark.parametrize("name", ["quantize_int8", "quantize_onebit", "encode16"])
+def test_decoders_read_row_slices_of_a_packed_buffer(name):
+    # The hooks receive [R, codes | scales] rows and decode the column slices in place.
+    rows, n, block = 3, 1000, 64
+    numel = _numel(n, block)
+    arg = torch.bfloat16 if name == "encode16" else block
+    enc = [
+        getattr(ops, name)(_x(n, torch.float32, block, seed=r), None, 1.0, arg, numel)
+        for r in range(rows)
+    ]
+    enc = [e if isinstance(e, tuple) else (e, None) for e in enc]
+    codes = torch.stack([e[0] for e in enc])
+    cb = codes.shape[1] * codes.element_size()
+    scales = None if enc[0][1] is None else torch.stack([e[1] for e in enc])
+    sb = 0 if scales is None else scales.shape[1] * scales.element_size()
+    packed = torch.zeros(rows, cb + sb + 8, dtype=torch.uint8)  # + 8: rows further apart
+    packed[:, :cb] = codes.view(torch.uint8).view(rows, cb)
+    if scales is not None:
+        packed[:, cb : cb + sb] = scales.view(torch.uint8).view(rows, sb)
+    c_view = packed[:, :cb].view(codes.dtype)
+    s_view = None if scales is None else packed[:, cb : cb + sb].view(scales.dtype)
+    assert not c_view.is_contiguous()
+    got, want = torch.empty(n), torch.empty(n)
+    if name == "encode16":
+        a, b = ops.decode16_sum(c_view, 0.5, got), ops.decode16_sum(codes, 0.5, want)
+    else:
+        dec = getattr(
+            ops, "dequantize_int8_sum" if name == "quantize_int8" else "dequantize_onebit_sum"
+        )
+        a, b = dec(c_view, s_view, block, 0.5, got), dec(codes, scales, block, 0.5, want)
+    _bits_equal(got, want)
+    assert torch.equal(a, b) and a[1] > 0  # [squared norm, non-finite count]
+
+
 def test_residual_out_bad_input():
     x, r = torch.ones(16), torch.zeros(16)
     with pytest.raises(RuntimeError, match="residual_out is given without residual"):
@@ -426,7 +460,8 @@ _U8 = torch.zeros(2, 2, dtype=torch.uint8)
         ),
         (
             lambda: ops.decode16_sum(torch.ones(8, 2, dtype=torch.half).t(), 1.0, torch.empty(8)),
-            r"pycomm.decode16_sum: chunks has strides \[1, 2\], expected a contiguous tensor",
+            r"pycomm.decode16_sum: chunks has shape \[2, 8\] and strides \[1, 2\], expected "
+            r"contiguous rows",
         ),
         (
             lambda: ops.decode16_sum(torch.ones(2, 8, dtype=torch.half), 1.0, torch.empty(9)),

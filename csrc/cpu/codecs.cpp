@@ -624,7 +624,16 @@ at::Tensor sum_rows(int64_t rows, double scale, const at::Tensor& out, const Add
   return stats;
 }
 
-// rows: [R, cols] contiguous, R >= 1, of dtype `dtype` (a description for the message).
+// Each row contiguous and rows apart by at least a row (a row-major tensor, or a column slice
+// of one: the hooks decode straight out of their [R, codes | scales] receive buffers).
+void check_row_major(const char* op, const char* arg, const at::Tensor& t) {
+  TORCH_CHECK((t.size(1) <= 1 || t.stride(1) == 1) && (t.size(0) <= 1 || t.stride(0) >= t.size(1)),
+              op, ": ", arg, " has shape ", t.sizes(), " and strides ", t.strides(),
+              ", expected contiguous rows (stride 1 within a row, rows apart by >= a row)");
+}
+
+// rows: [R, cols] with contiguous rows, R >= 1, of dtype `dtype` (a description for the
+// message).
 void check_rows(const char* op, const char* arg, const at::Tensor& t, bool dtype_ok,
                 const char* dtype) {
   TORCH_CHECK(t.defined(), op, ": ", arg, " is an undefined tensor");
@@ -634,8 +643,7 @@ void check_rows(const char* op, const char* arg, const at::Tensor& t, bool dtype
   TORCH_CHECK(t.dim() == 2, op, ": ", arg, " has shape ", t.sizes(),
               ", expected a 2-D [R, m] tensor");
   TORCH_CHECK(t.size(0) >= 1, op, ": ", arg, " has shape ", t.sizes(), ", expected R >= 1 rows");
-  TORCH_CHECK(t.is_contiguous(), op, ": ", arg, " has strides ", t.strides(),
-              ", expected a contiguous tensor");
+  check_row_major(op, arg, t);
 }
 
 // out: contiguous float on ref's device, at most m elements.
@@ -648,7 +656,7 @@ void check_out(const char* op, const at::Tensor& out, const char* ref_arg, const
               ", expected a contiguous tensor");
 }
 
-// scales: [R, m / block] contiguous, of dtype want, on ref's device.
+// scales: [R, m / block] with contiguous rows, of dtype want, on ref's device.
 void check_scales(const char* op, const at::Tensor& scales, at::ScalarType want,
                   const char* ref_arg, const at::Tensor& ref, int64_t rows, int64_t m,
                   int64_t block) {
@@ -661,11 +669,10 @@ void check_scales(const char* op, const at::Tensor& scales, at::ScalarType want,
   TORCH_CHECK(scales.dim() == 2 && scales.size(0) == rows && scales.size(1) == m / block, op,
               ": scales has shape ", scales.sizes(), ", expected [", rows, ", ", m / block,
               "] ([R, m / block])");
-  TORCH_CHECK(scales.is_contiguous(), op, ": scales has strides ", scales.strides(),
-              ", expected a contiguous tensor");
+  check_row_major(op, "scales", scales);
 }
 
-// chunks: [R, m] Half/BFloat16 contiguous. out: contiguous float, numel <= m. out = scale *
+// chunks: [R, m] Half/BFloat16, rows contiguous. out: contiguous float, numel <= m. out = scale *
 // sum_r chunks[r, :out.numel()] (fp32, row order). Returns fp64 [2] (see sum_rows).
 at::Tensor decode16_sum_cpu(const at::Tensor& chunks, double scale, const at::Tensor& out) {
   constexpr const char* op = "pycomm.decode16_sum";
@@ -678,10 +685,11 @@ at::Tensor decode16_sum_cpu(const at::Tensor& chunks, double scale, const at::Te
   dispatch_float(chunks.scalar_type(), [&](auto tag) {
     using T = decltype(tag);
     const T* c = chunks.const_data_ptr<T>();
+    const int64_t row = chunks.stride(0);
     stats = sum_rows(rows, scale, out, [&](int64_t r, int64_t i, int64_t len, float* acc,
                                            auto first) {
       constexpr bool kFirst = decltype(first)::value;
-      const T* p = c + r * m + i;
+      const T* p = c + r * row + i;
       int64_t j = 0;
       for (; j + kStep <= len; j += kStep) {
         FVec d0, d1;
@@ -695,7 +703,7 @@ at::Tensor decode16_sum_cpu(const at::Tensor& chunks, double scale, const at::Te
   return stats;
 }
 
-// codes: [R, m] int8 contiguous, m % block == 0. scales: [R, m / block] fp32. out: as
+// codes: [R, m] int8, rows contiguous, m % block == 0. scales: [R, m / block] fp32. out: as
 // decode16_sum. out = scale * sum_r codes[r] * scales[r] (per block).
 at::Tensor dequantize_int8_sum_cpu(const at::Tensor& codes, const at::Tensor& scales,
                                    int64_t block, double scale, const at::Tensor& out) {
@@ -709,12 +717,12 @@ at::Tensor dequantize_int8_sum_cpu(const at::Tensor& codes, const at::Tensor& sc
   check_out(op, out, "codes", codes, m);
   const int8_t* q = codes.const_data_ptr<int8_t>();
   const float* sc = scales.const_data_ptr<float>();
-  const int64_t nb = m / block;
+  const int64_t row = codes.stride(0), srow_stride = scales.stride(0);
   return sum_rows(rows, scale, out, [&](int64_t r, int64_t i, int64_t len, float* acc,
                                         auto first) {
     constexpr bool kFirst = decltype(first)::value;
-    const int8_t* p = q + r * m + i;
-    const float* srow = sc + r * nb;
+    const int8_t* p = q + r * row + i;
+    const float* srow = sc + r * srow_stride;
     int64_t blk = i / block;
     for (int64_t j = 0; j < len; ++blk) {
       const int64_t seg_end = std::min(len, (blk + 1) * block - i);
@@ -728,7 +736,7 @@ at::Tensor dequantize_int8_sum_cpu(const at::Tensor& codes, const at::Tensor& sc
   });
 }
 
-// bits: [R, m / 8] uint8 contiguous, m % block == 0, block % 8 == 0. scales: [R, m / block]
+// bits: [R, m / 8] uint8, rows contiguous, m % block == 0, block % 8 == 0. scales: [R, m / block]
 // bf16. out: as decode16_sum. out = scale * sum_r (bit ? +s : -s).
 at::Tensor dequantize_onebit_sum_cpu(const at::Tensor& bits, const at::Tensor& scales,
                                      int64_t block, double scale, const at::Tensor& out) {
@@ -743,13 +751,13 @@ at::Tensor dequantize_onebit_sum_cpu(const at::Tensor& bits, const at::Tensor& s
   check_out(op, out, "bits", bits, m);
   const uint8_t* bp = bits.const_data_ptr<uint8_t>();
   const at::BFloat16* sc = scales.const_data_ptr<at::BFloat16>();
-  const int64_t nb = m / block;
+  const int64_t row = bits.stride(0), srow_stride = scales.stride(0);
   // i is a multiple of 8 (tiles are), so a byte never straddles two calls
   return sum_rows(rows, scale, out, [&](int64_t r, int64_t i, int64_t len, float* acc,
                                         auto first) {
     constexpr bool kFirst = decltype(first)::value;
-    const uint8_t* p = bp + r * (m / 8) + i / 8;  // p[k]: elements [8k, 8k + 8) of acc
-    const at::BFloat16* srow = sc + r * nb;
+    const uint8_t* p = bp + r * row + i / 8;  // p[k]: elements [8k, 8k + 8) of acc
+    const at::BFloat16* srow = sc + r * srow_stride;
     int64_t blk = i / block;
     for (int64_t j = 0; j < len; ++blk) {
       const int64_t seg_end = std::min(len, (blk + 1) * block - i);

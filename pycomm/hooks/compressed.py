@@ -79,11 +79,12 @@ class Codec:
     def split(self, rows: torch.Tensor, m: int):
         """The inverse of :meth:`pack` for chunks of ``m`` elements: ([R, m] codes, scales)."""
         cb = self.code_bytes(m)
-        codes = rows[:, :cb].contiguous().view(self.code_dtype)
-        scales = None
-        if self.scale_dtype is not None:
-            scales = rows[:, cb:].contiguous().view(self.scale_dtype)
-        return codes, scales
+        codes, scales = rows[:, :cb], None if self.scale_dtype is None else rows[:, cb:]
+        if rows.device.type != "cpu":  # the CPU decoders read row slices in place
+            codes = codes.contiguous()
+            scales = None if scales is None else scales.contiguous()
+        codes = codes.view(self.code_dtype)
+        return codes, None if scales is None else scales.view(self.scale_dtype)
 
 
 class Float16Codec(Codec):
@@ -455,9 +456,15 @@ def _two_phase(
         try:
             fut.value()
             codes2, scales2 = codec.split(gathered, c)
-            st = codec.decode_sum(
-                codes2.reshape(1, -1), None if scales2 is None else scales2.reshape(1, -1), 1.0, x
-            )
+            st = None
+            for j in range(w):  # rank j's reduced chunk: elements [j * c, (j + 1) * c) of x
+                part = codec.decode_sum(
+                    codes2[j : j + 1],
+                    None if scales2 is None else scales2[j : j + 1],
+                    1.0,
+                    x[min(n, j * c) : min(n, (j + 1) * c)],
+                )
+                st = part if st is None else st + part
             state.note_decode(st, step)
             result.set_result(x)
         except BaseException as e:  # noqa: BLE001 - handed to DDP through the future
