@@ -149,7 +149,9 @@ def wrap(
 
     ``ddp_kwargs`` go to DDP unchanged (``bucket_cap_mb``, ``device_ids``, ...), except that
     without a ``bucket_cap_mb`` the int8 and 16-bit hooks get 8 MB buckets, measured faster
-    for them than DDP's 25 MB (communication starts earlier in backward). The hook name,
+    for them than DDP's 25 MB (communication starts earlier in backward), and
+    ``gradient_as_bucket_view`` defaults to True (no copies between gradients and buckets;
+    pass False for DDP's behaviour). The hook name,
     its options, ``accumulate_steps`` and the parameters' shapes and dtypes are compared across
     ranks before DDP is built, so a mismatch is a ValueError on every rank, not a hang.
 
@@ -176,6 +178,10 @@ def wrap(
     if cap is not None and "bucket_cap_mb" not in ddp_kwargs:
         ddp_kwargs["bucket_cap_mb"] = cap
         logger.info("pycomm.wrap: bucket_cap_mb=%s for the %s hook", cap, hook)
+    # Gradients as views of DDP's buckets: no copy into the buckets before the hook and none
+    # back after it, and one fewer copy of the gradients in memory. torch leaves it off only
+    # for compatibility (a view's detach_() fails; optimizer.zero_grad() handles it).
+    ddp_kwargs.setdefault("gradient_as_bucket_view", True)
     ddp = DDP(module, process_group=process_group, **ddp_kwargs)
     _attach(ddp, hook, hook_options, accumulate_steps)
     return ddp
