@@ -6,7 +6,7 @@ Example:
     >>> ddp = pycomm.wrap(model.to(info.device), hook="allreduce")
 """
 
-from pycomm import hooks, ops
+from pycomm import checkpoint, hooks, ops
 from pycomm.dist import DistInfo, LaunchError, init, launch, shutdown
 from pycomm.train import TrainLoop
 from pycomm.wrap import hook_state, register, wrap
@@ -17,6 +17,7 @@ __all__ = [
     "DistInfo",
     "LaunchError",
     "TrainLoop",
+    "checkpoint",
     "hook_state",
     "hooks",
     "init",

@@ -23,6 +23,7 @@ import shutil
 import signal
 import sys
 import tempfile
+import threading
 import time
 import traceback as _traceback
 import warnings
@@ -414,6 +415,12 @@ def init(
     Returns:
         DistInfo of this process. If the group is already initialized and compatible, its info.
 
+    Raises:
+        ValueError: a bad or missing launcher value, before any socket is opened.
+        RuntimeError: (torch's DistError types) the group could not form (port in use, ranks that
+            disagree on the world size, a rank that never started), within ``timeout`` + 1 s
+            on every rank, naming this rank, the rendezvous address and its port.
+
     Example:
         >>> info = pycomm.init()          # under torchrun, SLURM, or alone
         >>> model = model.to(info.device)
@@ -472,8 +479,107 @@ def init(
         info.source,
         how,
     )
-    dist.init_process_group(name, **kwargs)
+    restart = _env("TORCHELASTIC_RESTART_COUNT")
+    if info.agent_store and restart is not None and restart != "0":
+        logger.warning("pycomm.init: %s", _SHARED_STORE_HINT.format(restart=restart))
+    if info.world_size == 1 and init_method is None:
+        dist.init_process_group(name, **kwargs)
+    else:
+        _join_group(name, kwargs, info, how, td, device)
     return DistInfo(info.rank, info.world_size, info.local_rank, name, device)
+
+
+# torchrun (torch 2.13) keeps one rendezvous store for all restarts when it shares it with the
+# workers, so a restarted rank can read a peer's address from the failed attempt before the
+# peer rewrites it: gloo then connects to a dead port (measured here: "Connection refused").
+# torch keys nothing by attempt because TORCHELASTIC_RESTART_COUNT differs between nodes.
+_SHARED_STORE_HINT = (
+    "torchrun restarted these workers (TORCHELASTIC_RESTART_COUNT={restart}) and shares one "
+    "rendezvous store across restarts, where a restarted rank can read a peer's address from "
+    "the failed attempt (pytorch/pytorch#135712); run torchrun with "
+    "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in its environment for a fresh store per restart"
+)
+
+# Past the timeout: torch's own waits end by then (its "waiting for clients" rounds the timeout
+# up to whole seconds), so a rendezvous still running is one that can no longer succeed.
+_JOIN_GRACE_S = 1.0
+
+
+def _join_group(
+    name: str,
+    kwargs: dict[str, Any],
+    info: _Resolved,
+    how: str,
+    td: Optional[datetime.timedelta],
+    device: torch.device,
+) -> None:
+    """``init_process_group`` with a deadline of the timeout (+ grace), and errors that say
+    which rank, which rendezvous address and which port.
+
+    torch bounds most of the rendezvous by the timeout, but not all of it: a rank that is not
+    rank 0 connects to ``MASTER_ADDR:MASTER_PORT``, and when some other program holds that
+    port (it accepts the connection and never answers), torch's store client waits forever,
+    timeout or not (measured with torch 2.13). So the call runs in a helper thread, and the
+    caller gives up at the deadline. The abandoned thread stays blocked in C++ (it holds no
+    GIL and does not keep the process alive).
+    """
+    limit = td if td is not None else dist.default_pg_timeout
+    seconds = limit.total_seconds()
+    port = info.master_port
+    where = f"rank {info.rank} of {info.world_size} ({info.source})"
+    box: dict[str, Any] = {}
+
+    def join() -> None:
+        try:
+            if device.type == "cuda":
+                torch.cuda.set_device(device)  # the current device is per thread
+            dist.init_process_group(name, **kwargs)
+            box["ok"] = True
+        except BaseException as exc:  # noqa: BLE001 - re-raised in the caller's thread
+            box["error"] = exc
+
+    thread = threading.Thread(target=join, name="pycomm-init", daemon=True)
+    thread.start()
+    thread.join(seconds + _JOIN_GRACE_S)
+    agree = (
+        f"every rank must have the same world size (this rank: {info.world_size}) and "
+        f"rendezvous address, and all {info.world_size} ranks must start within the timeout "
+        f"({seconds:g} s)"
+    )
+    if thread.is_alive():
+        hint = agree
+        if info.rank != 0 and port is not None:
+            hint = (
+                f"nothing may answer as a torch.distributed store there (another program may "
+                f"hold port {port}, or rank 0 never started), or {agree}"
+            )
+        raise dist.DistStoreError(
+            f"pycomm.init: {where} could not join the {name} process group via {how} within "
+            f"{seconds:g} s (timeout) + {_JOIN_GRACE_S:g} s: {hint}. The rendezvous is "
+            "abandoned."
+        )
+    exc = box.get("error")
+    if exc is None:
+        return
+    text = str(exc)
+    if "EADDRINUSE" in text or "address already in use" in text.lower():
+        hint = (
+            f"port {port} is already in use on this host: another job or program holds it; "
+            "pick a free MASTER_PORT"
+        )
+    else:
+        hint = agree
+    restart = _env("TORCHELASTIC_RESTART_COUNT")
+    if info.agent_store and restart is not None and restart != "0":
+        hint += f". {_SHARED_STORE_HINT.format(restart=restart)}"
+    message = f"pycomm.init: {where} could not join the {name} process group via {how}: {hint}"
+    if not isinstance(exc, Exception):
+        raise exc
+    try:
+        error = type(exc)(f"{message}. torch said: {text}")
+    except Exception:  # noqa: BLE001 - an exception type without a (message) constructor
+        error = RuntimeError(f"{message}. torch said: {text}")
+    raise error from exc
 
 
 def _url_host(addr: Optional[str]) -> str:
@@ -785,14 +891,56 @@ def _collect(procs: list, readers: list, seconds: Optional[float], stack_dir: st
             elif rank in unfinished:
                 exited(rank)
         if errors or deaths:
-            # Take in whatever else has already arrived, then blame the root cause.
-            for rank in sorted(unfinished):
-                if rank not in reported and readers[rank].poll():
-                    receive(rank)
-                if not procs[rank].is_alive():
-                    exited(rank)
+            # Take in what arrives during a short grace (a rank's death is seen a moment
+            # after the errors it causes in the others), then blame the root cause.
+            pending = {r for r in unfinished if reported.get(r) in (None, "eof")}
+            grace_end = time.monotonic() + _BLAME_GRACE_S
+            while pending and time.monotonic() < grace_end:
+                waiting = {readers[r]: ("pipe", r) for r in pending if r not in reported}
+                waiting.update({procs[r].sentinel: ("exit", r) for r in pending})
+                left = grace_end - time.monotonic()
+                ready = multiprocessing.connection.wait(list(waiting), timeout=max(0.0, left))
+                for kind, rank in sorted((waiting[o] for o in ready), key=lambda e: e[0] != "pipe"):
+                    if rank not in pending:
+                        continue
+                    if kind == "pipe":
+                        receive(rank)
+                    if kind == "exit" or reported.get(rank) == "eof":
+                        # No report: the pipe closed because the rank is exiting; its exit
+                        # code tells a death from an error.
+                        procs[rank].join(max(0.0, grace_end - time.monotonic()))
+                        if procs[rank].is_alive():
+                            continue
+                        exited(rank)
+                    pending.discard(rank)
+            stalled = _stalled(errors, deaths, sorted(pending))
+            if stalled:
+                stacks = _dump_stacks(procs, stalled, stack_dir)
+                _, first, _, exc = min(errors)
+                raise LaunchTimeoutError(
+                    f"rank(s) {stalled} of {nprocs} stalled: rank {first} timed out waiting for "
+                    f"them in a collective ({exc}) while they were still running; all ranks "
+                    "were killed" + (f"\n{stacks}" if stacks else ""),
+                    rank=stalled[0],
+                    traceback=stacks,
+                    unfinished=tuple(stalled),
+                )
             raise _failure(errors, deaths)
     return results
+
+
+# How long launch keeps listening after the first failure before it names the root cause.
+_BLAME_GRACE_S = 1.0
+
+
+def _stalled(errors: list, deaths: list, running: list) -> list:
+    """The ranks to blame when the first error is a collective timeout and nobody died: those
+    still running without a report (a rank stuck in a hook, a sleep or a deadlock)."""
+    if deaths or not errors or not running:
+        return []
+    _, _, _, exc = min(errors)
+    text = exc.lower()
+    return running if "timed out" in text or "timeout" in text else []
 
 
 def _failure(errors: list, deaths: list) -> LaunchError:

@@ -121,8 +121,9 @@ def register(
     _check_args(hook, accumulate_steps)
     if not isinstance(ddp, DDP):
         raise TypeError(f"pycomm.register: expected a DistributedDataParallel, got {type(ddp)}")
-    if getattr(ddp, _ATTR, None) is not None:
-        raise RuntimeError("pycomm.register: this DDP model already has a pycomm hook")
+    # Compared across ranks with the rest, so that every rank raises the same error instead
+    # of one raising while the others wait for it in the next collective.
+    problem = _registration_problem(ddp)
     _agree_across_ranks(
         "register",
         {
@@ -130,10 +131,56 @@ def register(
             "hook_options": sorted(hook_options.items()),
             "accumulate_steps": accumulate_steps,
             "parameters": _params_signature(ddp.module),
+            "state of the DDP model": problem,
         },
         ddp.process_group,
     )
+    if problem is not None:
+        raise RuntimeError(f"pycomm.register: {problem}")
     return _attach(ddp, hook, hook_options, accumulate_steps)
+
+
+def _registration_problem(ddp: DDP) -> Optional[str]:
+    """Why a hook cannot be registered on ``ddp`` now (the same text on every rank), or None."""
+    state = getattr(ddp, _ATTR, None)
+    if state is not None:
+        return (
+            f"this DDP model already has a pycomm hook ({state.hook_name}); a DDP model takes "
+            "one communication hook: build a new DDP (or pycomm.wrap) for another hook"
+        )
+    hooks = getattr(ddp, "_comm_hooks", None) or []
+    if hooks:
+        name = getattr(hooks[0][0], "__qualname__", repr(hooks[0][0]))
+        return (
+            f"this DDP model already has the communication hook {name!r} (registered with "
+            "register_comm_hook); a DDP model takes one communication hook"
+        )
+    if _training_started(ddp):
+        return (
+            "this DDP model has already trained (a backward pass ran through it): register "
+            "the hook before the first forward and backward, so that the hook's state "
+            "(warm-up iterations, residuals) starts with DDP's buckets. Build the DDP model "
+            "and register (or use pycomm.wrap) before training"
+        )
+    return None
+
+
+def _training_started(ddp: DDP) -> bool:
+    """Whether a backward pass has run through ``ddp`` (DDP itself does not refuse a hook
+    registered afterwards). Reads DDP internals defensively: any sign is enough."""
+    reducer = getattr(ddp, "reducer", None)
+    try:
+        # Per-parameter backward timings, recorded from the first backward on.
+        if reducer is not None and any(reducer.get_backward_stats()):
+            return True
+    except (AttributeError, RuntimeError, TypeError):
+        pass
+    if getattr(ddp, "_has_rebuilt_buckets", False):  # set in the second training forward
+        return True
+    # A forward ran and gradients exist (e.g. backward inside no_sync()).
+    return bool(getattr(ddp, "_lazy_init_ran", False)) and any(
+        p.grad is not None for p in ddp.module.parameters() if p.requires_grad
+    )
 
 
 def wrap(

@@ -1,0 +1,250 @@
+"""Checkpoints of a DDP model, its optimizer and its pycomm hook state, written atomically.
+
+Layout: ``path`` is one file that rank 0 writes (model, optimizer, ``extra``, and what the
+checkpoint was saved from: world size, parameter shapes and dtypes, hook fingerprint). The hook
+state is per rank (error-feedback residuals differ between ranks), so each rank writes its own
+next to it, ``{path}.hook{rank}.{id}``, where ``id`` is new for every save. A save commits in
+this order: every rank writes its hook file (to a temporary name, then ``os.replace``), a
+barrier, then rank 0 replaces ``path`` the same way, a barrier, then each rank deletes its hook
+files of older saves. ``path`` names the hook files of its own save only, so a rank killed at
+any point of a save leaves either the previous checkpoint or the new one, never a mix.
+
+Why torch.save and one file per rank rather than gathering or torch.distributed.checkpoint:
+under DDP the model and optimizer are the same on every rank, so rank 0 writing them is
+torch's own DDP recipe and costs nothing extra. Gathering every rank's residuals to rank 0
+would hold N of them in its memory (each as large as the model in fp32). The
+torch.distributed.checkpoint planner treats a key saved by every rank as replicated and keeps
+one copy, so per-rank residuals would need per-rank keys there anyway, and it writes into its
+directory in place, without the atomic switch from the previous checkpoint. Every rank must see
+``path``'s directory (a shared file system across nodes).
+
+Loading checks before changing anything: the parameters' names, shapes and dtypes, the world
+size (when there is hook state), and the hook and its options; a mismatch is a ValueError
+naming it, and the model, optimizer and hook are left as they were.
+
+Example:
+    >>> ddp = pycomm.wrap(model, hook="int8")
+    >>> opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    >>> pycomm.checkpoint.save("ckpt.pt", ddp, opt, step=100)
+    >>> extra = pycomm.checkpoint.load("ckpt.pt", ddp, opt)   # after a restart
+    >>> extra["step"]
+    100
+"""
+
+from __future__ import annotations
+
+import glob
+import logging
+import os
+import uuid
+from typing import Any, Optional, Union
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from pycomm.hooks import HookState
+from pycomm.wrap import _ATTR, _params_signature
+
+__all__ = ["load", "save"]
+
+logger = logging.getLogger(__name__)
+
+FORMAT = "pycomm.checkpoint/1"
+
+PathLike = Union[str, "os.PathLike[str]"]
+
+
+def _hook(ddp: DDP) -> Optional[HookState]:
+    return getattr(ddp, _ATTR, None)
+
+
+def _group(ddp: DDP) -> tuple[Any, int, int]:
+    group = ddp.process_group
+    return group, dist.get_rank(group), dist.get_world_size(group)
+
+
+def _hook_file(path: str, rank: int, save_id: str) -> str:
+    return f"{path}.hook{rank}.{save_id}"
+
+
+def _atomic_save(obj: Any, path: str) -> None:
+    """torch.save to a temporary file in the same directory, fsync, then os.replace."""
+    tmp = f"{path}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    try:
+        with open(tmp, "wb") as f:
+            torch.save(obj, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.remove(tmp)
+        except OSError:
+            pass
+        raise
+    try:  # make the rename itself durable
+        fd = os.open(os.path.dirname(os.path.abspath(path)), os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    except OSError:
+        pass
+
+
+def save(
+    path: PathLike, ddp: DDP, optimizer: Optional[torch.optim.Optimizer], **extra: Any
+) -> None:
+    """Save the model, the optimizer, the pycomm hook state and ``extra`` to ``path``.
+
+    Every rank of ``ddp``'s process group must call it (it has two barriers). Rank 0 writes
+    ``path``; every rank writes its own hook state next to it. The write is atomic: a rank
+    killed during the save leaves the previous checkpoint whole. ``extra`` holds what
+    ``torch.load(weights_only=True)`` reads back: tensors, numbers, strings, and lists,
+    tuples and dicts of them (the step, the epoch, an RNG state tensor).
+
+    Example:
+        >>> pycomm.checkpoint.save("ckpt.pt", ddp, optimizer, step=step)
+    """
+    if not isinstance(ddp, DDP):
+        raise TypeError(f"pycomm.checkpoint.save: ddp is a {type(ddp).__name__}, expected a DDP")
+    path = os.fspath(path)
+    group, rank, world = _group(ddp)
+    ids: list[Any] = [None] * world
+    dist.all_gather_object(ids, uuid.uuid4().hex[:12], group=group)
+    save_id = ids[0]  # rank 0's: one id for the whole save
+    state = _hook(ddp)
+    if state is not None:
+        _atomic_save(state.state_dict(), _hook_file(path, rank, save_id))
+    dist.barrier(group=group)  # every hook file is in place before rank 0 commits
+    if rank == 0:
+        _atomic_save(
+            {
+                "format": FORMAT,
+                "world_size": world,
+                "parameters": _params_signature(ddp.module),
+                "hook": None if state is None else state.fingerprint(),
+                "id": save_id,
+                "model": ddp.module.state_dict(),
+                "optimizer": None if optimizer is None else optimizer.state_dict(),
+                "extra": extra,
+            },
+            path,
+        )
+    dist.barrier(group=group)  # committed: older hook files are garbage now
+    stale = [f for f in glob.glob(glob.escape(path) + ".hook*.*") if not f.endswith(save_id)]
+    for name in stale:
+        owner = name[len(path) + len(".hook") :].split(".", 1)[0]
+        # Each rank deletes its own; rank 0 also those of ranks a larger world left behind.
+        if owner == str(rank) or (rank == 0 and owner.isdigit() and int(owner) >= world):
+            try:
+                os.remove(name)
+            except OSError:
+                pass
+    if rank == 0:  # temporary files of saves killed before their os.replace
+        for name in glob.glob(glob.escape(path) + ".tmp-*"):
+            try:
+                os.remove(name)
+            except OSError:
+                pass
+    logger.info("pycomm.checkpoint: saved %s (rank %d of %d, id %s)", path, rank, world, save_id)
+
+
+def _check_parameters(path: str, saved: list, mine: list) -> None:
+    if saved == mine:
+        return
+    if len(saved) != len(mine):
+        raise ValueError(
+            f"pycomm.checkpoint.load: {path} is of another model: it has {len(saved)} "
+            f"trainable parameters, this model has {len(mine)}"
+        )
+    i = next(i for i, (a, b) in enumerate(zip(saved, mine)) if a != b)
+    (sn, ss, sd), (mn, ms, md) = saved[i], mine[i]
+    raise ValueError(
+        f"pycomm.checkpoint.load: {path} is of another model: parameter {i} is {sn} "
+        f"{list(ss)} {sd} in the checkpoint, {mn} {list(ms)} {md} in this model"
+    )
+
+
+def _check_optimizer(path: str, saved: Optional[dict], optimizer: torch.optim.Optimizer) -> None:
+    if saved is None:
+        raise ValueError(
+            f"pycomm.checkpoint.load: {path} was saved without an optimizer; pass optimizer=None"
+        )
+    sizes = [len(g["params"]) for g in saved["param_groups"]]
+    mine = [len(g["params"]) for g in optimizer.param_groups]
+    if sizes != mine:
+        raise ValueError(
+            f"pycomm.checkpoint.load: {path} is of another optimizer: its parameter groups "
+            f"hold {sizes} parameters, this optimizer's hold {mine}"
+        )
+
+
+def load(path: PathLike, ddp: DDP, optimizer: Optional[torch.optim.Optimizer]) -> dict[str, Any]:
+    """Restore what :func:`save` wrote into ``ddp``, ``optimizer`` and the hook; return the
+    ``extra`` values.
+
+    Register the same hook with the same options first (``pycomm.wrap``). Everything is
+    checked before anything changes: another model (parameter names, shapes, dtypes), another
+    world size when the checkpoint has hook state, another hook or options, hook state missing
+    on one side: a ValueError naming the mismatch.
+
+    Example:
+        >>> ddp = pycomm.wrap(model, hook="int8")
+        >>> extra = pycomm.checkpoint.load("ckpt.pt", ddp, optimizer)
+        >>> start = extra["step"]
+    """
+    if not isinstance(ddp, DDP):
+        raise TypeError(f"pycomm.checkpoint.load: ddp is a {type(ddp).__name__}, expected a DDP")
+    path = os.fspath(path)
+    _, rank, world = _group(ddp)
+    ckpt = torch.load(path, map_location="cpu", weights_only=True)
+    if not isinstance(ckpt, dict) or ckpt.get("format") != FORMAT:
+        raise ValueError(
+            f"pycomm.checkpoint.load: {path} is not a pycomm checkpoint (format "
+            f"{ckpt.get('format') if isinstance(ckpt, dict) else type(ckpt).__name__!r}, "
+            f"expected {FORMAT!r})"
+        )
+    _check_parameters(path, ckpt["parameters"], _params_signature(ddp.module))
+    state, saved_hook = _hook(ddp), ckpt["hook"]
+    if saved_hook is None and state is not None:
+        raise ValueError(
+            f"pycomm.checkpoint.load: {path} has no pycomm hook state, but this model has the "
+            f"{state.hook_name} hook: its state (residuals, warm-up) would start from zero"
+        )
+    if saved_hook is not None and state is None:
+        raise ValueError(
+            f"pycomm.checkpoint.load: {path} holds the state of the {saved_hook.get('hook')!r} "
+            "hook, but this model has no pycomm hook: register the same hook (pycomm.wrap) "
+            "before loading"
+        )
+    hook_sd = None
+    if state is not None:
+        if ckpt["world_size"] != world:
+            raise ValueError(
+                f"pycomm.checkpoint.load: {path} was saved by world_size={ckpt['world_size']} "
+                f"ranks, this process group has world_size={world}: the hook state is per rank "
+                "and does not carry over to another world size"
+            )
+        state.check_fingerprint({"fingerprint": saved_hook})
+        hook_path = _hook_file(path, rank, ckpt["id"])
+        device = next((p.device for p in ddp.module.parameters()), torch.device("cpu"))
+        try:
+            hook_sd = torch.load(hook_path, map_location=device, weights_only=True)
+        except FileNotFoundError:
+            raise FileNotFoundError(
+                f"pycomm.checkpoint.load: {path} names the hook state of rank {rank} in "
+                f"{hook_path}, which is missing (deleted, or not on a file system this rank "
+                "sees)"
+            ) from None
+        state.check_fingerprint(hook_sd)
+    if optimizer is not None:
+        _check_optimizer(path, ckpt["optimizer"], optimizer)
+    ddp.module.load_state_dict(ckpt["model"])
+    if optimizer is not None:
+        optimizer.load_state_dict(ckpt["optimizer"])
+    if state is not None:
+        state.load_state_dict(hook_sd)
+    logger.info("pycomm.checkpoint: loaded %s (rank %d of %d)", path, rank, world)
+    return dict(ckpt["extra"])
