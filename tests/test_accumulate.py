@@ -493,3 +493,35 @@ def test_skipped_step_keeps_residuals_bitwise(hook, k):
         assert r["skipped"] == 1 and r["nonfinite"] >= 1, r
         assert r["residuals_moved_before"], r  # the check below could fail
         assert r["same_residuals"] and r["same_params"] and r["finite_after"], r
+
+
+# --- GradScaler, samples per second ------------------------------------------------------
+
+
+def _rank_scaler(mode):
+    batches = _batches(dist.get_rank(), K * 3, seed=21)
+    out = {}
+    for scaled in (False, True):
+        if mode == "plain":
+            ddp, kw = DDP(_model()), {"accumulate_steps": K}
+        else:
+            ddp, kw = pycomm.wrap(_model(), hook=mode, accumulate_steps=K), {}
+        opt = RecordingSGD(ddp.parameters(), lr=0.05)
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0**12) if scaled else None
+        loop = pycomm.TrainLoop(ddp, opt, scaler=scaler, max_grad_norm=0.5, batch_size=6, **kw)
+        for x, y in batches:
+            loop.step(lambda x=x, y=y, m=ddp: torch.nn.functional.mse_loss(m(x), y))
+        out[scaled] = (_flat(ddp.module), opt.seen, loop.last_grad_norm, loop.samples_per_second)
+    return out
+
+
+@pytest.mark.parametrize("mode", ["allreduce", "plain"])
+def test_grad_scaler_unscales_before_clipping(mode):
+    for out in run_ranks(_rank_scaler, 2, mode, timeout=120):
+        (p0, seen0, norm0, sps0), (p1, seen1, norm1, sps1) = out[False], out[True]
+        # a power-of-two scale is exact in fp32: the same steps, the same clipped gradients
+        torch.testing.assert_close(p1, p0, rtol=1e-6, atol=1e-7)
+        for a, b in zip(seen0, seen1):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-8)
+        assert norm0 == pytest.approx(norm1, rel=1e-5)
+        assert sps0 > 0 and sps1 > 0
