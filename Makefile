@@ -14,7 +14,7 @@ $(PY):
 $(VENV)/.deps: $(PY)
 	$(PY) -m pip install -q --upgrade pip
 	$(if $(TORCH),$(PY) -m pip install -q "$(TORCH)")
-	$(PY) -m pip install -q setuptools wheel ninja numpy scikit-learn pytest pytest-timeout hypothesis ruff
+	$(PY) -m pip install -q setuptools wheel ninja numpy scikit-learn pytest pytest-timeout hypothesis ruff tqdm matplotlib
 	touch $@
 
 # --no-build-isolation: compile against the torch in the venv, never a freshly fetched one.
@@ -32,8 +32,9 @@ lint: $(VENV)/.deps
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
 
+# BENCH_ARGS: more flags, e.g. BENCH_ARGS="--json out.json --plot out.png" (see --help)
 bench: install
-	$(PY) -m pycomm.bench --link 2.5gbit
+	$(PY) -m pycomm.bench --link 2.5gbit $(BENCH_ARGS)
 
 bench-kernels: install
 	$(PY) benchmarks/bench_fusion.py --json benchmarks/results/fusion.json

@@ -21,6 +21,12 @@ import torch
 from pycomm import ops, reference
 
 
+def _has_residual_out() -> bool:
+    """Whether the built encoders take ``residual_out`` (newer schemas do)."""
+    schema = torch.ops.pycomm.quantize_int8.default._schema
+    return any(a.name == "residual_out" for a in schema.arguments)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     kernel_bench.add_arguments(ap, reps=21)
@@ -52,6 +58,12 @@ def main() -> None:
         lambda: reference.encode16(x, r_eager, 0.5, bf16, n),
     )
     case(
+        "encode16 fp16 +residual",
+        n * (4 + 4 + 2 + 4),
+        lambda: ops.encode16(x, r_ours, 0.5, torch.float16, n),
+        lambda: reference.encode16(x, r_eager, 0.5, torch.float16, n),
+    )
+    case(
         f"quantize_int8 +residual b{b8}",
         n * (4 + 4 + 1 + 4) + 4 * n // b8,
         lambda: ops.quantize_int8(x, r_ours, 0.5, b8, n),
@@ -64,6 +76,22 @@ def main() -> None:
         lambda: reference.quantize_onebit(x, r_eager, 0.5, b1, n),
     )
 
+    if _has_residual_out():
+        # the hooks' path: read the residual, write the new one elsewhere (committed later)
+        o_ours, o_eager = torch.empty(n), torch.empty(n)
+        case(
+            f"quantize_int8 +residual_out b{b8}",
+            n * (4 + 4 + 1 + 4) + 4 * n // b8,
+            lambda: ops.quantize_int8(x, r_ours, 0.5, b8, n, residual_out=o_ours),
+            lambda: reference.quantize_int8(x, r_eager, 0.5, b8, n, residual_out=o_eager),
+        )
+        case(
+            f"quantize_onebit +residual_out b{b1}",
+            n * (4 + 4 + 4) + n // 8 + 2 * n // b1,
+            lambda: ops.quantize_onebit(x, r_ours, 0.5, b1, n, residual_out=o_ours),
+            lambda: reference.quantize_onebit(x, r_eager, 0.5, b1, n, residual_out=o_eager),
+        )
+
     out_ours, out_eager = torch.empty(n), torch.empty(n)
     chunks = torch.randn(rows, n).to(bf16)
     case(
@@ -71,6 +99,13 @@ def main() -> None:
         rows * n * 2 + n * 4,
         lambda: ops.decode16_sum(chunks, 0.5, out_ours),
         lambda: reference.decode16_sum(chunks, 0.5, out_eager),
+    )
+    chunks16 = torch.randn(rows, n).to(torch.float16)
+    case(
+        f"decode16_sum fp16 R={rows}",
+        rows * n * 2 + n * 4,
+        lambda: ops.decode16_sum(chunks16, 0.5, out_ours),
+        lambda: reference.decode16_sum(chunks16, 0.5, out_eager),
     )
     enc = [ops.quantize_int8(torch.randn(n), None, 1.0, b8, n) for _ in range(rows)]
     codes, scales = torch.stack([c for c, _ in enc]), torch.stack([s for _, s in enc])

@@ -302,6 +302,8 @@ def _rank_bucket_caps():
         "onebit": pycomm.wrap(_model(), hook="onebit").bucket_bytes_cap / mb,
         "allreduce": pycomm.wrap(_model(), hook="allreduce").bucket_bytes_cap / mb,
         "int8 given 2": pycomm.wrap(_model(), hook="int8", bucket_cap_mb=2).bucket_bytes_cap / mb,
+        "views": pycomm.wrap(_model()).gradient_as_bucket_view,
+        "views off": pycomm.wrap(_model(), gradient_as_bucket_view=False).gradient_as_bucket_view,
     }
 
 
@@ -314,4 +316,6 @@ def test_wrap_picks_bucket_size_per_hook_unless_given():
         "onebit": plain,
         "allreduce": plain,
         "int8 given 2": 2.0,
+        "views": True,
+        "views off": False,
     }

@@ -1,15 +1,22 @@
-"""``python -m pycomm.bench``: train an MLP on N local ranks (gloo), one DDP model per hook,
+"""``python -m pycomm.bench``: train a model on N local ranks (gloo), one DDP model per hook,
 the hooks interleaved step by step, and print each hook's step time against compute alone
-(no communication) and plain DDP, with the bytes each rank sends per step.
+(no communication) and plain DDP, the bytes each rank sends per step, and the relative error
+of the reduced gradient against the exact fp32 mean.
 
-    python -m pycomm.bench                      # the reference setup, unshaped loopback
-    python -m pycomm.bench --link 2.5gbit       # each rank gets about 2.5 Gbit/s
-    python -m pycomm.bench --hooks all --json out.json
+    python -m pycomm.bench                        # 8.4M-param MLP, unshaped loopback
+    python -m pycomm.bench --link 2.5gbit         # each rank gets about 2.5 Gbit/s
+    python -m pycomm.bench --model transformer --d-model 512 --layers 12 --hooks ddp,int8
+    python -m pycomm.bench --accumulate-steps 4 --json out.json --plot out.png
+
+Sizes: --model mlp has layers x width^2 parameters (--width 256 --layers 16: 1.1M;
+--width 4096 --layers 6: 101M); --model transformer about 12 x layers x d_model^2 plus
+vocab x d_model (--d-model 1024 --layers 8: 109M). Each hook gets its own copy of the model
+on every rank: check memory before going big (the benchmark refuses sizes that cannot fit).
 
 --link re-runs the benchmark in a private network namespace (unshare -n) whose loopback is
 shaped with tc (tbf, rate = ranks x RATE); it needs root, unshare (util-linux) and tc
-(iproute2), and runs unshaped, saying so, without them. A hook that fails (torch's PowerSGD
-on gloo with several buckets) is reported as failed; the others are still measured.
+(iproute2), and runs unshaped, saying so, without them. A hook that fails or hangs (torch's
+PowerSGD on gloo with several buckets) is reported as failed; the others are still measured.
 """
 
 from __future__ import annotations
@@ -27,18 +34,32 @@ import torch
 
 import pycomm
 from pycomm.bench import link as _link
-from pycomm.bench.report import add_ratios, table
+from pycomm.bench.models import MODELS, ModelSpec, count_params
+from pycomm.bench.report import add_ratios, plot, table
 from pycomm.bench.runner import (
     BASELINE,
     COMPUTE,
-    FAIL,
+    TEST_HOOKS,
     available_hooks,
     default_hooks_set,
     describe,
+    is_pycomm,
 )
 from pycomm.bench.session import measure
+from pycomm.hooks.state import ring_bytes
 
 _NETNS_FLAG = "--_in-netns"
+
+# Flags of one model only: given with the other one, they are an error (not silently ignored).
+_MLP_FLAGS = {"width": "--width"}
+_GPT_FLAGS = {
+    "d_model": "--d-model",
+    "heads": "--heads",
+    "seq_len": "--seq-len",
+    "vocab": "--vocab",
+}
+_DEFAULTS = {"width": 1024, "d_model": 256, "heads": 4, "seq_len": 64, "vocab": 8192}
+_DEFAULT_BATCH = {"mlp": 64, "transformer": 4}
 
 
 def _positive(text: str) -> int:
@@ -47,7 +68,7 @@ def _positive(text: str) -> int:
     except ValueError:
         value = 0
     if value < 1:
-        raise argparse.ArgumentTypeError(f"{text} is not a positive integer")
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive integer")
     return value
 
 
@@ -57,17 +78,30 @@ def _non_negative(text: str) -> int:
     except ValueError:
         value = -1
     if value < 0:
-        raise argparse.ArgumentTypeError(f"{text} is not a non-negative integer")
+        raise argparse.ArgumentTypeError(f"{text!r} is not a non-negative integer")
     return value
 
 
-def _seconds(text: str) -> float:
+def _positive_float(what: str):
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            value = 0.0
+        if not value > 0 or value == float("inf"):
+            raise argparse.ArgumentTypeError(f"{text!r} is not a positive number of {what}")
+        return value
+
+    return parse
+
+
+def _non_negative_float(text: str) -> float:
     try:
         value = float(text)
     except ValueError:
-        value = 0.0
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"{text} is not a positive number of seconds")
+        value = -1.0
+    if not 0 <= value < float("inf"):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a non-negative number of seconds")
     return value
 
 
@@ -85,40 +119,99 @@ def _parser() -> argparse.ArgumentParser:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    ap.add_argument("--nprocs", type=_positive, default=2, help="local ranks (gloo); default 2")
-    ap.add_argument(
+    run = ap.add_argument_group("what runs")
+    run.add_argument("--nprocs", type=_positive, default=2, help="local ranks (gloo); default 2")
+    run.add_argument(
         "--hooks",
         default="default",
         help="comma-separated hook names, 'default' or 'all' (see --list-hooks); compute and "
         f"ddp are always run, as references. default: {','.join(default_hooks_set())}",
     )
-    ap.add_argument(
+    run.add_argument(
         "--list-hooks", action="store_true", help="list the hooks with what each one runs; exit"
     )
-    ap.add_argument("--width", type=_positive, default=1024, help="MLP width; default 1024")
-    ap.add_argument(
-        "--layers", type=_positive, default=8, help="MLP depth (Linear layers); default 8"
+    run.add_argument(
+        "--accumulate-steps",
+        type=_positive,
+        default=1,
+        metavar="K",
+        help="micro-steps per optimizer step, each on its own micro-batch with the loss scaled "
+        "by 1/K: pycomm hooks get pycomm.wrap(..., accumulate_steps=K), plain DDP and torch's "
+        "hooks run the first K-1 under no_sync(); times and bytes are per optimizer step; "
+        "default 1",
     )
-    ap.add_argument("--batch", type=_positive, default=64, help="batch per rank; default 64")
-    ap.add_argument("--steps", type=_positive, default=20, help="timed steps per hook; default 20")
-    ap.add_argument(
-        "--warmup",
-        type=_non_negative,
-        default=3,
-        help="untimed steps per hook first; default 3 (PowerSGD compresses from step 2)",
-    )
-    ap.add_argument(
+    run.add_argument(
         "--threads", type=_positive, default=1, help="torch threads per rank; default 1"
     )
-    ap.add_argument(
+    run.add_argument(
         "--bucket-cap-mb",
-        type=float,
+        type=_positive_float("MB"),
         default=None,
         metavar="MB",
         help="DDP bucket size for every hook; default: each hook's own (DDP's 25 MB, and the "
         "8 MB pycomm.wrap picks for int8, bf16 and fp16)",
     )
-    ap.add_argument(
+
+    model = ap.add_argument_group("model (synthetic data, the same weights on every rank)")
+    model.add_argument(
+        "--model", choices=MODELS, default="mlp", help="an MLP stack or a GPT-style transformer"
+    )
+    model.add_argument(
+        "--layers",
+        type=_positive,
+        default=8,
+        help="Linear layers of the MLP, or transformer blocks; default 8",
+    )
+    model.add_argument(
+        "--width", type=_positive, default=None, help="MLP: width of every layer; default 1024"
+    )
+    model.add_argument(
+        "--d-model", type=_positive, default=None, help="transformer: model width; default 256"
+    )
+    model.add_argument(
+        "--heads",
+        type=_positive,
+        default=None,
+        help="transformer: attention heads (must divide --d-model); default 4",
+    )
+    model.add_argument(
+        "--seq-len",
+        type=_positive,
+        default=None,
+        help="transformer: tokens per sequence; default 64",
+    )
+    model.add_argument(
+        "--vocab", type=_positive, default=None, help="transformer: vocabulary size; default 8192"
+    )
+    model.add_argument(
+        "--batch",
+        type=_positive,
+        default=None,
+        help="micro-batch per rank: rows for the MLP (default 64), sequences for the "
+        "transformer (default 4)",
+    )
+
+    timing = ap.add_argument_group("timing")
+    timing.add_argument(
+        "--steps", type=_positive, default=20, help="timed optimizer steps per hook; default 20"
+    )
+    timing.add_argument(
+        "--warmup",
+        type=_non_negative,
+        default=3,
+        help="untimed steps per hook first; default 3 (PowerSGD and pycomm's compressed hooks "
+        "compress from step 2)",
+    )
+    timing.add_argument(
+        "--error-steps",
+        type=_non_negative,
+        default=2,
+        metavar="N",
+        help="on the last N timed steps, measure each hook's relative L2 error against the "
+        "exact fp32 mean gradient (an untimed reference copy and an fp32 all-reduce); 0: "
+        "skip; default 2",
+    )
+    timing.add_argument(
         "--link",
         type=_rate,
         metavar="RATE",
@@ -126,14 +219,48 @@ def _parser() -> argparse.ArgumentParser:
         help="shape the loopback so that each rank sees about RATE, in tc's syntax "
         "(2.5gbit, 500mbit, 100mbps); needs root, unshare and tc",
     )
-    ap.add_argument(
+    timing.add_argument(
+        "--step-timeout",
+        type=_positive_float("seconds"),
+        default=10.0,
+        metavar="S",
+        help="a hook's step that lasts longer than max(S, 5x the slowest step so far) + 3x "
+        "the time the fp32 gradient takes over --link (twice that with the error "
+        "measurement) is a hang: the ranks are stopped and the hook is reported failed "
+        "(setups and first steps: at least 60 s, for lazy imports); default 10",
+    )
+    timing.add_argument(
+        "--rerun-budget",
+        type=_non_negative_float,
+        default=60.0,
+        metavar="S",
+        help="after the others are measured, rerun each hook that failed alone, to tell an "
+        "intermittent failure from a deterministic one, starting reruns only while less than "
+        "S seconds have gone into them; 0: no reruns; default 60",
+    )
+    timing.add_argument(
+        "--timeout",
+        type=_positive_float("seconds"),
+        default=300.0,
+        help="seconds before one launch of the ranks is given up; default 300",
+    )
+
+    out = ap.add_argument_group("output")
+    out.add_argument(
         "--json", metavar="FILE", default=None, help="write config, results and failures here"
     )
-    ap.add_argument(
-        "--timeout",
-        type=_seconds,
-        default=300,
-        help="seconds before one launch of the ranks is given up; default 300",
+    out.add_argument(
+        "--plot",
+        metavar="FILE.png",
+        default=None,
+        help="draw each hook's median step time, split into compute (the compute-only "
+        "median) and communication (the rest), with matplotlib",
+    )
+    out.add_argument(
+        "--quiet",
+        action="store_true",
+        help="no progress bar and no progress lines on stderr (the bar is also off when "
+        "stderr is not a terminal)",
     )
     ap.add_argument(_NETNS_FLAG, action="store_true", help=argparse.SUPPRESS)
     return ap
@@ -149,7 +276,7 @@ def _hooks(ap: argparse.ArgumentParser, text: str) -> list[str]:
             names += known
         elif token == "default":
             names += default_hooks_set()
-        elif token in known or token == FAIL:
+        elif token in known or token in TEST_HOOKS:
             names.append(token)
         else:
             ap.error(
@@ -161,40 +288,99 @@ def _hooks(ap: argparse.ArgumentParser, text: str) -> list[str]:
     return list(dict.fromkeys(names))
 
 
-def _child_argv(args: argparse.Namespace) -> list[str]:
-    """The same run as flags, for the copy of the benchmark inside the namespace."""
-    argv = [
-        "--nprocs", str(args.nprocs), "--hooks", args.hooks, "--width", str(args.width),
-        "--layers", str(args.layers), "--batch", str(args.batch), "--steps", str(args.steps),
-        "--warmup", str(args.warmup), "--threads", str(args.threads), "--link", args.link,
-        "--timeout", str(args.timeout), _NETNS_FLAG,
-    ]  # fmt: skip
-    if args.bucket_cap_mb is not None:
-        argv += ["--bucket-cap-mb", str(args.bucket_cap_mb)]
-    if args.json:
-        argv += ["--json", os.path.abspath(args.json)]
-    return argv
+def _spec(ap: argparse.ArgumentParser, args: argparse.Namespace) -> ModelSpec:
+    """The model the flags describe; flags of the other model and bad shapes are errors."""
+    wrong = _GPT_FLAGS if args.model == "mlp" else _MLP_FLAGS
+    for key, flag in wrong.items():
+        if getattr(args, key) is not None:
+            ap.error(f"{flag} {getattr(args, key)}: {flag} is not a flag of --model {args.model}")
+    sizes = {
+        k: getattr(args, k) if getattr(args, k) is not None else v for k, v in _DEFAULTS.items()
+    }
+    batch = args.batch if args.batch is not None else _DEFAULT_BATCH[args.model]
+    spec = ModelSpec(kind=args.model, layers=args.layers, batch=batch, **sizes)
+    if spec.kind == "transformer" and spec.d_model % spec.heads:
+        ap.error(
+            f"--d-model {spec.d_model} is not divisible by --heads {spec.heads}: every head "
+            "needs d_model / heads dimensions"
+        )
+    return spec
 
 
-def _in_namespace(args: argparse.Namespace) -> int:
-    """Re-run this benchmark in a private network namespace; its exit status."""
-    env = dict(os.environ)
-    root = os.path.dirname(os.path.dirname(os.path.abspath(pycomm.__file__)))
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
-    # The namespace has no DNS: c10d warns on every connection that it cannot name the peer.
-    env.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
-    cmd = ["unshare", "-n", "--", sys.executable, "-m", "pycomm.bench", *_child_argv(args)]
-    return subprocess.call(cmd, env=env)
+def _size_flags(spec: ModelSpec) -> str:
+    keys = ["layers", "width"] if spec.kind == "mlp" else ["layers", "d_model", "vocab"]
+    return " ".join(f"--{k.replace('_', '-')} {getattr(spec, k)}" for k in keys)
+
+
+def _available_memory() -> Optional[int]:
+    """Bytes of memory available to new processes (MemAvailable), None when unknown."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def memory_estimate(params: int, hooks: int, nprocs: int, error_steps: int) -> int:
+    """Bytes a run needs, roughly: per rank and hook the parameters, their gradients, DDP's
+    buckets and a hook's buffers (4 x fp32 copies), a reference copy for the error, and ~0.5 GB
+    of runtime per rank. Activations are not counted.
+
+    Example:
+        >>> round(memory_estimate(8_396_800, 11, 2, 2) / 1e9, 1)
+        4.1
+    """
+    per_rank = hooks * 16 * params + (8 * params if error_steps else 0) + 500 * 10**6
+    return nprocs * per_rank
+
+
+def _say(text: str) -> None:
+    print(f"pycomm.bench: {text}", file=sys.stderr, flush=True)
+
+
+def _quiet(text: str) -> None:
+    pass
 
 
 def main(argv: Optional[list[str]] = None) -> int:
+    """Run the benchmark with command-line flags ``argv``; the exit status (0: at least one
+    hook measured).
+
+    Example:
+        >>> main(["--hooks", "int8", "--steps", "5", "--json", "out.json"])
+    """
+    argv = list(sys.argv[1:] if argv is None else argv)
     ap = _parser()
     args = ap.parse_args(argv)
     if args.list_hooks:
         for name in available_hooks():
-            print(f"{name:<17}{describe(name)}")
+            print(f"{name:<17}{describe(name, args.accumulate_steps)}")
         return 0
     hooks = _hooks(ap, args.hooks)
+    spec = _spec(ap, args)
+    if args.error_steps > args.steps:
+        ap.error(f"--error-steps {args.error_steps} is more than --steps {args.steps}")
+    for flag, path in (("--json", args.json), ("--plot", args.plot)):
+        folder = os.path.dirname(os.path.abspath(path)) if path else None
+        if folder and not os.path.isdir(folder):
+            ap.error(f"{flag} {path}: the folder {folder} does not exist")
+    if args.plot:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            ap.error(f"--plot {args.plot}: needs matplotlib (pip install matplotlib)")
+    params = count_params(spec)
+    need = memory_estimate(params, len(hooks), args.nprocs, args.error_steps)
+    have = _available_memory()
+    if have is not None and need > have:
+        ap.error(
+            f"{_size_flags(spec)}: {params / 1e6:.1f}M parameters, one copy per hook per rank: "
+            f"{len(hooks)} hooks x {args.nprocs} ranks need about {need / 1e9:.1f} GB, "
+            f"{have / 1e9:.1f} GB is available; pick fewer --hooks or --nprocs or a smaller model"
+        )
 
     per_rank = _link.parse_rate(args.link) if args.link else None
     total = per_rank * args.nprocs if per_rank else None
@@ -209,7 +395,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     if total and not args._in_netns:
         reason = _link.cannot_shape() or _link.probe(total)
         if reason is None:
-            return _in_namespace(args)
+            return _in_namespace(argv)
         print(
             f"pycomm.bench: --link {args.link}: cannot shape the loopback ({reason}); "
             "running UNSHAPED",
@@ -223,33 +409,51 @@ def main(argv: Optional[list[str]] = None) -> int:
     elif args._in_netns:
         ap.error(f"{_NETNS_FLAG} is internal and needs --link")
 
+    # the fp32 gradient over the shaped link: hooks may take that long without hanging
+    comm_s = ring_bytes(4 * params, args.nprocs) * 8 / per_rank if link["shaped"] else 0.0
     cfg = {
-        "width": args.width,
-        "layers": args.layers,
-        "batch": args.batch,
+        "model": spec.config(),
         "steps": args.steps,
         "warmup": args.warmup,
         "threads": args.threads,
         "bucket_cap_mb": args.bucket_cap_mb,
+        "accumulate_steps": args.accumulate_steps,
+        "error_steps": args.error_steps,
+        "step_timeout": args.step_timeout,
+        "comm_s": comm_s,
         "measure_lo": link["shaped"] and _link.in_private_netns(),
     }
     t0 = time.monotonic()
-    result = measure(cfg, hooks, args.nprocs, args.timeout)
+    result = measure(
+        cfg,
+        hooks,
+        args.nprocs,
+        args.timeout,
+        log=_quiet if args.quiet else _say,
+        progress=not args.quiet and sys.stderr.isatty(),
+        rerun_budget_s=args.rerun_budget,
+    )
     numbers = result["hooks"]
-    ordered = {name: {"description": describe(name), **numbers[name]} for name in hooks}
+    ordered = {
+        name: {"description": describe(name, args.accumulate_steps), **numbers[name]}
+        for name in hooks
+    }
     add_ratios(ordered)
     doc = {
+        "command": "python -m pycomm.bench " + " ".join(a for a in argv if a != _NETNS_FLAG),
         "config": {
             "nprocs": args.nprocs,
             "backend": "gloo",
             "hooks": hooks,
             **{k: v for k, v in cfg.items() if k != "measure_lo"},
+            "rerun_budget_s": args.rerun_budget,
+            "pycomm_hooks": [h for h in hooks if is_pycomm(h)],
             "timeout_s": args.timeout,
             "torch": torch.__version__,
             "python": platform.python_version(),
             "cpus": os.cpu_count(),
         },
-        "params": result["params"],
+        "params": result["params"] or params,
         "link": link,
         "hooks": ordered,
         "failures": result["failures"],
@@ -261,7 +465,21 @@ def main(argv: Optional[list[str]] = None) -> int:
         with open(args.json, "w") as f:
             json.dump(doc, f, indent=1)
             f.write("\n")
+    if args.plot:
+        plot(doc, args.plot)
     return 0 if any(h["status"] == "ok" for h in ordered.values()) else 1
+
+
+def _in_namespace(argv: list[str]) -> int:
+    """Re-run this benchmark, with the same flags, in a private network namespace; its exit
+    status."""
+    env = dict(os.environ)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(pycomm.__file__)))
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
+    # The namespace has no DNS: c10d warns on every connection that it cannot name the peer.
+    env.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
+    cmd = ["unshare", "-n", "--", sys.executable, "-m", "pycomm.bench", *argv, _NETNS_FLAG]
+    return subprocess.call(cmd, env=env)
 
 
 if __name__ == "__main__":

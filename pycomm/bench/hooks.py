@@ -40,3 +40,17 @@ def fail_hook(state: FailState, bucket: dist.GradBucket) -> torch.futures.Future
     if state.calls >= state.fail_at:
         raise RuntimeError(f"_fail hook: deliberate failure in call {state.calls}")
     return compute_hook(None, bucket)
+
+
+def hang_hook(state: FailState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """A hook that, from the ``fail_at``-th call on, returns a future nobody completes: DDP
+    waits on it forever, the way a collective that two ranks issued in different orders hangs.
+    Tests the per-step deadline.
+
+    Example:
+        >>> ddp.register_comm_hook(FailState(), hang_hook)
+    """
+    state.calls += 1
+    if state.calls >= state.fail_at:
+        return torch.futures.Future()
+    return compute_hook(None, bucket)

@@ -1,9 +1,23 @@
 """Per-rank side of ``python -m pycomm.bench``: the hooks it knows, and the training loop that
-times them side by side (one DDP model per hook, hooks interleaved step by step)."""
+times them side by side (one DDP model per hook, hooks interleaved step by step).
+
+Each rank also measures, on the last ``error_steps`` timed steps, every hook's relative L2 error
+against the exact fp32 mean gradient: a plain copy of the model, loaded with the hook model's
+parameters as they were before the step, runs the same micro-batches, and its local gradients
+are summed over ranks with an fp32 all-reduce (untimed).
+
+A per-step deadline turns a hang into a failure that costs seconds: around every hook's setup
+and step, :func:`faulthandler.dump_traceback_later` is armed, so a rank stuck in a collective
+dumps its stack into its stderr file and exits; the parent blames the hook it was in.
+"""
 
 from __future__ import annotations
 
+import contextlib
+import faulthandler
+import json
 import os
+import sys
 import time
 from typing import Any, Callable, Optional
 
@@ -14,13 +28,17 @@ from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as torch_p
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import pycomm
-from pycomm.bench.hooks import FailState, compute_hook, fail_hook
+from pycomm.bench.hooks import FailState, compute_hook, fail_hook, hang_hook
 from pycomm.bench.link import lo_tx_bytes
+from pycomm.bench.models import ModelSpec, batches, build, count_params, loss_fn
 from pycomm.hooks.state import ring_bytes
 
 COMPUTE = "compute"  # the bucket comes back untouched: no communication at all
 BASELINE = "ddp"  # plain DDP, no hook: torch's own reduction
 FAIL = "_fail"  # test-only: a hook that raises; not listed, not in "all"
+HANG = "_hang"  # test-only: a hook whose future never completes
+BAD_SETUP = "_badsetup"  # test-only: a hook whose setup raises
+TEST_HOOKS = (FAIL, HANG, BAD_SETUP)
 
 # torch's own hooks, registered the way a user would: name -> (description, factory of
 # (state, hook)); PowerSGD from iteration 2 so that the warm-up steps reach compression.
@@ -61,85 +79,117 @@ _NOT_DEFAULT = {"powersgd"}
 
 
 def pycomm_hooks() -> list[str]:
-    """pycomm's hook names, read from the registry now (hooks get added): allreduce first."""
+    """pycomm's hook names, read from the registry now (hooks get added): allreduce first.
+
+    Example:
+        >>> pycomm_hooks()[:2]
+        ['allreduce', 'bf16']
+    """
     from pycomm.wrap import HOOKS
 
     return sorted(HOOKS, key=lambda name: (name != "allreduce", name))
 
 
 def available_hooks() -> list[str]:
-    """Every hook the benchmark can run (``--hooks all``)."""
+    """Every hook the benchmark can run (``--hooks all``).
+
+    Example:
+        >>> available_hooks()[:2]
+        ['compute', 'ddp']
+    """
     return [COMPUTE, BASELINE, *TORCH_HOOKS, *pycomm_hooks()]
 
 
 def default_hooks_set() -> list[str]:
-    """compute, ddp, torch's fp16 and PowerSGD rank 1, and pycomm's own hooks."""
+    """compute, ddp, all of torch's hooks, and pycomm's own hooks but its delegated PowerSGD.
+
+    Example:
+        >>> "torch-powersgd4" in default_hooks_set()
+        True
+    """
     return [
         COMPUTE,
         BASELINE,
-        "torch-fp16",
-        "torch-powersgd1",
+        *TORCH_HOOKS,
         *(h for h in pycomm_hooks() if h not in _NOT_DEFAULT),
     ]
 
 
-def describe(name: str) -> str:
-    """One line on what the benchmark runs under ``name``."""
+def is_pycomm(name: str) -> bool:
+    """Whether ``name`` runs through :func:`pycomm.wrap` (and its accumulate stage)."""
+    return name not in (COMPUTE, BASELINE, *TEST_HOOKS) and name not in TORCH_HOOKS
+
+
+def describe(name: str, accumulate_steps: int = 1) -> str:
+    """One line on what the benchmark runs under ``name``.
+
+    Example:
+        >>> describe("torch-fp16")
+        'torch fp16_compress_hook'
+    """
     if name == COMPUTE:
         return "no communication (the bucket is returned untouched): compute only"
     if name == BASELINE:
-        return "plain DDP, no hook"
-    if name in TORCH_HOOKS:
-        return TORCH_HOOKS[name][0]
-    if name == FAIL:
-        return "test-only hook that raises"
-    options = PYCOMM_OPTIONS.get(name)
-    return f"pycomm {name} hook" + (f" {options}" if options else "")
+        text = "plain DDP, no hook"
+    elif name in TORCH_HOOKS:
+        text = TORCH_HOOKS[name][0]
+    elif name in TEST_HOOKS:
+        return f"test-only hook ({name[1:]})"
+    else:
+        options = PYCOMM_OPTIONS.get(name)
+        text = f"pycomm {name} hook" + (f" {options}" if options else "")
+        if accumulate_steps > 1:
+            return f"{text}, wrap(accumulate_steps={accumulate_steps})"
+    if accumulate_steps > 1:
+        text += f", no_sync() on {accumulate_steps - 1} of {accumulate_steps} micro-steps"
+    return text
 
 
-def make_mlp(width: int, layers: int, seed: int = 0) -> torch.nn.Module:
-    torch.manual_seed(seed)
-    mods: list[torch.nn.Module] = []
-    for _ in range(layers):
-        mods += [torch.nn.Linear(width, width), torch.nn.ReLU()]
-    return torch.nn.Sequential(*mods[:-1])
-
-
-def _build(name: str, module: torch.nn.Module, cap: Optional[float]) -> tuple[DDP, Any]:
+def _build(
+    name: str, module: torch.nn.Module, cap: Optional[float], accumulate_steps: int
+) -> tuple[DDP, Any]:
     """The DDP model for hook ``name`` (buckets of ``cap`` MB, None: the hook's default) and
     the state its byte count is read from."""
     kw = {} if cap is None else {"bucket_cap_mb": cap}
-    if name in (BASELINE, COMPUTE, FAIL) or name in TORCH_HOOKS:
+    if not is_pycomm(name):
+        if name == BAD_SETUP:
+            raise RuntimeError("_badsetup hook: deliberate failure while setting up")
         ddp = DDP(module, **kw)
         state: Any = None
         if name == COMPUTE:
             ddp.register_comm_hook(None, compute_hook)
-        elif name == FAIL:
+        elif name in (FAIL, HANG):
             state = FailState()
-            ddp.register_comm_hook(state, fail_hook)
+            ddp.register_comm_hook(state, fail_hook if name == FAIL else hang_hook)
         elif name in TORCH_HOOKS:
             state, hook = TORCH_HOOKS[name][1]()
             ddp.register_comm_hook(state, hook)
         return ddp, state
-    ddp = pycomm.wrap(module, hook=name, hook_options=PYCOMM_OPTIONS.get(name), **kw)
+    ddp = pycomm.wrap(
+        module,
+        hook=name,
+        accumulate_steps=accumulate_steps,
+        hook_options=PYCOMM_OPTIONS.get(name),
+        **kw,
+    )
     return ddp, pycomm.hook_state(ddp)
 
 
-def _counters(name: str, state: Any) -> dict[str, float]:
-    """Cumulative (bytes sent, steps) as the hook itself counts them, where it does."""
+def _counters(state: Any) -> dict[str, float]:
+    """Cumulative bytes sent as the hook itself counts them, where it does."""
     if isinstance(state, torch_powersgd.PowerSGDState):
         # fp32 elements all-reduced while compressing (P, Q and the uncompressed tensors)
         return {"elements": float(state.total_numel_after_compression)}
     if state is not None and hasattr(state, "stats"):
-        return {"bytes": float(state.stats["bytes_sent"]), "steps": float(state.stats["steps"])}
+        return {"bytes": float(state.stats["bytes_sent"])}
     return {}
 
 
 def _bytes_per_step(
     name: str, params: int, world: int, before: dict, after: dict, steps: int
 ) -> tuple[Optional[float], str]:
-    """Bytes one rank puts on the wire per step, and where that number comes from."""
-    if name in (COMPUTE, FAIL) or world == 1:
+    """Bytes one rank puts on the wire per optimizer step, and where that number comes from."""
+    if name in (COMPUTE, *TEST_HOOKS) or world == 1:
         return 0.0, "no communication"
     if name in (BASELINE, "torch-allreduce"):
         return float(ring_bytes(params * 4, world)), "fp32 ring all-reduce of every parameter"
@@ -151,100 +201,228 @@ def _bytes_per_step(
             float(ring_bytes(int(elements * 4), world)),
             "ring all-reduce of the elements torch's PowerSGDState counts",
         )
-    if "bytes" in after:
-        done = after["steps"] - before.get("steps", 0.0)
-        if done > 0:
-            return (after["bytes"] - before.get("bytes", 0.0)) / done, "hook stats (bytes_sent)"
+    if "bytes" in after and steps > 0:
+        return (after["bytes"] - before.get("bytes", 0.0)) / steps, "hook stats (bytes_sent)"
     return None, "unknown"
 
 
 class _Progress:
-    """Where this rank is, in a file the parent reads when a launch fails: a rank killed by a
-    gloo abort reports nothing else."""
+    """Where this rank is, in a file the parent reads: for its progress bar, and when a launch
+    fails (a rank killed by a gloo abort or by its deadline reports nothing else). The text
+    ends with ``done/total`` work units (hook setups and hook steps)."""
 
-    def __init__(self, path: str) -> None:
-        self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    def __init__(self, path: Optional[str], total: int) -> None:
+        self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644) if path else None
+        self.done, self.total = 0, total
 
     def __call__(self, text: str) -> None:
-        os.pwrite(self.fd, text.encode().ljust(128)[:128], 0)
+        if self.fd is not None:
+            line = f"{text} {self.done}/{self.total}"
+            os.pwrite(self.fd, line.encode().ljust(128)[:128], 0)
+
+
+class _Deadline:
+    """Arms faulthandler around one setup or step: past the deadline the rank dumps every
+    thread's stack to stderr and exits, so that a hung collective costs seconds.
+
+    The deadline is ``max(floor_s, 5 x the slowest step seen) + 3 x comm_s`` (comm_s: the time
+    the fp32 gradient takes over the shaped link), so that big models and slow links are not
+    mistaken for hangs, times ``factor`` (2 when the guard also covers the error measurement,
+    itself a step and an fp32 all-reduce). Setups and each hook's first step get at least
+    ``COLD_S``: first calls import modules lazily (DDP pulls in torch._dynamo), which took over
+    3 s on a loaded 2-core machine, so the very first step is not taken as the scale either;
+    torch's PowerSGD only starts compressing, and hanging, at iteration 2.
+    """
+
+    COLD_S = 60.0
+
+    def __init__(self, floor_s: float, comm_s: float) -> None:
+        self.floor_s, self.comm_s, self.slowest = floor_s, comm_s, 0.0
+
+    def seconds(self, cold: bool = False, factor: float = 1.0) -> float:
+        floor = max(self.floor_s, self.COLD_S) if cold else self.floor_s
+        return (max(floor, 5 * self.slowest) + 3 * self.comm_s) * factor
+
+    def observe(self, seconds: float) -> None:
+        self.slowest = max(self.slowest, seconds)
+
+    @contextlib.contextmanager
+    def guard(self, cold: bool = False, factor: float = 1.0):
+        seconds = self.seconds(cold, factor)
+        faulthandler.dump_traceback_later(seconds, exit=True, file=sys.stderr)
+        try:
+            yield
+        finally:
+            faulthandler.cancel_dump_traceback_later()
 
 
 def _capture_stderr(path: str) -> None:
-    """Send this rank's fd 2 to ``path``: what gloo prints before it aborts is kept there for
-    the parent's failure report (it would otherwise scroll by between the ranks' output)."""
+    """Send this rank's fd 2 to ``path``: what gloo prints before it aborts (and faulthandler's
+    stacks) is kept there for the parent's failure report."""
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
     os.dup2(fd, 2)
     os.close(fd)
 
 
+def _flat_grads(module: torch.nn.Module) -> torch.Tensor:
+    return torch.cat(
+        [
+            (p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1).float()
+            for p in module.parameters()
+            if p.requires_grad
+        ]
+    )
+
+
 def run_rank(cfg: dict[str, Any]) -> dict[str, Any]:
     """Train one model per hook, interleaving the hooks step by step (the order rotates each
-    step); every rank's per-step times, bytes per step and, when ``measure_lo``, what crossed
-    this namespace's ``lo`` during each step."""
+    step); every rank's per-step times, bytes per step, gradient errors and, when
+    ``measure_lo``, what crossed this namespace's ``lo`` during each step.
+
+    ``cfg``: ``model`` (ModelSpec fields), ``hooks``, ``steps``, ``warmup``, ``threads``,
+    ``bucket_cap_mb``, ``accumulate_steps``, ``error_steps``, ``step_timeout``, ``comm_s``,
+    ``measure_lo``, ``workdir`` (progress and stderr files for the parent).
+
+    Example:
+        >>> pycomm.launch(run_rank, 2, {"model": {"width": 16, "layers": 2}, "hooks": ["ddp"],
+        ...                             "steps": 2, "warmup": 1})
+    """
     rank, world = dist.get_rank(), dist.get_world_size()
+    spec = ModelSpec(**cfg.get("model", {}))
+    hooks: list[str] = list(cfg["hooks"])
+    steps, warmup = cfg["steps"], cfg.get("warmup", 0)
+    accumulate = cfg.get("accumulate_steps", 1)
+    error_steps = min(cfg.get("error_steps", 0), steps)
     workdir = cfg.get("workdir")
     if workdir:
         _capture_stderr(os.path.join(workdir, f"rank{rank}.stderr"))
-        progress = _Progress(os.path.join(workdir, f"rank{rank}.progress"))
-    else:
-        progress = lambda text: None  # noqa: E731
-    hooks: list[str] = cfg["hooks"]
-    steps, warmup = cfg["steps"], cfg["warmup"]
+    progress = _Progress(
+        os.path.join(workdir, f"rank{rank}.progress") if workdir else None,
+        len(hooks) * (1 + warmup + steps),
+    )
+    deadline = _Deadline(cfg.get("step_timeout", 10.0), cfg.get("comm_s", 0.0))
     if cfg.get("threads"):
         torch.set_num_threads(cfg["threads"])
-    models, states, opts = {}, {}, {}
+
+    models: dict[str, DDP] = {}
+    states: dict[str, Any] = {}
+    setup_errors: dict[str, str] = {}
     for name in hooks:
         progress(f"setup {name}")
-        models[name], states[name] = _build(
-            name, make_mlp(cfg["width"], cfg["layers"]), cfg.get("bucket_cap_mb")
-        )
-        opts[name] = torch.optim.SGD(models[name].parameters(), lr=1e-3)
-    params = sum(p.numel() for p in models[hooks[0]].parameters())
-    g = torch.Generator().manual_seed(rank)
-    x = torch.randn(cfg["batch"], cfg["width"], generator=g)
-    y = torch.randn(cfg["batch"], cfg["width"], generator=g)
+        with deadline.guard(cold=True):
+            try:
+                models[name], states[name] = _build(
+                    name, build(spec), cfg.get("bucket_cap_mb"), accumulate
+                )
+            except Exception as exc:  # reported as this hook's failure; the others go on
+                setup_errors[name] = f"{type(exc).__name__}: {exc}".strip()
+        progress.done += 1
+    # Every rank drops the same hooks, so that the collectives of the rest still line up.
+    gathered: list[Any] = [None] * world
+    dist.all_gather_object(gathered, setup_errors)
+    where: dict[str, list[int]] = {}
+    failed: dict[str, str] = {}
+    for r, errors in enumerate(gathered):
+        for name, text in errors.items():
+            failed.setdefault(name, text)
+            where.setdefault(name, []).append(r)
+    for name, ranks in where.items():
+        if len(ranks) < world:
+            failed[name] += f" (on rank {', '.join(map(str, ranks))} of {world})"
+    hooks = [h for h in hooks if h not in failed]
+    progress.total = progress.done + len(hooks) * (warmup + steps)
+    opts = {name: torch.optim.SGD(models[name].parameters(), lr=1e-3) for name in hooks}
+    params = count_params(spec)
+    ref = build(spec) if error_steps and hooks else None
 
-    measure = bool(cfg.get("measure_lo")) and rank == 0
+    g = torch.Generator().manual_seed(rank)
+    data = batches(spec, accumulate, g)
+
+    def one_step(name: str) -> None:
+        """One optimizer step: ``accumulate`` micro-steps, the loss scaled by 1/k each."""
+        model = models[name]
+        opts[name].zero_grad(set_to_none=False)
+        for k, batch in enumerate(data):
+            sync = k == accumulate - 1 or is_pycomm(name)
+            with contextlib.nullcontext() if sync else model.no_sync():
+                loss = loss_fn(spec, model, batch)
+                (loss / accumulate if accumulate > 1 else loss).backward()
+        opts[name].step()
+
+    def rel_error(name: str) -> float:
+        """||reduced - exact|| / ||exact||; ``ref`` holds the parameters before the step."""
+        ref.zero_grad(set_to_none=False)
+        for batch in data:
+            loss = loss_fn(spec, ref, batch)
+            (loss / accumulate if accumulate > 1 else loss).backward()
+        exact = _flat_grads(ref)
+        dist.all_reduce(exact)
+        exact /= world
+        got = _flat_grads(models[name].module)
+        return float((got - exact).norm() / exact.norm().clamp_min(1e-30))
+
+    # every rank takes the same barriers; rank 0 reads the counters
+    measure_lo = bool(cfg.get("measure_lo"))
+    measure = measure_lo and rank == 0
     times: dict[str, list[float]] = {name: [] for name in hooks}
     wire: dict[str, list[int]] = {name: [] for name in hooks}
+    errors: dict[str, list[float]] = {name: [] for name in hooks}
     before: dict[str, dict] = {}
-    pending: Optional[tuple[str, int]] = None  # the step whose traffic the next barrier ends
+    error_from = warmup + steps - error_steps
 
-    def barrier(next_name: str) -> None:
-        nonlocal pending
-        progress(f"barrier before {next_name}")
-        dist.barrier()
-        if measure:
-            now = lo_tx_bytes()
-            if pending is not None:
-                wire[pending[0]].append(now - pending[1])
-            pending = (next_name, now) if next_name else None
-
+    rounds = (
+        os.open(os.path.join(workdir, f"rank{rank}.rounds"), os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+        if workdir
+        else None
+    )
     for step in range(warmup + steps):
         if step == warmup:
-            before = {name: _counters(name, states[name]) for name in hooks}
+            before = {name: _counters(states[name]) for name in hooks}
+        timed = step >= warmup
         for i in range(len(hooks)):
             name = hooks[(i + step) % len(hooks)]
-            barrier(name if step >= warmup else "")
-            progress(f"step {name} {step}")
-            t0 = time.perf_counter()
-            loss = torch.nn.functional.mse_loss(models[name](x), y)
-            opts[name].zero_grad(set_to_none=False)
-            loss.backward()
-            opts[name].step()
-            if step >= warmup:
-                times[name].append(time.perf_counter() - t0)
-    barrier("")
+            check = step >= error_from and name != COMPUTE
+            with deadline.guard(cold=step == 0, factor=2.0 if check else 1.0):
+                if check:
+                    with torch.no_grad():
+                        for p_ref, p in zip(ref.parameters(), models[name].module.parameters()):
+                            p_ref.copy_(p)
+                progress(f"barrier before {name}")
+                dist.barrier()
+                lo0 = lo_tx_bytes() if measure and timed else 0
+                progress(f"step {name} {step}")
+                t0 = time.perf_counter()
+                one_step(name)
+                dt = time.perf_counter() - t0
+                if timed and (measure_lo or check):
+                    progress(f"barrier after {name}")
+                    dist.barrier()  # the step's traffic ends when every rank is done
+                    if measure:
+                        wire[name].append(lo_tx_bytes() - lo0)
+                if check:
+                    progress(f"error of {name}")
+                    errors[name].append(rel_error(name))
+            if step > 0 or i > 0:  # the rank's first step also pays for lazy imports
+                deadline.observe(dt)
+            if timed:
+                times[name].append(dt)
+            progress.done += 1
+        if timed and rounds is not None:
+            # one line per complete round: what the parent keeps if a later step kills the launch
+            line = json.dumps({"step": step, "times": {n: times[n][-1] for n in hooks}})
+            os.write(rounds, (line + "\n").encode())
+    progress("barrier at the end")
+    dist.barrier()
     progress("done")
 
-    out: dict[str, Any] = {"rank": rank, "params": params, "hooks": {}}
+    out: dict[str, Any] = {"rank": rank, "params": params, "hooks": {}, "setup_failures": failed}
     for name in hooks:
         sent, source = _bytes_per_step(
-            name, params, world, before.get(name, {}), _counters(name, states[name]), steps
+            name, params, world, before.get(name, {}), _counters(states[name]), steps
         )
         try:  # a private API: the bucket layout is a nicety (after DDP's rebuild, if any)
-            data = models[name]._get_ddp_logging_data()
-            buckets = str(data.get("rebuilt_bucket_sizes") or data.get("bucket_sizes", ""))
+            data_ = models[name]._get_ddp_logging_data()
+            buckets = str(data_.get("rebuilt_bucket_sizes") or data_.get("bucket_sizes", ""))
         except Exception:
             buckets = ""
         out["hooks"][name] = {
@@ -252,6 +430,7 @@ def run_rank(cfg: dict[str, Any]) -> dict[str, Any]:
             "bytes_per_step": sent,
             "bytes_source": source,
             "lo_bytes": wire[name] if measure else None,
+            "rel_errors": errors[name],
             "bucket_sizes": [int(b) for b in buckets.split(",") if b.strip().isdigit()],
         }
     return out

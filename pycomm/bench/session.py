@@ -4,24 +4,32 @@ turn the ranks' raw times into per-hook numbers.
 All hooks run interleaved in one :func:`pycomm.launch`, so they see the same machine at the
 same moments. A hook can kill that launch (torch's PowerSGD mis-orders its collectives on gloo
 with several buckets and gloo aborts the process), so when a launch fails the hook that was
-running on the failing rank (each rank keeps a progress file) is marked failed, rerun alone
-to tell a deterministic failure from a racy one, and the others are rerun interleaved without
-it. When no hook can be blamed, the launch is retried once (start-up failures are often
-transient), then each hook is rerun alone to find the ones that fail.
+running on the failing rank (each rank keeps a progress file) is marked failed and the others
+are rerun interleaved without it; once they are measured, each failed hook is rerun alone (to
+tell a deterministic failure from a racy one) while a time budget lasts. When no hook can be
+blamed, the launch is retried once (start-up failures are often transient), then each hook
+is rerun alone to find the ones that fail. A hook whose setup
+raises (``pycomm.wrap`` refusing an option) is dropped by every rank inside the launch and
+reported without a relaunch. A hang costs one per-step deadline (see runner.py), not the
+launch timeout.
 """
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import shutil
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from typing import Any, Callable, Optional
 
 import pycomm
-from pycomm.bench.runner import run_rank
+from pycomm.bench.report import short_error
+from pycomm.bench.runner import BASELINE, COMPUTE, run_rank
 from pycomm.dist import LaunchTimeoutError
 
 Log = Callable[[str], None]
@@ -47,8 +55,10 @@ def _blame(error: pycomm.LaunchError, workdir: str, nprocs: int) -> Optional[str
 
     def hook_of(text: str) -> Optional[str]:
         parts = text.split()
-        if len(parts) >= 2 and parts[0] in ("setup", "step"):
-            return parts[1]
+        if len(parts) >= 2 and parts[0] in ("setup", "step", "error"):
+            return parts[2] if parts[0] == "error" else parts[1]
+        if len(parts) >= 3 and parts[:2] == ["barrier", "after"]:
+            return parts[2]  # its own step is over; some other rank's is not
         return None
 
     failing = [error.rank] if error.rank is not None else []
@@ -60,9 +70,17 @@ def _blame(error: pycomm.LaunchError, workdir: str, nprocs: int) -> Optional[str
     return names.pop() if len(names) == 1 else None
 
 
-def _summary(error: pycomm.LaunchError, stderr: str, seconds: float) -> str:
+_HUNG = re.compile(r"^Timeout \(([0-9:.]+)\)!", re.MULTILINE)
+
+
+def _summary(error: pycomm.LaunchError, stderr: str, seconds: float, hung: Optional[str]) -> str:
     """One line: how the rank failed and the message that says why."""
     head = str(error).splitlines()[0]
+    if hung:
+        return (
+            f"hung: a step made no progress for {hung} (the per-step deadline, see "
+            "--step-timeout); the ranks were stopped (their stacks are in the JSON)"
+        )
     if isinstance(error, LaunchTimeoutError):
         return f"timed out: no result after {seconds:g} s (see --timeout)"
     if error.traceback:
@@ -75,13 +93,70 @@ def _summary(error: pycomm.LaunchError, stderr: str, seconds: float) -> str:
     return f"{head}: {why}" if why else head
 
 
+class _Bar:
+    """A tqdm bar on stderr that follows rank 0's progress file (hook setups and steps done);
+    nothing when disabled or without tqdm."""
+
+    def __init__(self, path: str, total: int, desc: str, enabled: bool) -> None:
+        self.bar = None
+        if not enabled:
+            return
+        try:
+            from tqdm import tqdm
+        except ImportError:
+            return
+        self.bar = tqdm(total=total, desc=desc, unit="step", file=sys.stderr, leave=False)
+        self.path, self.stop = path, threading.Event()
+        self.thread = threading.Thread(target=self._poll, daemon=True)
+        self.thread.start()
+
+    def _poll(self) -> None:
+        while not self.stop.wait(0.25):
+            m = re.search(r"(\d+)/(\d+)\s*$", _read(self.path, 200))
+            if m:
+                done, total = int(m.group(1)), int(m.group(2))
+                if total != self.bar.total:
+                    self.bar.total = total
+                if done > self.bar.n:
+                    self.bar.update(done - self.bar.n)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.stop.set()
+            self.thread.join()
+            self.bar.close()
+
+
+def units(cfg: dict[str, Any], hooks: list[str]) -> int:
+    """Work units of one launch as a rank counts them: each hook's setup and each of its steps.
+
+    Example:
+        >>> units({"warmup": 3, "steps": 20}, ["compute", "ddp"])
+        48
+    """
+    return len(hooks) * (1 + cfg.get("warmup", 0) + cfg["steps"])
+
+
 def _launch(
-    cfg: dict[str, Any], hooks: list[str], nprocs: int, timeout: float, log: Log
+    cfg: dict[str, Any],
+    hooks: list[str],
+    nprocs: int,
+    timeout: float,
+    log: Log,
+    progress: bool = False,
+    number: int = 1,
 ) -> dict[str, Any]:
     """One pycomm.launch of ``hooks``; the ranks' results, or why it failed and whom to blame."""
     workdir = tempfile.mkdtemp(prefix="pycomm-bench-")
     t0 = time.monotonic()
     record: dict[str, Any] = {"hooks": list(hooks)}
+    what = hooks[0] if len(hooks) == 1 else f"{len(hooks)} hooks"
+    bar = _Bar(
+        os.path.join(workdir, "rank0.progress"),
+        units(cfg, hooks),
+        f"launch {number} ({what}, {nprocs} ranks)",
+        progress,
+    )
     try:
         results = pycomm.launch(
             run_rank,
@@ -93,30 +168,72 @@ def _launch(
         record.update(ok=True, results=results)
     except pycomm.LaunchError as error:
         rank = error.rank if error.rank is not None else 0
-        stderr = _read(os.path.join(workdir, f"rank{rank}.stderr"))
+        stderrs = [_read(os.path.join(workdir, f"rank{r}.stderr")) for r in range(nprocs)]
+        hung = next((m.group(1) for m in map(_HUNG.search, stderrs) if m), None)
+        stderr = stderrs[rank] if rank < nprocs else ""
+        tails = "\n".join(
+            f"--- rank {r} stderr (tail) ---\n{text.strip()}"
+            for r, text in enumerate(stderrs)
+            if text.strip() and (r == rank or hung)
+        )
         record.update(
             ok=False,
+            # where each rank was when the launch failed, e.g. "step torch-powersgd1 9 107/253"
+            progress={
+                r: _read(os.path.join(workdir, f"rank{r}.progress")).strip() for r in range(nprocs)
+            },
             blame=_blame(error, workdir, nprocs),
-            error=_summary(error, stderr, timeout),
-            detail=f"{error}\n--- rank {rank} stderr (tail) ---\n{stderr}".strip(),
+            rounds=_rounds(workdir, nprocs),
+            error=_summary(error, stderr, timeout, hung),
+            hung=bool(hung),
+            detail=f"{error}\n{tails}".strip(),
         )
     finally:
+        bar.close()
         shutil.rmtree(workdir, ignore_errors=True)
         record["wall_s"] = time.monotonic() - t0
     if record["ok"]:
         log(f"launch of {', '.join(hooks)}: ok ({record['wall_s']:.1f} s)")
     else:
         who = f"in hook {record['blame']}" if record["blame"] else "outside any hook"
-        log(f"launch of {', '.join(hooks)} failed {who}: {record['error']}")
+        log(f"launch of {', '.join(hooks)} failed {who}: {short_error(record['error'])}")
     return record
 
 
-def _per_hook(results: list[dict[str, Any]], mode: str) -> dict[str, dict[str, Any]]:
-    """Per-hook numbers from every rank's result: a step lasts until its slowest rank is done."""
+def _rounds(workdir: str, nprocs: int) -> list[dict[str, list[float]]]:
+    """The timed rounds every rank completed before a launch failed: one ``{hook: [seconds on
+    each rank]}`` per round, in order."""
+    per_rank = []
+    for r in range(nprocs):
+        rows = {}
+        for line in _read(os.path.join(workdir, f"rank{r}.rounds"), 10**7).splitlines():
+            try:
+                row = json.loads(line)
+            except ValueError:
+                continue  # a line cut short by the failure
+            rows[row["step"]] = row["times"]
+        per_rank.append(rows)
+    steps = sorted(set.intersection(*(set(rows) for rows in per_rank))) if per_rank else []
+    return [{name: [rows[s][name] for rows in per_rank] for name in per_rank[0][s]} for s in steps]
+
+
+def _per_hook(
+    results: list[dict[str, Any]],
+    mode: str,
+    salvaged: Optional[list[dict[str, list[float]]]] = None,
+) -> dict[str, dict[str, Any]]:
+    """Per-hook numbers from every rank's result: a step lasts until its slowest rank is done.
+    ``salvaged``: earlier rounds of the same hooks from launches that another hook killed."""
     nprocs = len(results)
     out = {}
     for name, r0 in results[0]["hooks"].items():
         per_rank = [r["hooks"][name]["times_s"] for r in results]
+        early = [row[name] for row in salvaged or () if name in row]
+        if early:
+            per_rank = [[row[r] for row in early] + ts for r, ts in enumerate(per_rank)]
+            salvaged_steps = len(early)
+        else:
+            salvaged_steps = 0
         steps = [max(ts) for ts in zip(*per_rank)]
         lo = r0["lo_bytes"]
         out[name] = {
@@ -131,8 +248,14 @@ def _per_hook(results: list[dict[str, Any]], mode: str) -> dict[str, dict[str, A
             # every rank's packets cross the one lo once: the share of one rank
             "lo_bytes_per_step": statistics.median(lo) / nprocs if lo else None,
             "bucket_sizes": r0["bucket_sizes"],
+            # every rank computes the same reduced gradient and the same exact mean
+            "rel_err": statistics.median(r0["rel_errors"]) if r0["rel_errors"] else None,
+            "rel_err_max": max(r0["rel_errors"]) if r0["rel_errors"] else None,
+            "rel_errors": r0["rel_errors"],
             "step_times_s": steps,
             "rank_step_times_s": per_rank,
+            # the first ones from launches that another, failing hook stopped
+            "salvaged_steps": salvaged_steps,
         }
     return out
 
@@ -143,29 +266,75 @@ def measure(
     nprocs: int,
     timeout: float,
     log: Log = _stderr_log,
+    progress: bool = False,
+    rerun_budget_s: float = 60.0,
 ) -> dict[str, Any]:
     """Time ``hooks`` (interleaved, see the module docstring); failures are reported, not raised.
 
+    ``cfg`` is :func:`pycomm.bench.runner.run_rank`'s; ``progress`` shows a tqdm bar on stderr;
+    hooks that failed are rerun alone at the end, each started only while less than
+    ``rerun_budget_s`` seconds have gone into such reruns.
     Returns ``{"params", "hooks": {name: {...}}, "failures": [...], "launches": [...]}``.
+
+    Example:
+        >>> measure({"model": {"width": 16, "layers": 2}, "steps": 2}, ["compute", "ddp"], 2, 60)
     """
     remaining = list(hooks)
+    deferred: list[str] = []
     launches: list[dict[str, Any]] = []
     failures: list[dict[str, Any]] = []
     numbers: dict[str, dict[str, Any]] = {}
     params = None
 
-    def run(names: list[str]) -> dict[str, Any]:
+    # Timed rounds of the remaining hooks from launches another hook killed: the next
+    # interleaved launch only runs the steps still missing.
+    salvaged: list[dict[str, list[float]]] = []
+
+    def run(names: list[str], resume: bool = False) -> dict[str, Any]:
         nonlocal params
-        record = _launch(cfg, names, nprocs, timeout, log)
-        launches.append({k: v for k, v in record.items() if k not in ("results", "detail")})
+        use = cfg
+        if resume and salvaged:
+            left = max(1, cfg["steps"] - len(salvaged))
+            use = {**cfg, "steps": left, "error_steps": min(cfg.get("error_steps", 0), left)}
+        record = _launch(use, names, nprocs, timeout, log, progress, len(launches) + 1)
+        record["steps"] = use["steps"]
+        launches.append(
+            {
+                **{k: v for k, v in record.items() if k not in ("results", "detail", "rounds")},
+                "rounds_completed": len(record.get("rounds") or ()),
+            }
+        )
         if record["ok"]:
             params = record["results"][0]["params"]
+            for name, text in record["results"][0]["setup_failures"].items():
+                log(f"{name} failed while setting up: {text}")
+                if name in remaining:
+                    failures.append(
+                        {
+                            "hook": name,
+                            "phase": "setup",
+                            "error": text,
+                            "detail": text,
+                            "with": record["hooks"],
+                            "alone": None,
+                        }
+                    )
+                    remaining.remove(name)
         return record
+
+    def alone_result(name: str, again: dict[str, Any]) -> dict[str, Any]:
+        if again["ok"] and name in again["results"][0]["hooks"]:
+            log(f"{name} passed when rerun alone: its failure is intermittent")
+            return {"status": "ok", **_per_hook(again["results"], "alone")[name]}
+        if again["ok"]:
+            return {"status": "failed", "error": again["results"][0]["setup_failures"][name]}
+        return {"status": "failed", "error": again["error"]}
 
     def fail(name: str, record: dict[str, Any], alone: Optional[dict[str, Any]]) -> None:
         failures.append(
             {
                 "hook": name,
+                "phase": "hung" if record.get("hung") else "step",
                 "error": record["error"],
                 "detail": record["detail"],
                 "with": record["hooks"],
@@ -174,32 +343,55 @@ def measure(
         )
         remaining.remove(name)
 
+    def keep_rounds(record: dict[str, Any], suspect: str) -> None:
+        rounds = record.get("rounds") or []
+        rounds = rounds[: max(0, cfg["steps"] - len(salvaged))]
+        salvaged.extend({k: v for k, v in row.items() if k != suspect} for row in rounds)
+        if rounds:
+            log(f"keeping the {len(rounds)} timed steps of the other hooks done before it failed")
+
     while remaining:
-        record = run(remaining)
+        record = run(remaining, resume=True)
         if record["ok"]:
-            numbers.update(_per_hook(record["results"], "interleaved"))
+            numbers.update(_per_hook(record["results"], "interleaved", salvaged))
             break
         suspect = record["blame"] if record["blame"] in remaining else None
         if suspect is None:
             # Outside any hook (start-up, a barrier): often transient, e.g. a gloo connection
             # refused on a busy loopback. Once more before blaming each hook in turn.
             log("no hook to blame; retrying the same launch once")
-            record = run(remaining)
+            record = run(remaining, resume=True)
             if record["ok"]:
-                numbers.update(_per_hook(record["results"], "interleaved"))
+                numbers.update(_per_hook(record["results"], "interleaved", salvaged))
                 break
             suspect = record["blame"] if record["blame"] in remaining else None
-        if suspect is not None and len(remaining) > 1:
+        if suspect in (COMPUTE, BASELINE) and len(remaining) > 1:
             again = run([suspect])
-            if again["ok"]:
-                alone = {"status": "ok", **_per_hook(again["results"], "alone")[suspect]}
-                log(f"{suspect} passed when rerun alone: its failure is intermittent")
-            else:
-                alone = {"status": "failed", "error": again["error"]}
-            fail(suspect, record, alone)
+            if not again["ok"]:
+                # Even a reference fails alone: the machine, not a hook (no namespace, no
+                # loopback, a broken install). Blaming each hook in turn would take minutes.
+                log(f"{suspect} failed alone too: giving up on every hook")
+                failures.append(
+                    {
+                        "hook": None,
+                        "phase": "environment",
+                        "error": again["error"],
+                        "detail": again["detail"],
+                        "with": [suspect],
+                        "alone": None,
+                    }
+                )
+                for name in list(remaining):
+                    fail(name, record, {"status": "failed", "error": again["error"]})
+                break
+            fail(suspect, record, alone_result(suspect, again))
             continue
         if suspect is not None:
+            # Rerun alone later, once the others are measured, while --rerun-budget lasts.
+            keep_rounds(record, suspect)
             fail(suspect, record, None)
+            if len(record["hooks"]) > 1:
+                deferred.append(suspect)
             continue
         # Nobody to blame: each hook alone shows which ones fail.
         alone_numbers: dict[str, dict[str, Any]] = {}
@@ -208,7 +400,7 @@ def measure(
             again = run([name])
             if again["ok"]:
                 alone_numbers.update(_per_hook(again["results"], "alone"))
-            else:
+            elif name in remaining:
                 culprits.append((name, again))
         for name, again in culprits:
             fail(name, again, {"status": "failed", "error": again["error"]})
@@ -217,6 +409,7 @@ def measure(
             failures.append(
                 {
                     "hook": None,
+                    "phase": "interleaved",
                     "error": record["error"],
                     "detail": record["detail"],
                     "with": record["hooks"],
@@ -226,11 +419,23 @@ def measure(
             numbers.update(alone_numbers)
             break
 
+    # Rerun each failed hook alone: an intermittent failure (torch's PowerSGD on gloo) passes.
+    started = time.monotonic()
+    for failure in failures:
+        name = failure["hook"]
+        if name not in deferred:
+            continue
+        if time.monotonic() - started >= rerun_budget_s:
+            failure["alone"] = {"status": "skipped", "error": "--rerun-budget spent"}
+            continue
+        failure["alone"] = alone_result(name, run([name]))
+
     for failure in failures:
         if failure["hook"] is not None:
             numbers[failure["hook"]] = {
                 "status": "failed",
                 "error": failure["error"],
+                "phase": failure["phase"],
                 "measured": None,
                 "alone": failure["alone"],
             }
