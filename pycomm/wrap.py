@@ -97,6 +97,7 @@ def _attach(ddp: DDP, hook: str, hook_options: dict[str, Any], accumulate_steps:
             accumulate_steps,
             [p for p in ddp.module.parameters() if p.requires_grad],
             write_grads=ddp.find_unused_parameters and not ddp.gradient_as_bucket_view,
+            bucket_view=ddp.gradient_as_bucket_view,
         )
         fn = accumulate_hook
     ddp.register_comm_hook(state, fn)

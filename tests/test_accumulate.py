@@ -78,7 +78,15 @@ def _rank_equivalence(mode):
     if mode == "plain":
         ddp, kw = DDP(_model(), bucket_cap_mb=0.004), {"accumulate_steps": K}
     else:
-        ddp = pycomm.wrap(_model(), hook=mode, accumulate_steps=K, bucket_cap_mb=0.004)
+        # "allreduce": gradients as bucket views (wrap's default), summed in place;
+        # "allreduce-copy": DDP's copies, summed in the stage's fp32 buffers
+        ddp = pycomm.wrap(
+            _model(),
+            hook="allreduce",
+            accumulate_steps=K,
+            bucket_cap_mb=0.004,
+            gradient_as_bucket_view=mode == "allreduce",
+        )
         kw = {}
     opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
     loop = _loop(ddp, opt, batches, **kw)
@@ -105,7 +113,7 @@ def _rank_equivalence(mode):
 
 
 @pytest.mark.parametrize("nprocs", [2, 4])
-@pytest.mark.parametrize("mode", ["allreduce", "plain"])
+@pytest.mark.parametrize("mode", ["allreduce", "allreduce-copy", "plain"])
 def test_k_micro_steps_equal_one_large_batch_step(nprocs, mode):
     results = run_ranks(_rank_equivalence, nprocs, mode, timeout=120)
     for r in results:
@@ -117,7 +125,7 @@ def test_k_micro_steps_equal_one_large_batch_step(nprocs, mode):
         assert results[0]["buckets"] >= 3  # several buckets, re-bucketed mid-window
         assert stats["micro_steps"] == 3 * K and stats["steps"] == 3
         n = sum(p.numel() for p in _model().parameters())
-        assert stats["accumulate_bytes"] == 4 * n
+        assert stats["accumulate_bytes"] == (0 if mode == "allreduce" else 4 * n)
 
 
 def _rank_compressed_stage(hook):
@@ -353,12 +361,18 @@ def test_clipping_to_max_grad_norm(mode):
 # --- checkpoint mid-window ----------------------------------------------------------------
 
 
-def _rank_resume():
+def _rank_resume(view):
     rank = dist.get_rank()
     batches = _batches(rank, K * 3, seed=13)
 
     def build():
-        ddp = pycomm.wrap(_model(), hook="allreduce", accumulate_steps=K, bucket_cap_mb=0.004)
+        ddp = pycomm.wrap(
+            _model(),
+            hook="allreduce",
+            accumulate_steps=K,
+            bucket_cap_mb=0.004,
+            gradient_as_bucket_view=view,
+        )
         return ddp, torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
 
     ddp, opt = build()
@@ -392,8 +406,9 @@ def _rank_resume():
     return straight, _flat(ddp.module)
 
 
-def test_resume_mid_window_is_bitwise_equal():
-    for straight, resumed in run_ranks(_rank_resume, 2, timeout=120):
+@pytest.mark.parametrize("view", [True, False])
+def test_resume_mid_window_is_bitwise_equal(view):
+    for straight, resumed in run_ranks(_rank_resume, 2, view, timeout=120):
         assert torch.equal(straight, resumed)
 
 

@@ -77,6 +77,9 @@ class AccumulateState(HookState):
             needed with ``find_unused_parameters=True`` and ``gradient_as_bucket_view=False``,
             where DDP leaves the gradient of a parameter unused in that micro-step untouched
             (it would lose the sum of the earlier micro-steps). ``pycomm.wrap`` sets it.
+        bucket_view: DDP was built with ``gradient_as_bucket_view=True``. Then an fp32 bucket
+            needs no buffer: the gradients are views of it, autograd adds each micro-step into
+            them in fp32, and the hook only leaves them alone until the k-th micro-step.
 
     Example:
         >>> inner = pycomm.hooks.Int8State(None)
@@ -94,6 +97,7 @@ class AccumulateState(HookState):
         accumulate_steps: int,
         parameters: Iterable[torch.Tensor],
         write_grads: bool = False,
+        bucket_view: bool = False,
     ) -> None:
         group = getattr(inner_state, "process_group", None)
         super().__init__(group)
@@ -110,6 +114,7 @@ class AccumulateState(HookState):
         self.accumulate_steps = accumulate_steps
         self.params = list(parameters)
         self.write_grads = write_grads
+        self.bucket_view = bucket_view
         self._index = {id(p): i for i, p in enumerate(self.params)}
         self.micro_step = 0  # backward passes seen
         self._segments: dict[tuple[int, ...], _Segment] = {}
@@ -185,6 +190,18 @@ class AccumulateState(HookState):
         self._segments[key] = seg
         return seg
 
+    def _in_place(self, dtype: torch.dtype) -> bool:
+        return self.bucket_view and dtype == torch.float32
+
+    def _add_pending(self, bucket: dist.GradBucket, x: torch.Tensor) -> None:
+        """After a resume mid-window: add the loaded sums of this bucket's parameters."""
+        off = 0
+        for p in bucket.parameters():
+            t = self._pending.pop(self._index[id(p)], None)
+            if t is not None:
+                x[off : off + p.numel()].add_(t.reshape(-1).to(x.device))
+            off += p.numel()
+
     # --- checkpoint -------------------------------------------------------------------------
 
     def fingerprint(self) -> dict[str, Any]:
@@ -205,6 +222,9 @@ class AccumulateState(HookState):
             for i, seg in self._home.items():
                 o = seg.offsets[seg.key.index(i)]
                 sums[i] = seg.buffer[o : o + self.params[i].numel()].clone()
+            for i, p in enumerate(self.params):  # sums kept in the gradients themselves
+                if i not in sums and self._in_place(p.dtype) and p.grad is not None:
+                    sums[i] = p.grad.detach().reshape(-1).float().clone()
             if self._pending:
                 sums.update({i: t.clone() for i, t in self._pending.items()})
         return {
@@ -246,6 +266,18 @@ def accumulate_hook(
     k = state.accumulate_steps
     first = state.micro_step % k == 0
     final = state.boundary()
+    if state._in_place(x.dtype):
+        try:
+            if state._pending:
+                state._add_pending(bucket, x)
+            if not final:  # the gradients (views of x) hold the sum so far: leave them
+                return completed(x)
+            return state.inner_hook(state.inner, bucket)
+        finally:
+            if bucket.is_last():
+                state.micro_step += 1
+                if state._pending is not None and not state._pending:
+                    state._pending = None
     try:
         seg = state._segment(bucket, x)
         if first and state._pending is None:
