@@ -79,7 +79,16 @@ def _extension():
         os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "8.0;9.0")
         sources += sorted(glob.glob("csrc/cuda/*.cu"))
         macros.append(("PYCOMM_WITH_CUDA", "1"))
-        nvcc = opt + ["--expt-relaxed-constexpr", "-lineinfo"]
+        # --fmad=false is nvcc's -ffp-contract=off; with IEEE division and denormals the CUDA
+        # kernels round exactly as the CPU kernels and pycomm.reference do.
+        nvcc = opt + [
+            "--expt-relaxed-constexpr",
+            "-lineinfo",
+            "--fmad=false",
+            "-ftz=false",
+            "-prec-div=true",
+            "-prec-sqrt=true",
+        ]
         return CUDAExtension(
             "pycomm._C",
             sources,

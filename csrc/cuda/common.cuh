@@ -1,0 +1,222 @@
+// What every CUDA kernel file shares: the launch shape, exact fp32 arithmetic, 16-byte vector
+// loads and stores, block reductions, and the host-side stream/guard.
+//
+// Rounding: the references (pycomm.reference) and the CPU kernels (built with
+// -ffp-contract=off) round after every multiply and every add. The device code spells each
+// operation with an _rn intrinsic, so that no multiply-add is ever fused whatever the nvcc
+// flags (setup.py also passes --fmad=false).
+//
+// With PYCOMM_CUDA_EMULATION the same source compiles as C++ against emu/emu.h, which runs
+// the kernels on the CPU (tests/test_cuda.py): device code may use only what is defined here
+// or there, and launches go through PYCOMM_LAUNCH.
+#pragma once
+#include <ATen/ATen.h>
+
+#include <algorithm>
+#include <cstdint>
+
+#include "checks.h"
+
+#ifdef PYCOMM_CUDA_EMULATION
+#include "cuda/emu/emu.h"
+#else
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#endif
+
+namespace pycomm::cuda {
+
+// Every kernel runs blocks of kThreads threads; a thread handles kVec consecutive elements at a
+// time, so that its fp32 traffic is whole 16-byte vectors.
+constexpr int kThreads = 256;
+constexpr int kVec = 8;
+constexpr int kWarp = 32;
+
+#ifdef PYCOMM_CUDA_EMULATION
+#define PYCOMM_LAUNCH(grid, threads, stream, ...) \
+  ::pycomm::emu::launch(dim3(grid), dim3(threads), __VA_ARGS__)
+using Stream = int;
+inline Stream current_stream() { return 0; }
+struct DeviceGuard {
+  explicit DeviceGuard(const at::Device&) {}
+};
+
+inline float fmul(float a, float b) { return a * b; }
+inline float fadd(float a, float b) { return a + b; }
+inline float fsub(float a, float b) { return a - b; }
+inline float fdiv(float a, float b) { return a / b; }
+inline float rint_even(float a) { return std::nearbyint(a); }
+inline double dadd(double a, double b) { return a + b; }
+inline double dmul(double a, double b) { return a * b; }
+inline double ddiv(double a, double b) { return a / b; }
+inline float to_float(double a) { return static_cast<float>(a); }
+inline bool finite(float a) { return std::isfinite(a); }
+inline bool finite(double a) { return std::isfinite(a); }
+inline bool is_nan(float a) { return std::isnan(a); }
+inline void sync_threads() { ::pycomm::emu::sync_threads(); }
+template <typename T>
+T shfl_xor(T v, int lane_mask, int width) {
+  return ::pycomm::emu::shfl_xor(v, lane_mask, width);
+}
+inline void check_aligned(const void* p, size_t bytes) { ::pycomm::emu::check_aligned(p, bytes); }
+#else
+#define PYCOMM_LAUNCH(grid, threads, stream, ...) __VA_ARGS__<<<(grid), (threads), 0, (stream)>>>
+using Stream = cudaStream_t;
+inline Stream current_stream() { return at::cuda::getCurrentCUDAStream().stream(); }
+using DeviceGuard = c10::cuda::CUDAGuard;
+
+__device__ __forceinline__ float fmul(float a, float b) { return __fmul_rn(a, b); }
+__device__ __forceinline__ float fadd(float a, float b) { return __fadd_rn(a, b); }
+__device__ __forceinline__ float fsub(float a, float b) { return __fsub_rn(a, b); }
+__device__ __forceinline__ float fdiv(float a, float b) { return __fdiv_rn(a, b); }
+__device__ __forceinline__ float rint_even(float a) { return rintf(a); }
+__device__ __forceinline__ double dadd(double a, double b) { return __dadd_rn(a, b); }
+__device__ __forceinline__ double dmul(double a, double b) { return __dmul_rn(a, b); }
+__device__ __forceinline__ double ddiv(double a, double b) { return __ddiv_rn(a, b); }
+__device__ __forceinline__ float to_float(double a) { return __double2float_rn(a); }
+__device__ __forceinline__ bool finite(float a) { return isfinite(a); }
+__device__ __forceinline__ bool finite(double a) { return isfinite(a); }
+__device__ __forceinline__ bool is_nan(float a) { return isnan(a); }
+__device__ __forceinline__ void sync_threads() { __syncthreads(); }
+template <typename T>
+__device__ __forceinline__ T shfl_xor(T v, int lane_mask, int width) {
+  return __shfl_xor_sync(0xffffffffu, v, lane_mask, width);
+}
+__device__ __forceinline__ void check_aligned(const void*, size_t) {}
+#endif
+
+// N elements of T as one aligned access of sizeof(T) * N <= 16 bytes.
+template <typename T, int N>
+struct alignas(sizeof(T) * N) Vec {
+  T v[N];
+};
+
+template <typename T>
+__device__ __forceinline__ bool aligned(const T* p, size_t bytes) {
+  return reinterpret_cast<uintptr_t>(p) % bytes == 0;
+}
+
+// Pointers to kVec consecutive elements that may be moved as 16-byte vectors (kVec elements of
+// a 16-bit type are one vector, of fp32 two).
+template <typename T>
+__device__ __forceinline__ bool vec_ok(const T* p) {
+  return aligned(p, sizeof(T) * kVec < 16 ? sizeof(T) * kVec : 16);
+}
+
+template <typename T, int N>
+__device__ __forceinline__ Vec<T, N> load_vec(const T* p) {
+  check_aligned(p, sizeof(Vec<T, N>));
+  return *reinterpret_cast<const Vec<T, N>*>(p);
+}
+
+template <typename T, int N>
+__device__ __forceinline__ void store_vec(T* p, const Vec<T, N>& v) {
+  check_aligned(p, sizeof(Vec<T, N>));
+  *reinterpret_cast<Vec<T, N>*>(p) = v;
+}
+
+// kVec elements as fp32, from vec_ok(p).
+template <typename T>
+__device__ __forceinline__ void load8(const T* p, float (&f)[kVec]) {
+  constexpr int kPer = 16 / sizeof(T) < kVec ? 16 / sizeof(T) : kVec;
+#pragma unroll
+  for (int k = 0; k < kVec; k += kPer) {
+    const Vec<T, kPer> v = load_vec<T, kPer>(p + k);
+#pragma unroll
+    for (int j = 0; j < kPer; ++j) f[k + j] = static_cast<float>(v.v[j]);
+  }
+}
+
+// Rounds kVec fp32 values to T (to nearest even) and stores them, at vec_ok(p).
+template <typename T>
+__device__ __forceinline__ void store8(T* p, const float (&f)[kVec]) {
+  constexpr int kPer = 16 / sizeof(T) < kVec ? 16 / sizeof(T) : kVec;
+#pragma unroll
+  for (int k = 0; k < kVec; k += kPer) {
+    Vec<T, kPer> v;
+#pragma unroll
+    for (int j = 0; j < kPer; ++j) v.v[j] = static_cast<T>(f[k + j]);
+    store_vec<T, kPer>(p + k, v);
+  }
+}
+
+// x rounded to T and back: the value a store of x to a T keeps.
+template <typename T>
+__device__ __forceinline__ float round_to(float x) {
+  return static_cast<float>(static_cast<T>(x));
+}
+
+// The combination over the block of every thread's v by op (an associative, commutative
+// function: a fixed tree, so deterministic), returned to every thread. Every thread of the
+// block must call it.
+template <typename T, typename Op>
+__device__ T block_reduce(T v, Op op) {
+  __shared__ T partial[kThreads / kWarp];
+  __shared__ T total;
+#pragma unroll
+  for (int m = kWarp / 2; m > 0; m /= 2) v = op(v, shfl_xor(v, m, kWarp));
+  const int tid = threadIdx.x;
+  if (tid % kWarp == 0) partial[tid / kWarp] = v;
+  sync_threads();
+  if (tid == 0) {
+    T s = partial[0];
+    for (int w = 1; w < kThreads / kWarp; ++w) s = op(s, partial[w]);
+    total = s;
+  }
+  sync_threads();
+  const T out = total;
+  sync_threads();  // total may be written again by the next call
+  return out;
+}
+
+// (a, b) summed over the block in a fixed order (deterministic), returned to every thread;
+// one round of shared memory for both. Every thread of the block must call it.
+__device__ inline void block_sum2(double& a, double& b) {
+  __shared__ double pa[kThreads / kWarp], pb[kThreads / kWarp];
+  __shared__ double ta, tb;
+#pragma unroll
+  for (int m = kWarp / 2; m > 0; m /= 2) {
+    a = dadd(a, shfl_xor(a, m, kWarp));
+    b = dadd(b, shfl_xor(b, m, kWarp));
+  }
+  const int tid = threadIdx.x;
+  if (tid % kWarp == 0) {
+    pa[tid / kWarp] = a;
+    pb[tid / kWarp] = b;
+  }
+  sync_threads();
+  if (tid == 0) {
+    double sa = pa[0], sb = pb[0];
+    for (int w = 1; w < kThreads / kWarp; ++w) {
+      sa = dadd(sa, pa[w]);
+      sb = dadd(sb, pb[w]);
+    }
+    ta = sa;
+    tb = sb;
+  }
+  sync_threads();
+  a = ta;
+  b = tb;
+  sync_threads();  // ta and tb may be written again by the next call
+}
+
+// Blocks of kThreads the current device holds at once: one wave. The emulation says 4, so
+// that the tests run the grid-stride loops through several turns.
+inline int64_t resident_blocks() {
+#ifdef PYCOMM_CUDA_EMULATION
+  return 4;
+#else
+  const cudaDeviceProp* p = at::cuda::getCurrentDeviceProperties();
+  return int64_t{p->multiProcessorCount} * std::max(1, p->maxThreadsPerMultiProcessor / kThreads);
+#endif
+}
+
+// Blocks for a grid-stride loop over n elements at kVec per thread: at most one wave, so that
+// every thread gets the same number of groups (within one) whatever n is.
+inline int64_t blocks_for(int64_t n) {
+  const int64_t per_block = int64_t{kThreads} * kVec;
+  return std::max<int64_t>(1, std::min<int64_t>(resident_blocks(), (n + per_block - 1) / per_block));
+}
+
+}  // namespace pycomm::cuda

@@ -1,0 +1,101 @@
+#!/usr/bin/env bash
+# Builds pycomm with its CUDA kernels on a GPU machine and validates them, in one call:
+#   1. build pycomm._C (USE_CUDA=1, sm_90 unless TORCH_CUDA_ARCH_LIST says otherwise) in a copy
+#      of the checkout ($GPU_VALIDATE_TREE, default /tmp/pycomm-gpu-validate), so that the
+#      checkout's own in-place build is never replaced
+#   2. scripts/gpu_validate.py: every op against pycomm.reference on fresh random data, then
+#      the timing table against the device's copy bandwidth (25 MB buckets)
+#   3. pytest tests/test_cuda.py on the GPU: the kernel checks, streams, opcheck, and the hooks
+#      on CUDA tensors (2 ranks sharing the GPU over gloo, NCCL at world size 1); the emulated
+#      backend is left to CI (scripts/cuda_check.sh), it needs no GPU
+# Logs and gpu_validate.json go to $OUT (the device tool's folder that comes back), else to
+# gpu_validate_out/. Nothing is installed: the machine's python3 and torch are used as found.
+#
+#   scripts/gpu_validate.sh [--skip-build] [--skip-pytest] [--cpu] [gpu_validate.py arguments]
+#
+# --cpu: a dry run of this script on a machine without a GPU (the CPU kernels stand in for the
+# CUDA ones; the build still needs a torch with CUDA and nvcc, e.g. PYTHON=.venv-cuda/bin/python
+# CUDA_HOME=/usr/local/cuda CPATH=.venv-cuda/lib/python3.11/site-packages/nvidia/cu13/include).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-$PWD/gpu_validate_out}
+mkdir -p "$OUT"
+OUT=$(cd "$OUT" && pwd)
+PY=${PYTHON:-python3}
+BUILD=1
+PYTEST=1
+CPU=0
+ARGS=()
+for a in "$@"; do
+  case $a in
+    --skip-build) BUILD=0 ;;
+    --skip-pytest) PYTEST=0 ;;
+    --cpu)
+      CPU=1
+      ARGS+=("$a")
+      ;;
+    *) ARGS+=("$a") ;;
+  esac
+done
+if [ "$CPU" = 0 ] && ! "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
+  echo "gpu_validate: no CUDA device here (scripts/cuda_check.sh is the check for CPU machines)"
+  exit 2
+fi
+TREE=${GPU_VALIDATE_TREE:-${TMPDIR:-/tmp}/pycomm-gpu-validate}
+# a fresh copy to build in; --skip-build refreshes the sources and keeps the last build
+[ "$BUILD" = 1 ] && rm -rf "$TREE"
+mkdir -p "$TREE"
+tar --exclude=./.git --exclude='./.venv*' --exclude='./build*' --exclude='*.so' \
+  --exclude=./gpu_validate_out -cf - . | tar -xf - -C "$TREE"
+cd "$TREE"
+ROOT=$PWD
+export USE_CUDA=1
+export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0}
+export MAX_JOBS=${MAX_JOBS:-16}
+export PYTHONUNBUFFERED=1
+export PYTHONPATH=$ROOT${PYTHONPATH:+:$PYTHONPATH}
+export PYCOMM_EXPECT_CUDA=1
+# headers of the pip CUDA 13 wheels (cuBLAS, cuSPARSE, ...), searched after the toolkit's own
+SITE=$("$PY" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
+[ -d "$SITE/nvidia/cu13/include" ] && export CPATH=${CPATH:+$CPATH:}$SITE/nvidia/cu13/include
+STATUS=0
+T0=$(date +%s)
+LAST=$T0
+phase() {
+  local now
+  now=$(date +%s)
+  echo "gpu_validate: $1 took $((now - LAST)) s (total $((now - T0)) s)"
+  LAST=$now
+}
+
+if [ "$CPU" = 0 ]; then
+  { nvidia-smi || true; } 2>&1 | tee "$OUT/nvidia-smi.txt"
+  "$PY" -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.get_device_name(0))"
+else
+  export PYCOMM_CUDA_EMU=0  # the dry run checks this script, not the kernels
+fi
+
+if [ "$BUILD" = 1 ]; then
+  if ! "$PY" setup.py -q build_ext --inplace >"$OUT/build.log" 2>&1; then
+    tail -40 "$OUT/build.log"
+    echo "gpu_validate: the build failed (log in $OUT/build.log)"
+    exit 1
+  fi
+  grep -E "csrc/cuda/.*(warning|error)" "$OUT/build.log" | head -20
+  phase build
+fi
+
+"$PY" scripts/gpu_validate.py --out "$OUT" ${ARGS[@]+"${ARGS[@]}"} 2>&1 | tee "$OUT/gpu_validate.log"
+[ "${PIPESTATUS[0]}" = 0 ] || STATUS=1
+phase validate
+
+if [ "$PYTEST" = 1 ]; then
+  "$PY" -m pytest -q -p no:cacheprovider -k "not emu" tests/test_cuda.py 2>&1 \
+    | tee "$OUT/pytest_cuda.log" | tail -40
+  [ "${PIPESTATUS[0]}" = 0 ] || STATUS=1
+  phase pytest
+fi
+# the table again, last, where the reply's tail shows it
+sed -n '/copy of 1 GiB/,$p' "$OUT/gpu_validate.log"
+echo "gpu_validate: exit status $STATUS"
+exit $STATUS
