@@ -4,7 +4,7 @@
    sizes (0, 1, block-1, block, block+1, around a thread block's share, large, a 25 MB
    bucket), every dtype, NaN/Inf, strided and misaligned inputs, outputs poisoned with NaN
    (or 0x55 bytes) before each run. Bit for bit, except the decoders' squared norm (fp64,
-   another summation order: rtol 1e-9; 1e-6 with --cpu, whose kernels square in fp32).
+   another summation order: rtol 1e-9; 1e-5 with --cpu, whose kernels square in fp32).
 2. Times each kernel at a 25 MB fp32 bucket with CUDA events over CUDA-graph replays of 20
    calls (rotating among input sets larger than L2 together), against a device-to-device
    cudaMemcpy that moves the same bytes (read + written), and prints a table: op, GB/s, %
@@ -47,7 +47,9 @@ class Run:
         self.gen = torch.Generator().manual_seed(seed)
         self.checks: list[dict[str, Any]] = []
         # the CUDA decoders square in fp64; the CPU kernels (--cpu) in fp32 lanes within a tile
-        self.norm_rtol = 1e-9 if device.type == "cuda" else 1e-6
+        # the CPU kernels square in fp32 lanes, up to 128 values a lane per tile: ~1e-5 worst
+        # case (1.01e-6 seen on a random seed)
+        self.norm_rtol = 1e-9 if device.type == "cuda" else 1e-5
 
     def randn(self, n: int, dtype=torch.float32, special: bool = True) -> torch.Tensor:
         t = torch.randn(n, generator=self.gen) * 3
