@@ -12,6 +12,7 @@ phase 2 was issued. So every rank issues the same collectives in the same order 
 however its phase 1s happen to complete (the trap that aborts torch's PowerSGD on gloo).
 """
 
+import datetime
 import logging
 import math
 import threading
@@ -147,10 +148,28 @@ class _PhaseGroups:
 
     def __init__(self, parent: Optional[dist.ProcessGroup]) -> None:
         self.parent = parent
-        ranks = dist.get_process_group_ranks(parent or dist.group.WORLD)
-        self.groups = tuple(dist.new_group(ranks, use_local_synchronization=True) for _ in range(2))
+        world = parent or dist.group.WORLD
+        ranks = dist.get_process_group_ranks(world)
+        # new_group() would give them torch's default timeout (30 minutes), not the one the
+        # user set on the group the hook reduces over: a stalled peer must fail phase 1 or 2
+        # within that group's timeout, as it fails DDP's own all-reduce.
+        timeout = _group_timeout(world)
+        self.groups = tuple(
+            dist.new_group(ranks, timeout=timeout, use_local_synchronization=True)
+            for _ in range(2)
+        )
         self.nccl = dist.get_backend(self.groups[1]) == "nccl"
         self.issued: torch.futures.Future = completed(torch.empty(0))
+
+
+def _group_timeout(group: dist.ProcessGroup) -> Optional[datetime.timedelta]:
+    """The timeout ``group`` was created with (None: unknown, torch's default applies)."""
+    device = torch.device("cuda" if dist.get_backend(group) == "nccl" else "cpu")
+    try:  # torch keeps it only in the backend's options (private, checked by a test)
+        timeout = group._get_backend(device).options._timeout
+    except (AttributeError, RuntimeError):
+        return None
+    return timeout if isinstance(timeout, datetime.timedelta) else None
 
 
 _PHASE_GROUPS: dict[int, _PhaseGroups] = {}
@@ -325,20 +344,31 @@ class CompressedState(HookState):
         self._touched = set()
         self._bad_steps = {s for s in self._bad_steps if s > step}
 
-    def _workspace(self, key: tuple, w: int, row_bytes: int, c: int, device) -> dict:
-        """The buffers of one bucket's exchange, allocated once: fresh ones every step cost
-        more in page faults than the codecs themselves."""
+    def _workspace(self, key: tuple, w: int, row_bytes: int, device) -> dict:
+        """The send and receive buffers of one bucket's exchange, allocated once: fresh ones
+        every step cost more in page faults than the codecs themselves. Phase 2 reuses them
+        (it runs once phase 1 has completed and its rows are decoded), which keeps the step's
+        memory, and so its cache misses, down: gradients, residuals and buffers of both ranks
+        already exceed this kind of machine's share of the last-level cache."""
         ws = self._buffers.get(key)
         if ws is None:
             u8 = dict(dtype=torch.uint8, device=device)
             ws = self._buffers[key] = {
                 "send": torch.empty(w, row_bytes, **u8),
                 "recv": torch.empty(w, row_bytes, **u8),
-                "gathered": torch.empty(w, row_bytes, **u8),
-                "rows": torch.empty(w, row_bytes, **u8),
-                "mine": torch.empty(c, dtype=torch.float32, device=device),
             }
         return ws
+
+    def _chunk_sum(self, key: tuple, c: int, device) -> torch.Tensor:
+        """The fp32 buffer phase 2 sums this rank's chunk into. On the CPU one serves every
+        bucket: phase 2 of a bucket starts only once the previous bucket's phase 2 has issued
+        its gather (the order chain of _two_phase), so no two use it at once. On an
+        accelerator, where work is only enqueued, each bucket keeps its own."""
+        name = ("chunk_sum",) if device.type == "cpu" else ("chunk_sum", key)
+        buf = self._buffers.get(name)
+        if buf is None or buf.numel() < c or buf.device != device:
+            buf = self._buffers[name] = torch.empty(c, dtype=torch.float32, device=device)
+        return buf[:c]
 
     # --- stats -------------------------------------------------------------------------
 
@@ -440,8 +470,11 @@ def _two_phase(
     r1, r2, r1_out, r2_out = state._residual((index, n, str(x.dtype)), n)
     codes, scales = codec.encode(x, r1, 1.0 / w, w * c, r1_out)
     row_bytes = codec.code_bytes(c) + codec.scale_bytes(c)
-    ws = state._workspace((index, n, str(x.dtype)), w, row_bytes, c, x.device)
-    send, recv, gathered, mine = ws["send"], ws["recv"], ws["gathered"], ws["mine"]
+    key = (index, n, str(x.dtype))
+    ws = state._workspace(key, w, row_bytes, x.device)
+    # phase 2 sends from phase 1's send buffer and gathers into its receive buffer
+    send, recv = ws["send"], ws["recv"]
+    gathered = recv
     codec.pack(codes, scales, w, out=send)
     state.count(bucket, 2 * (w - 1) * row_bytes, collectives=2)
     phases = state._phases
@@ -475,12 +508,13 @@ def _two_phase(
             for sub in fut.value():
                 sub.value()
             codes1, scales1 = codec.split(recv, c)
+            mine = state._chunk_sum(key, c, x.device)
             codec.decode_sum(codes1, scales1, 1.0, mine)
             if phases.nccl:
                 row = codec.pack(*codec.encode(mine, r2, 1.0, c, r2_out), 1)
                 work = dist.all_gather_into_tensor(gathered, row, group=g2, async_op=True)
             else:  # gloo: all_to_all_single measured 3-7x faster than all_gather
-                rows = ws["rows"]
+                rows = send
                 codec.pack(*codec.encode(mine, r2, 1.0, c, r2_out), 1, out=rows[:1])
                 rows[1:] = rows[:1]
                 work = dist.all_to_all_single(gathered, rows, group=g2, async_op=True)
