@@ -155,8 +155,7 @@ class _PhaseGroups:
         # within that group's timeout, as it fails DDP's own all-reduce.
         timeout = _group_timeout(world)
         self.groups = tuple(
-            dist.new_group(ranks, timeout=timeout, use_local_synchronization=True)
-            for _ in range(2)
+            dist.new_group(ranks, timeout=timeout, use_local_synchronization=True) for _ in range(2)
         )
         self.nccl = dist.get_backend(self.groups[1]) == "nccl"
         self.issued: torch.futures.Future = completed(torch.empty(0))
