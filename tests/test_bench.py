@@ -149,6 +149,8 @@ def test_json_has_every_requested_hook(tiny_all):
         assert len(h["step_times_s"]) == 2 and len(h["rank_step_times_s"]) == 2
         assert h["min_s"] <= h["median_s"] <= h["max_s"]
         assert h["bytes_per_step"] is not None
+        assert h["cpu_median_s"] > 0, (name, h)  # process CPU per step, from every rank
+    assert "cpu ms" in doc_table_header(doc)
     assert hooks["compute"]["ratio_to_compute"] == 1.0
     assert hooks["ddp"]["speedup_vs_ddp"] == 1.0
     assert hooks["compute"]["bytes_per_step"] == 0

@@ -98,6 +98,8 @@ def table(doc: dict[str, Any]) -> str:
     measured_lo = any(h.get("lo_bytes_per_step") is not None for h in hooks.values())
     errors = any(h.get("rel_err") is not None for h in hooks.values())
     cols = f"{'hook':<17}{'median ms':>10}{'min ms':>9}{'max ms':>9}{'/compute':>10}{'vs ddp':>8}"
+    cpu = any(h.get("cpu_median_s") is not None for h in hooks.values())
+    cols += f"{'cpu ms':>8}" if cpu else ""
     cols += f"{'MB/step':>9}" + (f"{'lo MB/step':>12}" if measured_lo else "")
     cols += (f"{'rel err':>9}" if errors else "") + "  status"
     lines.append(cols)
@@ -109,6 +111,8 @@ def table(doc: dict[str, Any]) -> str:
         row += _num(h.get("max_s") if ok else None, 9, 1, 1e3)
         row += _num(h.get("ratio_to_compute"), 10, 2, x=True)
         row += _num(h.get("speedup_vs_ddp"), 8, 2, x=True)
+        if cpu:
+            row += _num(h.get("cpu_median_s") if ok else None, 8, 1, 1e3)
         row += _num(h.get("bytes_per_step") if ok else None, 9, 2, 1e-6)
         if measured_lo:
             row += _num(h.get("lo_bytes_per_step") if ok else None, 12, 2, 1e-6)
@@ -135,6 +139,12 @@ def table(doc: dict[str, Any]) -> str:
             lines.append("  a reference hook failed alone: the machine or the install, not a hook")
         elif f["hook"] is None:
             lines.append("  every hook passed alone: the numbers above come from separate launches")
+    if cpu:
+        lines.append(
+            "cpu ms: CPU time of one rank's process per step (all its threads: the hook's "
+            "codecs, gloo's sends and receives), mean over ranks; where ranks share the cores, "
+            "step time cannot drop below it"
+        )
     lines.append(
         "MB/step: bytes one rank sends per step (pycomm: hook stats; ddp/torch-allreduce: fp32 "
         "ring 2(N-1)/N x 4 x params; torch-fp16: half; PowerSGD: torch's element count)"

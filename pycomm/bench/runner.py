@@ -276,8 +276,8 @@ def _flat_grads(module: torch.nn.Module) -> torch.Tensor:
 
 def run_rank(cfg: dict[str, Any]) -> dict[str, Any]:
     """Train one model per hook, interleaving the hooks step by step (the order rotates each
-    step); every rank's per-step times, bytes per step, gradient errors and, when
-    ``measure_lo``, what crossed this namespace's ``lo`` during each step.
+    step); every rank's per-step times and process CPU times, bytes per step, gradient errors
+    and, when ``measure_lo``, what crossed this namespace's ``lo`` during each step.
 
     ``cfg``: ``model`` (ModelSpec fields), ``hooks``, ``steps``, ``warmup``, ``threads``,
     ``bucket_cap_mb``, ``accumulate_steps``, ``error_steps``, ``step_timeout``, ``comm_s``,
@@ -365,6 +365,7 @@ def run_rank(cfg: dict[str, Any]) -> dict[str, Any]:
     measure_lo = bool(cfg.get("measure_lo"))
     measure = measure_lo and rank == 0
     times: dict[str, list[float]] = {name: [] for name in hooks}
+    cpu: dict[str, list[float]] = {name: [] for name in hooks}
     wire: dict[str, list[int]] = {name: [] for name in hooks}
     errors: dict[str, list[float]] = {name: [] for name in hooks}
     before: dict[str, dict] = {}
@@ -391,9 +392,12 @@ def run_rank(cfg: dict[str, Any]) -> dict[str, Any]:
                 dist.barrier()
                 lo0 = lo_tx_bytes() if measure and timed else 0
                 progress(f"step {name} {step}")
-                t0 = time.perf_counter()
+                t0, c0 = time.perf_counter(), time.process_time()
                 one_step(name)
                 dt = time.perf_counter() - t0
+                # CPU time of the whole process (gloo's threads and the hooks' callbacks too):
+                # where ranks share cores, what a hook costs beyond the wire
+                dc = time.process_time() - c0
                 if timed and (measure_lo or check):
                     progress(f"barrier after {name}")
                     dist.barrier()  # the step's traffic ends when every rank is done
@@ -406,6 +410,7 @@ def run_rank(cfg: dict[str, Any]) -> dict[str, Any]:
                 deadline.observe(dt)
             if timed:
                 times[name].append(dt)
+                cpu[name].append(dc)
             progress.done += 1
         if timed and rounds is not None:
             # one line per complete round: what the parent keeps if a later step kills the launch
@@ -427,6 +432,7 @@ def run_rank(cfg: dict[str, Any]) -> dict[str, Any]:
             buckets = ""
         out["hooks"][name] = {
             "times_s": times[name],
+            "cpu_s": cpu[name],
             "bytes_per_step": sent,
             "bytes_source": source,
             "lo_bytes": wire[name] if measure else None,

@@ -243,6 +243,12 @@ def _per_hook(
             "median_s": statistics.median(steps),
             "min_s": min(steps),
             "max_s": max(steps),
+            # process CPU time per step (all threads), mean over ranks, median over steps
+            "cpu_median_s": statistics.median(
+                statistics.fmean(cs) for cs in zip(*(r["hooks"][name]["cpu_s"] for r in results))
+            )
+            if r0.get("cpu_s")
+            else None,
             "bytes_per_step": r0["bytes_per_step"],
             "bytes_source": r0["bytes_source"],
             # every rank's packets cross the one lo once: the share of one rank
