@@ -2,6 +2,11 @@
 // what was expected.
 #pragma once
 #include <ATen/ATen.h>
+#include <ATen/MemoryOverlap.h>
+
+#include <optional>
+#include <string>
+#include <vector>
 
 namespace pycomm {
 
@@ -39,6 +44,149 @@ void dispatch_float(at::ScalarType t, F&& f) {
     default:
       TORCH_INTERNAL_ASSERT(false, "dispatch_float: unchecked dtype ", t);
   }
+}
+
+// --- bucket fusion (pack, pack_into_, unpack_) ----------------------------------------------
+
+// Checks that every tensor is a supported float of one dtype on one device. Returns each
+// tensor's offset into flat and, last, their total numel.
+inline std::vector<int64_t> check_list(const char* op, at::TensorList tensors) {
+  std::vector<int64_t> offsets(1, 0);
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    const auto& t = tensors[i];
+    const std::string arg = "tensors[" + std::to_string(i) + "]";
+    check_float(op, arg.c_str(), t);
+    if (i > 0) {
+      TORCH_CHECK(t.scalar_type() == tensors[0].scalar_type(), op, ": ", arg, " has dtype ",
+                  t.scalar_type(), ", expected ", tensors[0].scalar_type(),
+                  " like tensors[0] (one dtype per call)");
+      check_same_device(op, arg.c_str(), t, "tensors[0]", tensors[0]);
+    }
+    offsets.push_back(offsets.back() + t.numel());
+  }
+  return offsets;
+}
+
+// flat: 1-D contiguous float.
+inline void check_flat(const char* op, const at::Tensor& flat) {
+  check_float(op, "flat", flat);
+  TORCH_CHECK(flat.dim() == 1 && flat.is_contiguous(), op, ": flat has shape ", flat.sizes(),
+              " and strides ", flat.strides(), ", expected a 1-D contiguous tensor");
+}
+
+// flat (as check_flat) holds exactly the tensors' total elements, on their device.
+inline void check_flat_total(const char* op, const at::Tensor& flat, at::TensorList tensors,
+                             int64_t total) {
+  TORCH_CHECK(flat.numel() == total, op, ": flat has ", flat.numel(), " elements, expected ",
+              total, " (the total numel of tensors)");
+  if (!tensors.empty()) check_same_device(op, "tensors[0]", tensors[0], "flat", flat);
+}
+
+// --- encoders (encode16, quantize_int8, quantize_onebit) -------------------------------------
+
+// r: [numel] fp32 contiguous on x's device.
+inline void check_residual(const char* op, const char* arg, const at::Tensor& r,
+                           const at::Tensor& x, int64_t numel) {
+  TORCH_CHECK(r.defined(), op, ": ", arg, " is an undefined tensor");
+  TORCH_CHECK(r.layout() == at::kStrided, op, ": ", arg, " has layout ", r.layout(),
+              ", expected a dense (strided) tensor");
+  TORCH_CHECK(r.scalar_type() == at::kFloat, op, ": ", arg, " has dtype ", r.scalar_type(),
+              ", expected Float");
+  check_same_device(op, arg, r, "x", x);
+  TORCH_CHECK(r.numel() == numel, op, ": ", arg, " has ", r.numel(),
+              " elements, expected numel = ", numel);
+  TORCH_CHECK(r.is_contiguous(), op, ": ", arg, " has strides ", r.strides(),
+              ", expected a contiguous tensor");
+}
+
+// x: any float dtype, n <= numel elements, any strides. residual: as check_residual, or
+// absent. residual_out: absent (residual is updated in place), or as residual, given with it,
+// and not overlapping it (residual is then only read).
+inline void check_encoder(const char* op, const at::Tensor& x,
+                          const std::optional<at::Tensor>& residual, int64_t numel,
+                          const std::optional<at::Tensor>& residual_out) {
+  check_float(op, "x", x);
+  TORCH_CHECK(numel >= x.numel(), op, ": numel is ", numel, ", expected >= x.numel() = ",
+              x.numel());
+  if (residual.has_value()) check_residual(op, "residual", *residual, x, numel);
+  if (!residual_out.has_value()) return;
+  TORCH_CHECK(residual.has_value(), op,
+              ": residual_out is given without residual, expected both or residual alone");
+  check_residual(op, "residual_out", *residual_out, x, numel);
+  const auto& a = *residual;
+  const auto& b = *residual_out;
+  TORCH_CHECK(numel == 0 || a.data_ptr() == b.data_ptr() ||
+                  at::get_overlap_status(a, b) == at::MemOverlapStatus::No,
+              op, ": residual_out overlaps residual, expected separate tensors (or the same one)");
+}
+
+inline void check_block(const char* op, int64_t block, int64_t numel, int64_t multiple_of) {
+  TORCH_CHECK(block >= 1, op, ": block is ", block, ", expected >= 1");
+  TORCH_CHECK(block % multiple_of == 0, op, ": block is ", block, ", expected a multiple of ",
+              multiple_of);
+  TORCH_CHECK(numel % block == 0, op, ": numel is ", numel, ", expected a multiple of block = ",
+              block);
+}
+
+// --- decoders (decode16_sum, dequantize_int8_sum, dequantize_onebit_sum) ---------------------
+
+// How a decoder's 2-D inputs may be laid out. The CPU kernels read each row through the row
+// stride (the hooks decode straight out of column slices of their [R, codes | scales] receive
+// buffers); the CUDA kernels index row r at r * m and so need the whole tensor contiguous.
+enum class RowLayout { kRowStrided, kContiguous };
+
+// t: [rows, cols]. kRowStrided: each row contiguous and rows apart by at least a row (a
+// row-major tensor, or a column slice of one). kContiguous: contiguous.
+inline void check_row_layout(const char* op, const char* arg, const at::Tensor& t,
+                             RowLayout layout) {
+  if (layout == RowLayout::kContiguous) {
+    TORCH_CHECK(t.is_contiguous(), op, ": ", arg, " has strides ", t.strides(),
+                ", expected a contiguous tensor");
+    return;
+  }
+  TORCH_CHECK((t.size(1) <= 1 || t.stride(1) == 1) && (t.size(0) <= 1 || t.stride(0) >= t.size(1)),
+              op, ": ", arg, " has shape ", t.sizes(), " and strides ", t.strides(),
+              ", expected contiguous rows (stride 1 within a row, rows apart by >= a row)");
+}
+
+// rows: [R, cols], R >= 1, laid out as `layout` allows, of dtype `dtype` (a description for
+// the message).
+inline void check_rows(const char* op, const char* arg, const at::Tensor& t, bool dtype_ok,
+                       const char* dtype, RowLayout layout) {
+  TORCH_CHECK(t.defined(), op, ": ", arg, " is an undefined tensor");
+  TORCH_CHECK(t.layout() == at::kStrided, op, ": ", arg, " has layout ", t.layout(),
+              ", expected a dense (strided) tensor");
+  TORCH_CHECK(dtype_ok, op, ": ", arg, " has dtype ", t.scalar_type(), ", expected ", dtype);
+  TORCH_CHECK(t.dim() == 2, op, ": ", arg, " has shape ", t.sizes(),
+              ", expected a 2-D [R, m] tensor");
+  TORCH_CHECK(t.size(0) >= 1, op, ": ", arg, " has shape ", t.sizes(), ", expected R >= 1 rows");
+  check_row_layout(op, arg, t, layout);
+}
+
+// out: contiguous float on ref's device, at most m elements.
+inline void check_out(const char* op, const at::Tensor& out, const char* ref_arg,
+                      const at::Tensor& ref, int64_t m) {
+  check_float(op, "out", out);
+  check_same_device(op, "out", out, ref_arg, ref);
+  TORCH_CHECK(out.numel() <= m, op, ": out has ", out.numel(), " elements, expected <= m = ", m);
+  TORCH_CHECK(out.is_contiguous(), op, ": out has strides ", out.strides(),
+              ", expected a contiguous tensor");
+}
+
+// scales: [R, m / block] laid out as `layout` allows, of dtype want, on ref's device.
+inline void check_scales(const char* op, const at::Tensor& scales, at::ScalarType want,
+                         const char* ref_arg, const at::Tensor& ref, int64_t rows, int64_t m,
+                         int64_t block, RowLayout layout) {
+  TORCH_CHECK(scales.defined(), op, ": scales is an undefined tensor");
+  TORCH_CHECK(scales.layout() == at::kStrided, op, ": scales has layout ", scales.layout(),
+              ", expected a dense (strided) tensor");
+  TORCH_CHECK(scales.scalar_type() == want, op, ": scales has dtype ", scales.scalar_type(),
+              ", expected ", want);
+  check_same_device(op, "scales", scales, ref_arg, ref);
+  TORCH_CHECK(scales.dim() == 2 && scales.size(0) == rows && scales.size(1) == m / block, op,
+              ": scales has shape ", scales.sizes(), ", expected [", rows, ", ", m / block,
+              "] ([R, m / block])");
+  check_row_layout(op, "scales", scales, layout);
 }
 
 }  // namespace pycomm

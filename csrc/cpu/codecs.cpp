@@ -14,7 +14,6 @@
 // than torch's: a 1-bit block's sum of |y| (exact, hence equal, unless one block spans more
 // than ~2^(29 - log2 block) in magnitude) and the decoders' squared norm.
 #include <ATen/ATen.h>
-#include <ATen/MemoryOverlap.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
@@ -333,50 +332,6 @@ void encode_blocks(const Source<T>& src, int64_t nblocks, int64_t block, const C
   });
 }
 
-// x: any float dtype, n <= numel elements, any strides. residual: [numel] fp32 contiguous on
-// x's device, or absent.
-void check_residual(const char* op, const char* arg, const at::Tensor& r, const at::Tensor& x,
-                    int64_t numel) {
-  TORCH_CHECK(r.defined(), op, ": ", arg, " is an undefined tensor");
-  TORCH_CHECK(r.layout() == at::kStrided, op, ": ", arg, " has layout ", r.layout(),
-              ", expected a dense (strided) tensor");
-  TORCH_CHECK(r.scalar_type() == at::kFloat, op, ": ", arg, " has dtype ", r.scalar_type(),
-              ", expected Float");
-  check_same_device(op, arg, r, "x", x);
-  TORCH_CHECK(r.numel() == numel, op, ": ", arg, " has ", r.numel(),
-              " elements, expected numel = ", numel);
-  TORCH_CHECK(r.is_contiguous(), op, ": ", arg, " has strides ", r.strides(),
-              ", expected a contiguous tensor");
-}
-
-// residual_out: absent (residual is updated in place), or as residual, given with it, and not
-// overlapping it (residual is then only read).
-void check_encoder(const char* op, const at::Tensor& x,
-                   const std::optional<at::Tensor>& residual, int64_t numel,
-                   const std::optional<at::Tensor>& residual_out) {
-  check_float(op, "x", x);
-  TORCH_CHECK(numel >= x.numel(), op, ": numel is ", numel, ", expected >= x.numel() = ",
-              x.numel());
-  if (residual.has_value()) check_residual(op, "residual", *residual, x, numel);
-  if (!residual_out.has_value()) return;
-  TORCH_CHECK(residual.has_value(), op,
-              ": residual_out is given without residual, expected both or residual alone");
-  check_residual(op, "residual_out", *residual_out, x, numel);
-  const auto& a = *residual;
-  const auto& b = *residual_out;
-  TORCH_CHECK(numel == 0 || a.data_ptr() == b.data_ptr() ||
-                  at::get_overlap_status(a, b) == at::MemOverlapStatus::No,
-              op, ": residual_out overlaps residual, expected separate tensors (or the same one)");
-}
-
-void check_block(const char* op, int64_t block, int64_t numel, int64_t multiple_of) {
-  TORCH_CHECK(block >= 1, op, ": block is ", block, ", expected >= 1");
-  TORCH_CHECK(block % multiple_of == 0, op, ": block is ", block, ", expected a multiple of ",
-              multiple_of);
-  TORCH_CHECK(numel % block == 0, op, ": numel is ", numel, ", expected a multiple of block = ",
-              block);
-}
-
 // Calls f(Source<T>, r) with T x's dtype, the source reading residual and r the residual to
 // write (residual_out's data if given, else residual's; nullptr without one).
 template <typename F>
@@ -624,61 +579,13 @@ at::Tensor sum_rows(int64_t rows, double scale, const at::Tensor& out, const Add
   return stats;
 }
 
-// Each row contiguous and rows apart by at least a row (a row-major tensor, or a column slice
-// of one: the hooks decode straight out of their [R, codes | scales] receive buffers).
-void check_row_major(const char* op, const char* arg, const at::Tensor& t) {
-  TORCH_CHECK((t.size(1) <= 1 || t.stride(1) == 1) && (t.size(0) <= 1 || t.stride(0) >= t.size(1)),
-              op, ": ", arg, " has shape ", t.sizes(), " and strides ", t.strides(),
-              ", expected contiguous rows (stride 1 within a row, rows apart by >= a row)");
-}
-
-// rows: [R, cols] with contiguous rows, R >= 1, of dtype `dtype` (a description for the
-// message).
-void check_rows(const char* op, const char* arg, const at::Tensor& t, bool dtype_ok,
-                const char* dtype) {
-  TORCH_CHECK(t.defined(), op, ": ", arg, " is an undefined tensor");
-  TORCH_CHECK(t.layout() == at::kStrided, op, ": ", arg, " has layout ", t.layout(),
-              ", expected a dense (strided) tensor");
-  TORCH_CHECK(dtype_ok, op, ": ", arg, " has dtype ", t.scalar_type(), ", expected ", dtype);
-  TORCH_CHECK(t.dim() == 2, op, ": ", arg, " has shape ", t.sizes(),
-              ", expected a 2-D [R, m] tensor");
-  TORCH_CHECK(t.size(0) >= 1, op, ": ", arg, " has shape ", t.sizes(), ", expected R >= 1 rows");
-  check_row_major(op, arg, t);
-}
-
-// out: contiguous float on ref's device, at most m elements.
-void check_out(const char* op, const at::Tensor& out, const char* ref_arg, const at::Tensor& ref,
-               int64_t m) {
-  check_float(op, "out", out);
-  check_same_device(op, "out", out, ref_arg, ref);
-  TORCH_CHECK(out.numel() <= m, op, ": out has ", out.numel(), " elements, expected <= m = ", m);
-  TORCH_CHECK(out.is_contiguous(), op, ": out has strides ", out.strides(),
-              ", expected a contiguous tensor");
-}
-
-// scales: [R, m / block] with contiguous rows, of dtype want, on ref's device.
-void check_scales(const char* op, const at::Tensor& scales, at::ScalarType want,
-                  const char* ref_arg, const at::Tensor& ref, int64_t rows, int64_t m,
-                  int64_t block) {
-  TORCH_CHECK(scales.defined(), op, ": scales is an undefined tensor");
-  TORCH_CHECK(scales.layout() == at::kStrided, op, ": scales has layout ", scales.layout(),
-              ", expected a dense (strided) tensor");
-  TORCH_CHECK(scales.scalar_type() == want, op, ": scales has dtype ", scales.scalar_type(),
-              ", expected ", want);
-  check_same_device(op, "scales", scales, ref_arg, ref);
-  TORCH_CHECK(scales.dim() == 2 && scales.size(0) == rows && scales.size(1) == m / block, op,
-              ": scales has shape ", scales.sizes(), ", expected [", rows, ", ", m / block,
-              "] ([R, m / block])");
-  check_row_major(op, "scales", scales);
-}
-
 // chunks: [R, m] Half/BFloat16, rows contiguous. out: contiguous float, numel <= m. out = scale *
 // sum_r chunks[r, :out.numel()] (fp32, row order). Returns fp64 [2] (see sum_rows).
 at::Tensor decode16_sum_cpu(const at::Tensor& chunks, double scale, const at::Tensor& out) {
   constexpr const char* op = "pycomm.decode16_sum";
   check_rows(op, "chunks", chunks,
              chunks.scalar_type() == at::kHalf || chunks.scalar_type() == at::kBFloat16,
-             "Half or BFloat16");
+             "Half or BFloat16", RowLayout::kRowStrided);
   const int64_t rows = chunks.size(0), m = chunks.size(1);
   check_out(op, out, "chunks", chunks, m);
   at::Tensor stats;
@@ -708,12 +615,14 @@ at::Tensor decode16_sum_cpu(const at::Tensor& chunks, double scale, const at::Te
 at::Tensor dequantize_int8_sum_cpu(const at::Tensor& codes, const at::Tensor& scales,
                                    int64_t block, double scale, const at::Tensor& out) {
   constexpr const char* op = "pycomm.dequantize_int8_sum";
-  check_rows(op, "codes", codes, codes.scalar_type() == at::kChar, "Char (int8)");
+  check_rows(op, "codes", codes, codes.scalar_type() == at::kChar, "Char (int8)",
+             RowLayout::kRowStrided);
   const int64_t rows = codes.size(0), m = codes.size(1);
   TORCH_CHECK(block >= 1, op, ": block is ", block, ", expected >= 1");
   TORCH_CHECK(m % block == 0, op, ": codes has m = ", m,
               " columns, expected a multiple of block = ", block);
-  check_scales(op, scales, at::kFloat, "codes", codes, rows, m, block);
+  check_scales(op, scales, at::kFloat, "codes", codes, rows, m, block,
+               RowLayout::kRowStrided);
   check_out(op, out, "codes", codes, m);
   const int8_t* q = codes.const_data_ptr<int8_t>();
   const float* sc = scales.const_data_ptr<float>();
@@ -741,13 +650,15 @@ at::Tensor dequantize_int8_sum_cpu(const at::Tensor& codes, const at::Tensor& sc
 at::Tensor dequantize_onebit_sum_cpu(const at::Tensor& bits, const at::Tensor& scales,
                                      int64_t block, double scale, const at::Tensor& out) {
   constexpr const char* op = "pycomm.dequantize_onebit_sum";
-  check_rows(op, "bits", bits, bits.scalar_type() == at::kByte, "Byte (uint8)");
+  check_rows(op, "bits", bits, bits.scalar_type() == at::kByte, "Byte (uint8)",
+             RowLayout::kRowStrided);
   const int64_t rows = bits.size(0), m = bits.size(1) * 8;
   TORCH_CHECK(block >= 1, op, ": block is ", block, ", expected >= 1");
   TORCH_CHECK(block % 8 == 0, op, ": block is ", block, ", expected a multiple of 8");
   TORCH_CHECK(m % block == 0, op, ": bits has m = ", m,
               " elements (8 per column), expected a multiple of block = ", block);
-  check_scales(op, scales, at::kBFloat16, "bits", bits, rows, m, block);
+  check_scales(op, scales, at::kBFloat16, "bits", bits, rows, m, block,
+               RowLayout::kRowStrided);
   check_out(op, out, "bits", bits, m);
   const uint8_t* bp = bits.const_data_ptr<uint8_t>();
   const at::BFloat16* sc = scales.const_data_ptr<at::BFloat16>();

@@ -62,40 +62,22 @@ void for_each_piece(const std::vector<int64_t>& offsets, const std::vector<char>
   });
 }
 
-// Checks that every tensor is a supported float of one dtype on one device; fills offsets.
-void check_list(const char* op, at::TensorList tensors, std::vector<int64_t>& offsets,
-                std::vector<char>& contiguous) {
-  offsets.assign(1, 0);
-  contiguous.clear();
-  for (size_t i = 0; i < tensors.size(); ++i) {
-    const auto& t = tensors[i];
-    const std::string arg = "tensors[" + std::to_string(i) + "]";
-    check_float(op, arg.c_str(), t);
-    if (i > 0) {
-      TORCH_CHECK(t.scalar_type() == tensors[0].scalar_type(), op, ": ", arg, " has dtype ",
-                  t.scalar_type(), ", expected ", tensors[0].scalar_type(),
-                  " like tensors[0] (one dtype per call)");
-      check_same_device(op, arg.c_str(), t, "tensors[0]", tensors[0]);
-    }
-    offsets.push_back(offsets.back() + t.numel());
-    contiguous.push_back(t.is_contiguous());
-  }
+// Whether each tensor is contiguous (for_each_piece's; the others go through a TensorIterator).
+std::vector<char> contiguous_flags(at::TensorList tensors) {
+  std::vector<char> contiguous;
+  for (const auto& t : tensors) contiguous.push_back(t.is_contiguous());
+  return contiguous;
 }
 
 // flat: [sum numel] 1-D contiguous float, the tensors' device. tensors: [N] tensors, one float
 // dtype, one device, any shapes/strides. flat[offset_i : offset_i + numel_i] = tensors[i] * s.
 void pack_into_impl(const char* op, const at::Tensor& flat, at::TensorList tensors,
                     double scale) {
-  std::vector<int64_t> offsets;
-  std::vector<char> contiguous;
-  check_list(op, tensors, offsets, contiguous);
-  check_float(op, "flat", flat);
-  TORCH_CHECK(flat.dim() == 1 && flat.is_contiguous(), op, ": flat has shape ", flat.sizes(),
-              " and strides ", flat.strides(), ", expected a 1-D contiguous tensor");
-  TORCH_CHECK(flat.numel() == offsets.back(), op, ": flat has ", flat.numel(),
-              " elements, expected ", offsets.back(), " (the total numel of tensors)");
+  const std::vector<int64_t> offsets = check_list(op, tensors);
+  check_flat(op, flat);
+  check_flat_total(op, flat, tensors, offsets.back());
   if (tensors.empty()) return;
-  check_same_device(op, "tensors[0]", tensors[0], "flat", flat);
+  const std::vector<char> contiguous = contiguous_flags(tensors);
   const float s = static_cast<float>(scale);
   dispatch_float(tensors[0].scalar_type(), [&](auto in_tag) {
     using in_t = decltype(in_tag);
@@ -136,16 +118,11 @@ at::Tensor pack_cpu(at::TensorList tensors, double scale, std::optional<at::Scal
 // flat: [sum numel] contiguous float. tensors: [N] tensors, one float dtype, flat's device.
 void unpack_cpu(const at::Tensor& flat, at::TensorList tensors, double scale) {
   constexpr const char* op = "pycomm.unpack_";
-  check_float(op, "flat", flat);
-  TORCH_CHECK(flat.dim() == 1 && flat.is_contiguous(), op, ": flat has shape ", flat.sizes(),
-              " and strides ", flat.strides(), ", expected a 1-D contiguous tensor");
-  std::vector<int64_t> offsets;
-  std::vector<char> contiguous;
-  check_list(op, tensors, offsets, contiguous);
-  TORCH_CHECK(flat.numel() == offsets.back(), op, ": flat has ", flat.numel(),
-              " elements, expected ", offsets.back(), " (the total numel of tensors)");
+  check_flat(op, flat);
+  const std::vector<int64_t> offsets = check_list(op, tensors);
+  check_flat_total(op, flat, tensors, offsets.back());
   if (tensors.empty()) return;
-  check_same_device(op, "tensors[0]", tensors[0], "flat", flat);
+  const std::vector<char> contiguous = contiguous_flags(tensors);
   const float s = static_cast<float>(scale);
   dispatch_float(flat.scalar_type(), [&](auto in_tag) {
     using in_t = decltype(in_tag);

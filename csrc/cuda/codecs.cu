@@ -17,7 +17,6 @@
 // than torch's: a 1-bit block's sum of |y| (exact unless one block spans more than about
 // 2^(29 - log2 block) in magnitude) and the decoders' squared norm (summed in fp64 here).
 #include <ATen/ATen.h>
-#include <ATen/MemoryOverlap.h>
 #include <torch/library.h>
 
 #include <limits>
@@ -326,51 +325,6 @@ void encode_blocks(const Source<T>& src, const Codec& codec, int64_t numel, int6
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
-// The CPU kernels' checks (csrc/cpu/codecs.cpp), with their messages.
-// r: [numel] fp32 contiguous on x's device.
-void check_residual(const char* op, const char* arg, const at::Tensor& r, const at::Tensor& x,
-                    int64_t numel) {
-  TORCH_CHECK(r.defined(), op, ": ", arg, " is an undefined tensor");
-  TORCH_CHECK(r.layout() == at::kStrided, op, ": ", arg, " has layout ", r.layout(),
-              ", expected a dense (strided) tensor");
-  TORCH_CHECK(r.scalar_type() == at::kFloat, op, ": ", arg, " has dtype ", r.scalar_type(),
-              ", expected Float");
-  check_same_device(op, arg, r, "x", x);
-  TORCH_CHECK(r.numel() == numel, op, ": ", arg, " has ", r.numel(),
-              " elements, expected numel = ", numel);
-  TORCH_CHECK(r.is_contiguous(), op, ": ", arg, " has strides ", r.strides(),
-              ", expected a contiguous tensor");
-}
-
-// x: any float dtype, n <= numel elements, any strides. residual: as check_residual, or
-// absent. residual_out: absent (residual is updated in place), or as residual, given with it,
-// and not overlapping it (residual is then only read).
-void check_encoder(const char* op, const at::Tensor& x,
-                   const std::optional<at::Tensor>& residual, int64_t numel,
-                   const std::optional<at::Tensor>& residual_out) {
-  check_float(op, "x", x);
-  TORCH_CHECK(numel >= x.numel(), op, ": numel is ", numel, ", expected >= x.numel() = ",
-              x.numel());
-  if (residual.has_value()) check_residual(op, "residual", *residual, x, numel);
-  if (!residual_out.has_value()) return;
-  TORCH_CHECK(residual.has_value(), op,
-              ": residual_out is given without residual, expected both or residual alone");
-  check_residual(op, "residual_out", *residual_out, x, numel);
-  const auto& a = *residual;
-  const auto& b = *residual_out;
-  TORCH_CHECK(numel == 0 || a.data_ptr() == b.data_ptr() ||
-                  at::get_overlap_status(a, b) == at::MemOverlapStatus::No,
-              op, ": residual_out overlaps residual, expected separate tensors (or the same one)");
-}
-
-void check_block(const char* op, int64_t block, int64_t numel, int64_t multiple_of) {
-  TORCH_CHECK(block >= 1, op, ": block is ", block, ", expected >= 1");
-  TORCH_CHECK(block % multiple_of == 0, op, ": block is ", block, ", expected a multiple of ",
-              multiple_of);
-  TORCH_CHECK(numel % block == 0, op, ": numel is ", numel, ", expected a multiple of block = ",
-              block);
-}
-
 // Calls f(Source<T>) with T x's dtype (x staged contiguous when it is not), reading residual
 // and writing residual_out if given, else residual.
 template <typename F>
@@ -625,47 +579,6 @@ at::Tensor sum_rows(const Rows& rows, int64_t nrows, double scale, const at::Ten
   return stats;
 }
 
-// rows: [R, cols] contiguous, R >= 1, of dtype `dtype` (a description for the message).
-void check_rows(const char* op, const char* arg, const at::Tensor& t, bool dtype_ok,
-                const char* dtype) {
-  TORCH_CHECK(t.defined(), op, ": ", arg, " is an undefined tensor");
-  TORCH_CHECK(t.layout() == at::kStrided, op, ": ", arg, " has layout ", t.layout(),
-              ", expected a dense (strided) tensor");
-  TORCH_CHECK(dtype_ok, op, ": ", arg, " has dtype ", t.scalar_type(), ", expected ", dtype);
-  TORCH_CHECK(t.dim() == 2, op, ": ", arg, " has shape ", t.sizes(),
-              ", expected a 2-D [R, m] tensor");
-  TORCH_CHECK(t.size(0) >= 1, op, ": ", arg, " has shape ", t.sizes(), ", expected R >= 1 rows");
-  TORCH_CHECK(t.is_contiguous(), op, ": ", arg, " has strides ", t.strides(),
-              ", expected a contiguous tensor");
-}
-
-// out: contiguous float on ref's device, at most m elements.
-void check_out(const char* op, const at::Tensor& out, const char* ref_arg, const at::Tensor& ref,
-               int64_t m) {
-  check_float(op, "out", out);
-  check_same_device(op, "out", out, ref_arg, ref);
-  TORCH_CHECK(out.numel() <= m, op, ": out has ", out.numel(), " elements, expected <= m = ", m);
-  TORCH_CHECK(out.is_contiguous(), op, ": out has strides ", out.strides(),
-              ", expected a contiguous tensor");
-}
-
-// scales: [R, m / block] contiguous, of dtype want, on ref's device.
-void check_scales(const char* op, const at::Tensor& scales, at::ScalarType want,
-                  const char* ref_arg, const at::Tensor& ref, int64_t rows, int64_t m,
-                  int64_t block) {
-  TORCH_CHECK(scales.defined(), op, ": scales is an undefined tensor");
-  TORCH_CHECK(scales.layout() == at::kStrided, op, ": scales has layout ", scales.layout(),
-              ", expected a dense (strided) tensor");
-  TORCH_CHECK(scales.scalar_type() == want, op, ": scales has dtype ", scales.scalar_type(),
-              ", expected ", want);
-  check_same_device(op, "scales", scales, ref_arg, ref);
-  TORCH_CHECK(scales.dim() == 2 && scales.size(0) == rows && scales.size(1) == m / block, op,
-              ": scales has shape ", scales.sizes(), ", expected [", rows, ", ", m / block,
-              "] ([R, m / block])");
-  TORCH_CHECK(scales.is_contiguous(), op, ": scales has strides ", scales.strides(),
-              ", expected a contiguous tensor");
-}
-
 // chunks: [R, m] Half/BFloat16 contiguous on a CUDA device. out: contiguous float, numel <= m,
 // same device. out = scale * sum_r chunks[r, :out.numel()] (fp32, row order). Returns fp64 [2]
 // (see sum_rows).
@@ -673,7 +586,7 @@ at::Tensor decode16_sum_cuda(const at::Tensor& chunks, double scale, const at::T
   constexpr const char* op = "pycomm.decode16_sum";
   check_rows(op, "chunks", chunks,
              chunks.scalar_type() == at::kHalf || chunks.scalar_type() == at::kBFloat16,
-             "Half or BFloat16");
+             "Half or BFloat16", RowLayout::kContiguous);
   const int64_t rows = chunks.size(0), m = chunks.size(1);
   check_out(op, out, "chunks", chunks, m);
   at::Tensor stats;
@@ -691,12 +604,14 @@ at::Tensor decode16_sum_cuda(const at::Tensor& chunks, double scale, const at::T
 at::Tensor dequantize_int8_sum_cuda(const at::Tensor& codes, const at::Tensor& scales,
                                     int64_t block, double scale, const at::Tensor& out) {
   constexpr const char* op = "pycomm.dequantize_int8_sum";
-  check_rows(op, "codes", codes, codes.scalar_type() == at::kChar, "Char (int8)");
+  check_rows(op, "codes", codes, codes.scalar_type() == at::kChar, "Char (int8)",
+             RowLayout::kContiguous);
   const int64_t rows = codes.size(0), m = codes.size(1);
   TORCH_CHECK(block >= 1, op, ": block is ", block, ", expected >= 1");
   TORCH_CHECK(m % block == 0, op, ": codes has m = ", m,
               " columns, expected a multiple of block = ", block);
-  check_scales(op, scales, at::kFloat, "codes", codes, rows, m, block);
+  check_scales(op, scales, at::kFloat, "codes", codes, rows, m, block,
+               RowLayout::kContiguous);
   check_out(op, out, "codes", codes, m);
   return sum_rows(RowsInt8{codes.const_data_ptr<int8_t>(), scales.const_data_ptr<float>(), m, block},
                   rows, scale, out);
@@ -707,13 +622,15 @@ at::Tensor dequantize_int8_sum_cuda(const at::Tensor& codes, const at::Tensor& s
 at::Tensor dequantize_onebit_sum_cuda(const at::Tensor& bits, const at::Tensor& scales,
                                       int64_t block, double scale, const at::Tensor& out) {
   constexpr const char* op = "pycomm.dequantize_onebit_sum";
-  check_rows(op, "bits", bits, bits.scalar_type() == at::kByte, "Byte (uint8)");
+  check_rows(op, "bits", bits, bits.scalar_type() == at::kByte, "Byte (uint8)",
+             RowLayout::kContiguous);
   const int64_t rows = bits.size(0), m = bits.size(1) * 8;
   TORCH_CHECK(block >= 1, op, ": block is ", block, ", expected >= 1");
   TORCH_CHECK(block % 8 == 0, op, ": block is ", block, ", expected a multiple of 8");
   TORCH_CHECK(m % block == 0, op, ": bits has m = ", m,
               " elements (8 per column), expected a multiple of block = ", block);
-  check_scales(op, scales, at::kBFloat16, "bits", bits, rows, m, block);
+  check_scales(op, scales, at::kBFloat16, "bits", bits, rows, m, block,
+               RowLayout::kContiguous);
   check_out(op, out, "bits", bits, m);
   return sum_rows(
       RowsOnebit{bits.const_data_ptr<uint8_t>(), scales.const_data_ptr<at::BFloat16>(), m, block},

@@ -9,14 +9,13 @@
 // contiguous copy (an extra pass for those tensors alone), as are accumulate_ and scale_
 // operands whose memory is not one dense block.
 //
-// Arithmetic and checks are the CPU kernels' (csrc/cpu/fusion.cpp): fp32, one rounding per
-// operation, the same messages.
+// Arithmetic is the CPU kernels' (csrc/cpu/fusion.cpp): fp32, one rounding per operation.
+// The argument checks are theirs too (csrc/checks.h), with the same messages.
 #include <ATen/ATen.h>
 #include <ATen/MemoryOverlap.h>
 #include <torch/library.h>
 
 #include <limits>
-#include <string>
 #include <type_traits>
 #include <vector>
 
@@ -138,41 +137,15 @@ void multi_copy(const std::vector<const void*>& src, const std::vector<void*>& d
   flush();
 }
 
-// The CPU kernels' checks (csrc/cpu/fusion.cpp), with their messages.
-void check_list(const char* op, at::TensorList tensors, std::vector<int64_t>& offsets) {
-  offsets.assign(1, 0);
-  for (size_t i = 0; i < tensors.size(); ++i) {
-    const auto& t = tensors[i];
-    const std::string arg = "tensors[" + std::to_string(i) + "]";
-    check_float(op, arg.c_str(), t);
-    if (i > 0) {
-      TORCH_CHECK(t.scalar_type() == tensors[0].scalar_type(), op, ": ", arg, " has dtype ",
-                  t.scalar_type(), ", expected ", tensors[0].scalar_type(),
-                  " like tensors[0] (one dtype per call)");
-      check_same_device(op, arg.c_str(), t, "tensors[0]", tensors[0]);
-    }
-    offsets.push_back(offsets.back() + t.numel());
-  }
-}
-
-void check_flat(const char* op, const at::Tensor& flat, int64_t total) {
-  TORCH_CHECK(flat.dim() == 1 && flat.is_contiguous(), op, ": flat has shape ", flat.sizes(),
-              " and strides ", flat.strides(), ", expected a 1-D contiguous tensor");
-  TORCH_CHECK(flat.numel() == total, op, ": flat has ", flat.numel(), " elements, expected ",
-              total, " (the total numel of tensors)");
-}
-
 // flat: [sum numel] 1-D contiguous float on the tensors' device. tensors: [N] tensors, one
 // float dtype, one CUDA device, any shapes/strides. flat[offset_i : offset_i + numel_i] =
 // tensors[i] * scale.
 void pack_into_impl(const char* op, const at::Tensor& flat, at::TensorList tensors,
                     double scale) {
-  std::vector<int64_t> offsets;
-  check_list(op, tensors, offsets);
-  check_float(op, "flat", flat);
-  check_flat(op, flat, offsets.back());
+  const std::vector<int64_t> offsets = check_list(op, tensors);
+  check_flat(op, flat);
+  check_flat_total(op, flat, tensors, offsets.back());
   if (tensors.empty()) return;
-  check_same_device(op, "tensors[0]", tensors[0], "flat", flat);
   const DeviceGuard guard(flat.device());
   const Stream stream = current_stream();
   std::vector<at::Tensor> staged;  // contiguous copies of the strided tensors, kept alive
@@ -223,15 +196,10 @@ at::Tensor pack_cuda(at::TensorList tensors, double scale, std::optional<at::Sca
 // any shapes/strides. tensors[i] = flat[offset_i : offset_i + numel_i] * scale.
 void unpack_cuda(const at::Tensor& flat, at::TensorList tensors, double scale) {
   constexpr const char* op = "pycomm.unpack_";
-  check_float(op, "flat", flat);
-  TORCH_CHECK(flat.dim() == 1 && flat.is_contiguous(), op, ": flat has shape ", flat.sizes(),
-              " and strides ", flat.strides(), ", expected a 1-D contiguous tensor");
-  std::vector<int64_t> offsets;
-  check_list(op, tensors, offsets);
-  TORCH_CHECK(flat.numel() == offsets.back(), op, ": flat has ", flat.numel(),
-              " elements, expected ", offsets.back(), " (the total numel of tensors)");
+  check_flat(op, flat);
+  const std::vector<int64_t> offsets = check_list(op, tensors);
+  check_flat_total(op, flat, tensors, offsets.back());
   if (tensors.empty()) return;
-  check_same_device(op, "tensors[0]", tensors[0], "flat", flat);
   // a target with several elements at one address has no defined result (the CPU's
   // TensorIterator refuses it with this message too)
   for (const auto& t : tensors) {
