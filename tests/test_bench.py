@@ -158,6 +158,10 @@ def test_json_has_every_requested_hook(tiny_all):
     assert hooks["ddp"]["bytes_per_step"] == 4 * doc["params"]
     assert hooks["allreduce"]["bytes_per_step"] == hooks["ddp"]["bytes_per_step"]
     assert hooks["torch-fp16"]["bytes_per_step"] == 2 * doc["params"]
+    # the wire diagnostics send exactly their hook's bytes, and reduce nothing
+    for wire, hook in (("int8-wire", "int8"), ("onebit-wire", "onebit")):
+        assert hooks[wire]["bytes_per_step"] == hooks[hook]["bytes_per_step"] > 0
+        assert hooks[wire]["rel_err"] is None
     for name in hooks:
         assert any(line.startswith(name + " ") for line in out.stdout.splitlines()), name
 

@@ -28,7 +28,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as torch_p
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import pycomm
-from pycomm.bench.hooks import FailState, compute_hook, fail_hook, hang_hook
+from pycomm.bench.hooks import FailState, compute_hook, fail_hook, hang_hook, wire_state
 from pycomm.bench.link import lo_tx_bytes
 from pycomm.bench.models import ModelSpec, batches, build, count_params, loss_fn
 from pycomm.hooks.state import ring_bytes
@@ -67,6 +67,11 @@ TORCH_HOOKS: dict[str, tuple[str, Callable[[], tuple[Any, Callable]]]] = {
     ),
 }
 
+# Diagnostics: a compressed hook's two-phase exchange, bytes and buckets as the hook's, without
+# its codecs (pycomm.bench.hooks.WireOnlyCodec). Step time minus compute's is the exchange's
+# cost; the hook's own time minus this one's is its codecs'. Gradients are not reduced.
+WIRE_HOOKS: dict[str, str] = {"int8-wire": "int8", "onebit-wire": "onebit"}
+
 # Options for pycomm hooks whose defaults would not show them working within a benchmark's
 # few steps (torch's PowerSGD only compresses from iteration 1000 by default).
 PYCOMM_OPTIONS: dict[str, dict[str, Any]] = {
@@ -97,7 +102,7 @@ def available_hooks() -> list[str]:
         >>> available_hooks()[:2]
         ['compute', 'ddp']
     """
-    return [COMPUTE, BASELINE, *TORCH_HOOKS, *pycomm_hooks()]
+    return [COMPUTE, BASELINE, *TORCH_HOOKS, *pycomm_hooks(), *WIRE_HOOKS]
 
 
 def default_hooks_set() -> list[str]:
@@ -117,7 +122,12 @@ def default_hooks_set() -> list[str]:
 
 def is_pycomm(name: str) -> bool:
     """Whether ``name`` runs through :func:`pycomm.wrap` (and its accumulate stage)."""
-    return name not in (COMPUTE, BASELINE, *TEST_HOOKS) and name not in TORCH_HOOKS
+    return name not in (COMPUTE, BASELINE, *TEST_HOOKS, *TORCH_HOOKS, *WIRE_HOOKS)
+
+
+def reduces(name: str) -> bool:
+    """Whether hook ``name`` averages the gradients (compute and the wire diagnostics do not)."""
+    return name != COMPUTE and name not in WIRE_HOOKS
 
 
 def describe(name: str, accumulate_steps: int = 1) -> str:
@@ -135,6 +145,11 @@ def describe(name: str, accumulate_steps: int = 1) -> str:
         text = TORCH_HOOKS[name][0]
     elif name in TEST_HOOKS:
         return f"test-only hook ({name[1:]})"
+    elif name in WIRE_HOOKS:
+        return (
+            f"pycomm {WIRE_HOOKS[name]} hook's exchange without its codecs: the wire and gloo "
+            "alone (gradients not reduced)"
+        )
     else:
         options = PYCOMM_OPTIONS.get(name)
         text = f"pycomm {name} hook" + (f" {options}" if options else "")
@@ -151,6 +166,17 @@ def _build(
     """The DDP model for hook ``name`` (buckets of ``cap`` MB, None: the hook's default) and
     the state its byte count is read from."""
     kw = {} if cap is None else {"bucket_cap_mb": cap}
+    if name in WIRE_HOOKS:
+        from pycomm.hooks import compressed_hook
+        from pycomm.wrap import HOOKS
+
+        cls = HOOKS[WIRE_HOOKS[name]][0]
+        if cap is None and cls.default_bucket_cap_mb is not None:
+            kw["bucket_cap_mb"] = cls.default_bucket_cap_mb  # as pycomm.wrap builds the hook's
+        ddp = DDP(module, gradient_as_bucket_view=True, **kw)
+        state = wire_state(cls(None, error_feedback=False))
+        ddp.register_comm_hook(state, compressed_hook)
+        return ddp, state
     if not is_pycomm(name):
         if name == BAD_SETUP:
             raise RuntimeError("_badsetup hook: deliberate failure while setting up")
@@ -382,7 +408,7 @@ def run_rank(cfg: dict[str, Any]) -> dict[str, Any]:
         timed = step >= warmup
         for i in range(len(hooks)):
             name = hooks[(i + step) % len(hooks)]
-            check = step >= error_from and name != COMPUTE
+            check = step >= error_from and reduces(name)
             with deadline.guard(cold=step == 0, factor=2.0 if check else 1.0):
                 if check:
                     with torch.no_grad():
