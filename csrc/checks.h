@@ -84,14 +84,15 @@ inline void check_flat_total(const char* op, const at::Tensor& flat, at::TensorL
 
 // --- encoders (encode16, quantize_int8, quantize_onebit) -------------------------------------
 
-// r: [numel] fp32 contiguous on x's device.
+// r: [numel] fp32 or bf16 (half the memory and traffic; the new residual is rounded to it),
+// contiguous on x's device.
 inline void check_residual(const char* op, const char* arg, const at::Tensor& r,
                            const at::Tensor& x, int64_t numel) {
   TORCH_CHECK(r.defined(), op, ": ", arg, " is an undefined tensor");
   TORCH_CHECK(r.layout() == at::kStrided, op, ": ", arg, " has layout ", r.layout(),
               ", expected a dense (strided) tensor");
-  TORCH_CHECK(r.scalar_type() == at::kFloat, op, ": ", arg, " has dtype ", r.scalar_type(),
-              ", expected Float");
+  TORCH_CHECK(r.scalar_type() == at::kFloat || r.scalar_type() == at::kBFloat16, op, ": ", arg,
+              " has dtype ", r.scalar_type(), ", expected Float or BFloat16");
   check_same_device(op, arg, r, "x", x);
   TORCH_CHECK(r.numel() == numel, op, ": ", arg, " has ", r.numel(),
               " elements, expected numel = ", numel);
@@ -100,8 +101,8 @@ inline void check_residual(const char* op, const char* arg, const at::Tensor& r,
 }
 
 // x: any float dtype, n <= numel elements, any strides. residual: as check_residual, or
-// absent. residual_out: absent (residual is updated in place), or as residual, given with it,
-// and not overlapping it (residual is then only read).
+// absent. residual_out: absent (residual is updated in place), or as residual (same dtype),
+// given with it, and not overlapping it (residual is then only read).
 inline void check_encoder(const char* op, const at::Tensor& x,
                           const std::optional<at::Tensor>& residual, int64_t numel,
                           const std::optional<at::Tensor>& residual_out) {
@@ -115,6 +116,8 @@ inline void check_encoder(const char* op, const at::Tensor& x,
   check_residual(op, "residual_out", *residual_out, x, numel);
   const auto& a = *residual;
   const auto& b = *residual_out;
+  TORCH_CHECK(b.scalar_type() == a.scalar_type(), op, ": residual_out has dtype ",
+              b.scalar_type(), ", expected ", a.scalar_type(), " like residual");
   TORCH_CHECK(numel == 0 || a.data_ptr() == b.data_ptr() ||
                   at::get_overlap_status(a, b) == at::MemOverlapStatus::No,
               op, ": residual_out overlaps residual, expected separate tensors (or the same one)");

@@ -29,10 +29,12 @@ TORCH_LIBRARY(pycomm, m) {
 
   // Codecs (pycomm.reference defines their arithmetic). Every encoder takes x (Float, Half or
   // BFloat16, n elements, any shape and strides), computes y = x * scale + residual over
-  // `numel` >= n elements (x padded with zeros), and updates residual (optional; Float,
-  // contiguous, numel elements, x's device) in place to y - decode(code), except where the
-  // block (16-bit: the element) is non-finite, where it keeps its value. With residual_out
-  // (as residual, not overlapping it) the new residual goes there and residual is only read:
+  // `numel` >= n elements (x padded with zeros), and updates residual (optional; Float or
+  // BFloat16, contiguous, numel elements, x's device; y is fp32 either way and a BFloat16
+  // residual keeps the new value rounded to nearest even) in place to y - decode(code), except
+  // where the block (16-bit: the element) is non-finite, where it keeps its value. With
+  // residual_out (as residual, same dtype, not overlapping it) the new residual goes there and
+  // residual is only read:
   // the hooks keep two and commit a step's only once it is known to be finite everywhere.
   //
   // Returns [numel] of dtype (Half or BFloat16): y rounded.

@@ -192,8 +192,8 @@ def scale_(t: torch.Tensor, scale: float) -> None:
 
 
 def _check_residual(op: str, arg: str, r, x, numel: int) -> None:
-    if r.dtype != torch.float32:
-        raise RuntimeError(f"{op}: {arg} has dtype {r.dtype}, expected Float")
+    if r.dtype not in (torch.float32, torch.bfloat16):
+        raise RuntimeError(f"{op}: {arg} has dtype {r.dtype}, expected Float or BFloat16")
     if r.device != x.device:
         raise RuntimeError(f"{op}: {arg} is on {r.device}, expected {x.device} like x")
     if r.numel() != numel:
@@ -215,6 +215,11 @@ def _check_encoder(op: str, x, residual, numel: int, residual_out=None) -> None:
             f"{op}: residual_out is given without residual, expected both or residual alone"
         )
     _check_residual(op, "residual_out", residual_out, x, numel)
+    if residual_out.dtype != residual.dtype:
+        raise RuntimeError(
+            f"{op}: residual_out has dtype {residual_out.dtype}, expected {residual.dtype} "
+            "like residual"
+        )
 
 
 def _check_block(op: str, block: int, numel: int, multiple_of: int) -> None:

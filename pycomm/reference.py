@@ -44,7 +44,9 @@ def scale_(t: torch.Tensor, scale: float) -> None:
 #
 # Every encoder reads x (any float dtype, n elements), pre-scales it, adds the error-feedback
 # residual when one is given, and encodes ``numel`` >= n elements (x padded with zeros). The
-# residual (fp32, ``numel`` elements) is updated in place to y - decode(code), except where the
+# residual (fp32 or bf16, ``numel`` elements; y is computed in fp32 either way, and a bf16
+# residual stores the new value rounded to nearest even) is updated in place to
+# y - decode(code), except where the
 # block (or, for 16-bit, the element) is non-finite: there it keeps its old value, so that a
 # NaN never poisons later steps. With ``residual_out`` the new residual goes there instead and
 # ``residual`` is left as it was. Non-finite input never becomes finite output: a non-finite

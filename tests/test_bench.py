@@ -158,6 +158,9 @@ def test_json_has_every_requested_hook(tiny_all):
     assert hooks["ddp"]["bytes_per_step"] == 4 * doc["params"]
     assert hooks["allreduce"]["bytes_per_step"] == hooks["ddp"]["bytes_per_step"]
     assert hooks["torch-fp16"]["bytes_per_step"] == 2 * doc["params"]
+    # the bf16-residual variants send their hook's bytes
+    for variant, hook in (("int8-bf16res", "int8"), ("onebit-bf16res", "onebit")):
+        assert hooks[variant]["bytes_per_step"] == hooks[hook]["bytes_per_step"]
     # the wire diagnostics send exactly their hook's bytes, and reduce nothing
     for wire, hook in (("int8-wire", "int8"), ("onebit-wire", "onebit")):
         assert hooks[wire]["bytes_per_step"] == hooks[hook]["bytes_per_step"] > 0
@@ -173,7 +176,13 @@ def test_gradient_error_against_the_exact_mean(tiny_all):
     for name in ("ddp", "torch-allreduce", "allreduce"):
         assert hooks[name]["rel_err"] < 1e-6, name
         assert len(hooks[name]["rel_errors"]) == 2
-    for name, bound in (("bf16", 2e-2), ("fp16", 2e-2), ("torch-fp16", 2e-2), ("int8", 0.1)):
+    for name, bound in (
+        ("bf16", 2e-2),
+        ("fp16", 2e-2),
+        ("torch-fp16", 2e-2),
+        ("int8", 0.1),
+        ("int8-bf16res", 0.1),
+    ):
         assert 0 < hooks[name]["rel_err"] < bound, (name, hooks[name]["rel_err"])
     # one bit per element plus error feedback: far from exact on one step, but finite
     assert 0.05 < hooks["onebit"]["rel_err"] < 10

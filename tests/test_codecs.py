@@ -29,9 +29,9 @@ def _x(n, dtype, block, special=True, seed=0):
     return t.to(dtype)
 
 
-def _residual(numel, seed=1):
+def _residual(numel, seed=1, dtype=torch.float32):
     g = torch.Generator().manual_seed(seed + numel)
-    return torch.randn(numel, generator=g) * 0.1
+    return (torch.randn(numel, generator=g) * 0.1).to(dtype)
 
 
 def _bits_equal(a, b):
@@ -71,21 +71,22 @@ def _check_encoder(name, x, scale, arg, numel, with_residual, updates=True):
     [("quantize_int8", 64, 64), ("quantize_onebit", 64, 64), ("encode16", torch.bfloat16, 8)],
 )
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_residual_out_leaves_residual_and_matches_in_place(name, arg, block, dtype):
+@pytest.mark.parametrize("rdtype", [torch.float32, torch.bfloat16])
+def test_residual_out_leaves_residual_and_matches_in_place(name, arg, block, dtype, rdtype):
     # What the hooks rely on to drop a step's residuals when it turns out non-finite: the new
     # residual in residual_out (NaN blocks keep the old value there too), the old one intact,
     # everything else as the in-place update gives it.
     for n in _sizes(block):
         numel = _numel(n, block, pad_blocks=1)
         x = _x(n, dtype, block)
-        old = _residual(numel)
-        r_in, out = old.clone(), torch.full((numel,), 123.0)
+        old = _residual(numel, dtype=rdtype)
+        r_in, out = old.clone(), torch.full((numel,), 123.0, dtype=rdtype)
         got = getattr(ops, name)(x, r_in, 0.5, arg, numel, residual_out=out)
         _bits_equal(r_in, old)
         in_place = old.clone()
         want = getattr(ops, name)(x, in_place, 0.5, arg, numel)
         _bits_equal(out, in_place)
-        ref_in, ref_out = old.clone(), torch.full((numel,), 123.0)
+        ref_in, ref_out = old.clone(), torch.full((numel,), 123.0, dtype=rdtype)
         ref = getattr(reference, name)(x, ref_in, 0.5, arg, numel, residual_out=ref_out)
         _bits_equal(ref_out, out)
         _bits_equal(ref_in, old)
@@ -93,6 +94,42 @@ def test_residual_out_leaves_residual_and_matches_in_place(name, arg, block, dty
         for a, b, c in zip(got, want, ref):
             _bits_equal(a, b)
             _bits_equal(a, c)
+
+
+@pytest.mark.parametrize(
+    "name, arg, block",
+    [
+        ("quantize_int8", 256, 256),
+        ("quantize_int8", 5, 5),
+        ("quantize_onebit", 64, 64),
+        ("quantize_onebit", 8, 8),
+        ("encode16", torch.bfloat16, 8),
+        ("encode16", torch.float16, 8),
+    ],
+)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_bf16_residual_is_the_fp32_update_rounded(name, arg, block, dtype):
+    # A bf16 residual is widened exactly, y is computed in fp32 as with an fp32 residual, and
+    # only the new residual is rounded (to nearest even): the codes are those of the same
+    # residual held in fp32, and the new residual is that run's, rounded. NaN/Inf blocks keep
+    # their old residual. Also bit for bit against the reference.
+    for n in _sizes(block):
+        numel = _numel(n, block, pad_blocks=1)
+        x = _x(n, dtype, block)
+        r16 = _residual(numel, dtype=torch.bfloat16)
+        r32 = r16.float()
+        got = getattr(ops, name)(x, r16, 0.5, arg, numel)
+        want = getattr(ops, name)(x, r32, 0.5, arg, numel)
+        got, want = (got, want) if isinstance(got, tuple) else ((got,), (want,))
+        for a, b in zip(got, want):
+            _bits_equal(a, b)
+        _bits_equal(r16, r32.to(torch.bfloat16))
+        ref_r = _residual(numel, dtype=torch.bfloat16)
+        ref = getattr(reference, name)(x, ref_r, 0.5, arg, numel)
+        ref = ref if isinstance(ref, tuple) else (ref,)
+        for a, b in zip(got, ref):
+            _bits_equal(a, b)
+        _bits_equal(r16, ref_r)
 
 
 @pytest.mark.parametrize("name", ["quantize_int8", "quantize_onebit", "encode16"])
@@ -137,6 +174,8 @@ def test_residual_out_bad_input():
         ops.quantize_onebit(x, r, 1.0, 8, 16, residual_out=torch.zeros(8))
     with pytest.raises(RuntimeError, match="residual_out has dtype Half"):
         ops.encode16(x, r, 1.0, torch.float16, 16, residual_out=torch.zeros(16).half())
+    with pytest.raises(RuntimeError, match="residual_out has dtype BFloat16, expected Float like"):
+        ops.quantize_int8(x, r, 1.0, 8, 16, residual_out=torch.zeros(16).bfloat16())
     big = torch.zeros(24)
     with pytest.raises(RuntimeError, match="residual_out overlaps residual"):
         ops.quantize_int8(x, big[:16], 1.0, 8, 16, residual_out=big[8:])
@@ -412,7 +451,7 @@ _U8 = torch.zeros(2, 2, dtype=torch.uint8)
         ),
         (
             lambda: ops.encode16(_X, _R.half(), 1.0, torch.float16, 16),
-            r"pycomm.encode16: residual has dtype Half, expected Float",
+            r"pycomm.encode16: residual has dtype Half, expected Float or BFloat16",
         ),
         (
             lambda: ops.quantize_int8(_X, torch.zeros(15), 1.0, 8, 16),
@@ -599,6 +638,10 @@ def _samples():
         yield "quantize_int8", (x, _residual(320), 0.5, 64, 320, torch.zeros(320))
         yield "quantize_onebit", (x, _residual(320), 0.5, 64, 320, torch.zeros(320))
         yield "encode16", (x, _residual(320), 0.5, torch.float16, 320, torch.zeros(320))
+        bf = torch.bfloat16
+        yield "quantize_int8", (x, _residual(320, dtype=bf), 0.5, 64, 320, torch.zeros(320).to(bf))
+        yield "quantize_onebit", (x, _residual(320, dtype=bf), 0.5, 64, 320)
+        yield "encode16", (x, _residual(320, dtype=bf), 0.5, bf, 320)
     for out_dtype in OUT_DTYPES:
         codes, scales = _encode_rows("quantize_int8", 2, 300, 64, 320, False)
         yield "dequantize_int8_sum", (codes, scales, 64, 0.5, torch.empty(310, dtype=out_dtype))

@@ -491,6 +491,165 @@ def test_encoders_strided_misaligned_and_tiny(be, name):
             _check_encoder(be, name, x, 1.0, block, 16, True)
 
 
+# bf16 residuals: y in fp32 as with fp32 ones, the new residual rounded to nearest even, a
+# non-finite block's (16-bit: element's) kept bit for bit. Expected: pycomm.reference (the CPU
+# kernels are compared below where the build has them).
+
+# (op, arg, block): the tile kernel at small, odd and whole-tile blocks, the one-block-per-CTA
+# kernel past a tile (4096), 16-bit to both output dtypes
+_BF16_CASES = [
+    ("quantize_int8", 1, 1), ("quantize_int8", 3, 3), ("quantize_int8", 64, 64),
+    ("quantize_int8", 2048, 2048), ("quantize_int8", 4096, 4096),
+    ("quantize_onebit", 8, 8), ("quantize_onebit", 64, 64), ("quantize_onebit", 4096, 4096),
+    ("encode16", torch.bfloat16, 8), ("encode16", torch.float16, 8),
+]  # fmt: skip
+_BF16_IDS = [f"{n}-{str(a).replace('torch.', '')}" for n, a, _ in _BF16_CASES]
+
+
+def _bf16_residual(numel, seed=1):
+    # from about y's rounding error down to 1e-6 of it: the new residuals need all of bf16's
+    # exponent range and most of them round (a truncation or an fp32 store would show)
+    return (_residual(numel, seed) * torch.logspace(0, -6, numel)).bfloat16()
+
+
+def _tuple(out):
+    return out if isinstance(out, tuple) else (out,)
+
+
+def _check_bf16_encoder(be, name, x, scale, arg, numel, separate, r0=None):
+    """be's encoder vs the reference with a bf16 residual (r0, or a random one): in place, or
+    into residual_out (then residual is only read)."""
+    old = _bf16_residual(numel) if r0 is None else r0
+    r_ref = old.clone()
+    out_ref = torch.full((numel,), 123.0).bfloat16() if separate else None
+    want = _tuple(getattr(reference, name)(x, r_ref, scale, arg, numel, out_ref))
+    r_dev = be.to(old)
+    out_dev = be.to(torch.full((numel,), NAN).bfloat16()) if separate else None
+    got = _tuple(be(name, be.to(x), r_dev, scale, arg, numel, out_dev))
+    for g, w in zip(got, want):
+        _bits_equal(g, w)
+    if separate:
+        _bits_equal(out_dev, out_ref)
+        _bits_equal(r_dev, old)
+        return out_dev.cpu()
+    _bits_equal(r_dev, r_ref)
+    return r_dev.cpu()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("name, arg, block", _BF16_CASES, ids=_BF16_IDS)
+def test_bf16_residual(be, dtype, name, arg, block):
+    sizes = [0, 1, 7, 9, block + 1, 3000] + ([20011] if block in (3, 64) else [])
+    for n in sizes:
+        for pad in (0, 1):
+            numel = _numel(n, block, pad)
+            x = _x(n, dtype, block, seed=pad)  # n > 2 * block: NaN and ±Inf blocks
+            for separate in (False, True):
+                _check_bf16_encoder(be, name, x, 0.5, arg, numel, separate)
+
+
+@pytest.mark.parametrize("name, arg, block", _BF16_CASES, ids=_BF16_IDS)
+def test_bf16_residual_nonfinite_block_kept_bit_for_bit(be, name, arg, block):
+    numel = _numel(max(4 * block, 64), block)
+    x = _x(numel, torch.float32, block, special=False)
+    old = _bf16_residual(numel)
+    bits = old.view(torch.int16)
+    # residual NaNs with payloads (a signalling pattern; negative), +Inf, and an x of Inf: each
+    # makes its block (16-bit: element) non-finite
+    bits[1], bits[block + 2], bits[numel - 2] = 0x7F81, -0x3F, 0x7F80  # -0x3F: 0xFFC1
+    x[numel - 1] = float("inf")
+    bad = [1, block + 2, numel - 2, numel - 1]
+    kept = bad if name == "encode16" else sorted({j for i in bad for j in _block_of(i, block)})
+    for separate in (False, True):
+        new = _check_bf16_encoder(be, name, x, 1.0, arg, numel, separate, old.clone())
+        # the reference's NaNs are torch's canonical one; the kernels store the old bits
+        assert torch.equal(new.view(torch.int16)[kept], bits[kept]), separate
+        updated = [i for i in range(numel) if i not in kept]
+        assert not torch.equal(new.view(torch.int16)[updated], bits[updated])
+
+
+def _block_of(i, block):
+    return range(i // block * block, (i // block + 1) * block)
+
+
+@pytest.mark.parametrize("name", ["quantize_int8", "quantize_onebit", "encode16"])
+def test_bf16_residual_misaligned_and_strided_x(be, name):
+    arg = torch.bfloat16 if name == "encode16" else 64
+    # views 1 element (2 bytes: the scalar path) and 8 (16 bytes: vectors) into their buffers
+    for offset in (1, 8):
+        buf = _bf16_residual(1024 + offset)
+        x = _x(1000, torch.float16, 64)
+        want_r = buf[offset:].clone()
+        want = _tuple(getattr(reference, name)(x, want_r, 1.0, arg, 1024))
+        got_r = be.to(buf)[offset:]
+        got = _tuple(be(name, be.to(x), got_r, 1.0, arg, 1024))
+        for g, w in zip(got, want):
+            _bits_equal(g, w)
+        _bits_equal(got_r, want_r)
+        # residual_out misaligned too
+        out_buf = torch.full((1024 + offset,), NAN).bfloat16()
+        want_o = out_buf[offset:].clone()
+        getattr(reference, name)(x, buf[offset:], 1.0, arg, 1024, want_o)
+        got_o = be.to(out_buf)[offset:]
+        be(name, be.to(x), be.to(buf)[offset:], 1.0, arg, 1024, got_o)
+        _bits_equal(got_o, want_o)
+    base = (torch.randn(300, 70) * 2).to(torch.bfloat16)
+    for x in (base.t(), base[::3, ::2]):
+        numel = _numel(x.numel(), 64, 1)
+        for separate in (False, True):
+            _check_bf16_encoder(be, name, x, 0.5, arg, numel, separate)
+
+
+def _cpu_has_bf16_residuals() -> bool:
+    try:
+        torch.ops.pycomm.quantize_int8(torch.ones(8), torch.zeros(8).bfloat16(), 1.0, 8, 8)
+    except RuntimeError as e:
+        if "expected Float" not in str(e):
+            raise
+        return False
+    return True
+
+
+@pytest.mark.parametrize("name, arg, block", _BF16_CASES, ids=_BF16_IDS)
+def test_bf16_residual_same_as_cpu_kernels(be, name, arg, block):
+    if not _cpu_has_bf16_residuals():
+        pytest.skip("the in-place CPU build predates bf16 residuals")
+    for dtype in DTYPES:
+        for n in (1, block + 1, 3000):
+            numel = _numel(n, block, 1)
+            x = _x(n, dtype, block)
+            for separate in (False, True):
+                old = _bf16_residual(numel)
+                r_cpu, r_dev = old.clone(), be.to(old)
+                out_cpu = torch.full((numel,), 7.0).bfloat16() if separate else None
+                out_dev = be.to(torch.full((numel,), NAN).bfloat16()) if separate else None
+                want = _tuple(getattr(ops, name)(x, r_cpu, 0.5, arg, numel, out_cpu))
+                got = _tuple(be(name, be.to(x), r_dev, 0.5, arg, numel, out_dev))
+                for g, w in zip(got, want):
+                    _bits_equal(g, w)
+                _bits_equal(r_dev, r_cpu)
+                if separate:
+                    _bits_equal(out_dev, out_cpu)
+
+
+@pytest.mark.parametrize("name", ["quantize_int8", "quantize_onebit", "encode16"])
+@pytest.mark.parametrize("r_dtype, out_dtype", [(torch.bfloat16, torch.float32),
+                                                (torch.float32, torch.bfloat16)])  # fmt: skip
+def test_residual_out_of_another_dtype_refused(be, name, r_dtype, out_dtype):
+    arg = torch.float16 if name == "encode16" else 8
+    r, out = be.to(torch.zeros(16, dtype=r_dtype)), be.to(torch.zeros(16, dtype=out_dtype))
+    names = {torch.float32: "Float", torch.bfloat16: "BFloat16"}
+    msg = (
+        f"pycomm.{name}: residual_out has dtype {names[out_dtype]}, "
+        f"expected {names[r_dtype]} like residual"
+    )
+    with pytest.raises(RuntimeError, match=re.escape(msg)):
+        be(name, be.to(torch.ones(16)), r, 1.0, arg, 16, out)
+    assert not r.cpu().any() and not out.cpu().any()  # nothing written
+    with pytest.raises(RuntimeError, match=r"residual has dtype Half, expected Float or BFloat16"):
+        be(name, be.to(torch.ones(16)), be.to(torch.zeros(16).half()), 1.0, arg, 16)
+
+
 def _encode_rows(name, rows, n, block, numel, special):
     outs = [
         getattr(ops, name)(
@@ -605,6 +764,10 @@ _BAD = [
     ("quantize_onebit", lambda: (torch.ones(10), None, 1.0, 4, 16)),
     ("quantize_int8", lambda: (torch.ones(16), None, 1.0, 8, 16, torch.zeros(16))),
     ("quantize_onebit", lambda: (torch.ones(16), torch.zeros(16), 1.0, 8, 16, torch.zeros(8))),
+    (
+        "quantize_onebit",
+        lambda: (torch.ones(16), torch.zeros(16).bfloat16(), 1.0, 8, 16, torch.zeros(16)),
+    ),
     (
         "encode16",
         lambda: (torch.ones(16), torch.zeros(16), 1.0, torch.float16, 16, torch.zeros(16).half()),

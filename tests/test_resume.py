@@ -75,6 +75,7 @@ def _rank_resume(hook, options, k, m, accumulate):
         ("bf16", {"error_feedback": True}, 1),
         ("fp16", {"two_phase": True, "error_feedback": True}, 1),
         ("int8", {}, 2),
+        ("onebit", {"residual_dtype": "bfloat16"}, 1),
     ],
     ids=lambda v: str(v),
 )

@@ -114,15 +114,28 @@ const std::array<std::array<float, 8>, 256> kSigns = [] {
 }();
 
 // A non-finite block keeps its residual: copied over when it is written to another tensor.
-inline void keep_residual(float* r, const float* r_in, int64_t i, int64_t len) {
-  if (r != nullptr && r != r_in) std::memcpy(r + i, r_in + i, len * sizeof(float));
+template <typename R>
+void keep_residual(R* r, const R* r_in, int64_t i, int64_t len) {
+  if (r != nullptr && r != r_in) std::memcpy(r + i, r_in + i, len * sizeof(R));
+}
+
+// The residual's 8 values v to p (R: float, or BFloat16 rounded to nearest even).
+template <typename R>
+void store8(R* p, const FVec& v) {
+  if constexpr (std::is_same_v<R, float>) {
+    v.store(p);
+  } else {
+    at::vec::convert_from_float<R>(v, v).store(p, FVec::size());
+  }
 }
 
 // y = x * s (+ r), x zero beyond its n elements: the references' y, staged a tile at a time.
-template <typename T>
+// R: the residual's type, float or BFloat16 (widened exactly; y is fp32 either way).
+template <typename T, typename R = float>
 struct Source {
-  const T* x;      // [n], contiguous
-  const float* r;  // [numel], or nullptr without error feedback
+  using Residual = R;
+  const T* x;  // [n], contiguous
+  const R* r;  // [numel], or nullptr without error feedback
   int64_t n;
   float s;
 
@@ -133,16 +146,16 @@ struct Source {
     const FVec vs(s);
     int64_t j = 0;
     if (r != nullptr) {
-      const float* rp = r + i0;
+      const R* rp = r + i0;
       for (; j + kStep <= nx; j += kStep) {
-        FVec a, b;
+        FVec a, b, ra, rb;
         VecIO<T>::load(xp + j, a, b);
-        VecIO<float>::store(y + j, a * vs + FVec::loadu(rp + j),
-                            b * vs + FVec::loadu(rp + j + FVec::size()));
+        VecIO<R>::load(rp + j, ra, rb);
+        VecIO<float>::store(y + j, a * vs + ra, b * vs + rb);
       }
-      for (; j < nx; ++j) y[j] = static_cast<float>(xp[j]) * s + rp[j];
+      for (; j < nx; ++j) y[j] = static_cast<float>(xp[j]) * s + static_cast<float>(rp[j]);
       // padding: 0 + r, as the reference adds r to zeros (0 + -0 is +0)
-      for (; j < len; ++j) y[j] = 0.0f + rp[j];
+      for (; j < len; ++j) y[j] = 0.0f + static_cast<float>(rp[j]);
       return;
     }
     for (; j + kStep <= nx; j += kStep) {
@@ -156,11 +169,12 @@ struct Source {
 };
 
 // Symmetric int8 per block: s = absmax / 127, q = round_half_even(y * inv) clamped to ±127.
+template <typename R>
 struct Int8Codec {
   int8_t* codes;       // [numel]
   float* scales;       // [numel / block]
-  float* r;            // [numel] residual written, or nullptr
-  const float* r_in;   // [numel] residual read (r itself when updated in place)
+  R* r;                // [numel] residual written, or nullptr
+  const R* r_in;       // [numel] residual read (r itself when updated in place)
   using Stat = float;  // absmax, NaN-propagating: finite iff the block is
   struct Param {
     float s, inv;
@@ -212,32 +226,30 @@ struct Int8Codec {
     constexpr int64_t W = FVec::size();
     const FVec vs(p.s), vinv(p.inv), lo(-127.0f), hi(127.0f);
     int8_t* c = codes + i;
-    float* rp = r != nullptr ? r + i : nullptr;
+    R* rp = r != nullptr ? r + i : nullptr;
     int64_t j = 0;
     for (; j + 2 * W <= len; j += 2 * W) {
       const FVec y0 = FVec::loadu(y + j), y1 = FVec::loadu(y + j + W);
       const FVec q0 = at::vec::clamp((y0 * vinv).round(), lo, hi);
       const FVec q1 = at::vec::clamp((y1 * vinv).round(), lo, hi);
-      if (rp != nullptr) {
-        (y0 - q0 * vs).store(rp + j);
-        (y1 - q1 * vs).store(rp + j + W);
-      }
+      if (rp != nullptr) VecIO<R>::store(rp + j, y0 - q0 * vs, y1 - q1 * vs);
       store_codes(c + j, q0, q1);
     }
     for (; j < len; ++j) {
       const float q = std::min(std::max(std::nearbyint(y[j] * p.inv), -127.0f), 127.0f);
-      if (rp != nullptr) rp[j] = y[j] - q * p.s;
+      if (rp != nullptr) rp[j] = static_cast<R>(y[j] - q * p.s);
       c[j] = static_cast<int8_t>(q);
     }
   }
 };
 
 // One sign bit per element (y >= 0), one bf16 scale per block: the mean |y| (fp64 sum).
+template <typename R>
 struct OnebitCodec {
   uint8_t* bits;         // [numel / 8]
   at::BFloat16* scales;  // [numel / block]
-  float* r;              // [numel] residual written, or nullptr
-  const float* r_in;     // [numel] residual read (r itself when updated in place)
+  R* r;                  // [numel] residual written, or nullptr
+  const R* r_in;         // [numel] residual read (r itself when updated in place)
   int64_t block;
   using Stat = double;  // sum of |y|: finite iff the block is (no fp32 sum overflows fp64)
   struct Param {
@@ -285,20 +297,32 @@ struct OnebitCodec {
   void quant(int64_t i, const float* y, int64_t len, const Param& p) const {
     uint8_t* out = bits + i / 8;
     if (!p.finite) keep_residual(r, r_in, i, len);
-    float* rp = (r != nullptr && p.finite) ? r + i : nullptr;
+    R* rp = (r != nullptr && p.finite) ? r + i : nullptr;
+    constexpr int64_t W = FVec::size();
     const FVec zero(0.0f), pos_s(p.s), neg_s(-p.s);
-    for (int64_t j = 0; j < len; j += FVec::size()) {
+    int64_t j = 0;
+    for (; j + 2 * W <= len; j += 2 * W) {  // two vectors: one full store of a bf16 residual
+      const FVec v0 = FVec::loadu(y + j), v1 = FVec::loadu(y + j + W);
+      const FVec pos0 = v0 >= zero, pos1 = v1 >= zero;  // false for NaN, true for -0
+      out[j / 8] = mask_bits(pos0);
+      out[j / 8 + 1] = mask_bits(pos1);
+      if (rp != nullptr) {
+        VecIO<R>::store(rp + j, v0 - FVec::blendv(neg_s, pos_s, pos0),
+                        v1 - FVec::blendv(neg_s, pos_s, pos1));
+      }
+    }
+    for (; j < len; j += W) {
       const FVec vy = FVec::loadu(y + j);
-      const FVec pos = vy >= zero;  // false for NaN, true for -0
+      const FVec pos = vy >= zero;
       out[j / 8] = mask_bits(pos);
-      if (rp != nullptr) (vy - FVec::blendv(neg_s, pos_s, pos)).store(rp + j);
+      if (rp != nullptr) store8(rp + j, vy - FVec::blendv(neg_s, pos_s, pos));
     }
   }
 };
 
 // Runs codec over blocks [0, nblocks) of y = src, in parallel over blocks.
-template <typename T, typename Codec>
-void encode_blocks(const Source<T>& src, int64_t nblocks, int64_t block, const Codec& codec) {
+template <typename T, typename R, typename Codec>
+void encode_blocks(const Source<T, R>& src, int64_t nblocks, int64_t block, const Codec& codec) {
   const int64_t grain = std::max<int64_t>(1, kGrain / block);
   at::parallel_for(0, nblocks, grain, [&](int64_t b0, int64_t b1) {
     alignas(64) float y[kTile];
@@ -332,21 +356,30 @@ void encode_blocks(const Source<T>& src, int64_t nblocks, int64_t block, const C
   });
 }
 
-// Calls f(Source<T>, r) with T x's dtype, the source reading residual and r the residual to
-// write (residual_out's data if given, else residual's; nullptr without one).
+// Calls f(Source<T, R>, r) with T x's dtype and R the residual's (float without one), the
+// source reading residual and r the residual to write (residual_out's data if given, else
+// residual's; nullptr without one).
 template <typename F>
 void with_source(const at::Tensor& x, const std::optional<at::Tensor>& residual, double scale,
                  const std::optional<at::Tensor>& residual_out, F&& f) {
   const at::Tensor xc = x.contiguous();
-  float* r_in = residual.has_value() ? residual->data_ptr<float>() : nullptr;
-  float* r = residual_out.has_value() ? residual_out->data_ptr<float>() : r_in;
-  dispatch_float(xc.scalar_type(), [&](auto tag) {
-    using T = decltype(tag);
-    f(Source<T>{xc.const_data_ptr<T>(), r_in, xc.numel(), static_cast<float>(scale)}, r);
-  });
+  auto run = [&](auto rtag) {
+    using R = decltype(rtag);
+    R* r_in = residual.has_value() ? residual->data_ptr<R>() : nullptr;
+    R* r = residual_out.has_value() ? residual_out->data_ptr<R>() : r_in;
+    dispatch_float(xc.scalar_type(), [&](auto tag) {
+      using T = decltype(tag);
+      f(Source<T, R>{xc.const_data_ptr<T>(), r_in, xc.numel(), static_cast<float>(scale)}, r);
+    });
+  };
+  if (residual.has_value() && residual->scalar_type() == at::kBFloat16) {
+    run(at::BFloat16{});
+  } else {
+    run(float{});
+  }
 }
 
-// x: any float dtype, n <= numel elements, any strides. residual: [numel] fp32 or absent.
+// x: any float dtype, n <= numel elements, any strides. residual: [numel] fp32/bf16 or absent.
 // dtype: Half or BFloat16. Returns [numel] of dtype: y = x * scale (+ residual) padded with
 // zeros to numel, rounded; residual = y - returned where that is finite.
 at::Tensor encode16_cpu(const at::Tensor& x, const std::optional<at::Tensor>& residual,
@@ -358,8 +391,9 @@ at::Tensor encode16_cpu(const at::Tensor& x, const std::optional<at::Tensor>& re
               ", expected Half or BFloat16");
   at::Tensor out = at::empty({numel}, x.options().dtype(dtype));
   if (numel == 0) return out;
-  with_source(x, residual, scale, residual_out, [&](const auto& src, float* r) {
-    const float* r_in = src.r;
+  with_source(x, residual, scale, residual_out, [&](const auto& src, auto* r) {
+    using R = std::remove_pointer_t<decltype(r)>;
+    const R* r_in = src.r;
     dispatch_float(dtype, [&](auto out_tag) {
       using out_t = decltype(out_tag);
       out_t* o = out.data_ptr<out_t>();
@@ -369,8 +403,8 @@ at::Tensor encode16_cpu(const at::Tensor& x, const std::optional<at::Tensor>& re
           const int64_t len = std::min(kTile, e - i);
           src.load(i, len, y);
           out_t* dst = o + i;
-          float* rp = r != nullptr ? r + i : nullptr;
-          const float* rin = r != nullptr ? r_in + i : nullptr;
+          R* rp = r != nullptr ? r + i : nullptr;
+          const R* rin = r != nullptr ? r_in + i : nullptr;
           int64_t j = 0;
           for (; j + kStep <= len; j += kStep) {
             FVec a, b2;
@@ -380,16 +414,17 @@ at::Tensor encode16_cpu(const at::Tensor& x, const std::optional<at::Tensor>& re
             FVec ba, bb;
             VecIO<out_t>::load(dst + j, ba, bb);
             const FVec lim(kMaxFinite);
-            const FVec ra = FVec::blendv(FVec::loadu(rin + j), a - ba, ba.abs() <= lim);
-            const FVec rb = FVec::blendv(FVec::loadu(rin + j + FVec::size()), b2 - bb,
-                                         bb.abs() <= lim);
-            VecIO<float>::store(rp + j, ra, rb);
+            FVec old_a, old_b;
+            VecIO<R>::load(rin + j, old_a, old_b);
+            const FVec ra = FVec::blendv(old_a, a - ba, ba.abs() <= lim);
+            const FVec rb = FVec::blendv(old_b, b2 - bb, bb.abs() <= lim);
+            VecIO<R>::store(rp + j, ra, rb);
           }
           for (; j < len; ++j) {
             dst[j] = static_cast<out_t>(y[j]);
             if (rp == nullptr) continue;
             const float back = static_cast<float>(dst[j]);
-            rp[j] = std::isfinite(back) ? y[j] - back : rin[j];
+            rp[j] = std::isfinite(back) ? static_cast<R>(y[j] - back) : rin[j];
           }
         }
       });
@@ -410,8 +445,9 @@ std::tuple<at::Tensor, at::Tensor> quantize_int8_cpu(const at::Tensor& x,
   at::Tensor codes = at::empty({numel}, x.options().dtype(at::kChar));
   at::Tensor scales = at::empty({numel / block}, x.options().dtype(at::kFloat));
   if (numel == 0) return {codes, scales};
-  with_source(x, residual, scale, residual_out, [&](const auto& src, float* r) {
-    const Int8Codec codec{codes.data_ptr<int8_t>(), scales.data_ptr<float>(), r, src.r};
+  with_source(x, residual, scale, residual_out, [&](const auto& src, auto* r) {
+    using R = std::remove_pointer_t<decltype(r)>;
+    const Int8Codec<R> codec{codes.data_ptr<int8_t>(), scales.data_ptr<float>(), r, src.r};
     encode_blocks(src, numel / block, block, codec);
   });
   return {codes, scales};
@@ -430,9 +466,10 @@ std::tuple<at::Tensor, at::Tensor> quantize_onebit_cpu(const at::Tensor& x,
   at::Tensor bits = at::empty({numel / 8}, x.options().dtype(at::kByte));
   at::Tensor scales = at::empty({numel / block}, x.options().dtype(at::kBFloat16));
   if (numel == 0) return {bits, scales};
-  with_source(x, residual, scale, residual_out, [&](const auto& src, float* r) {
-    const OnebitCodec codec{bits.data_ptr<uint8_t>(), scales.data_ptr<at::BFloat16>(), r, src.r,
-                            block};
+  with_source(x, residual, scale, residual_out, [&](const auto& src, auto* r) {
+    using R = std::remove_pointer_t<decltype(r)>;
+    const OnebitCodec<R> codec{bits.data_ptr<uint8_t>(), scales.data_ptr<at::BFloat16>(), r,
+                               src.r, block};
     encode_blocks(src, numel / block, block, codec);
   });
   return {bits, scales};

@@ -12,6 +12,9 @@
 // what it stored to the squared norm; per-block partial norms go to a workspace that one more
 // small kernel sums in a fixed order (deterministic, no atomics, no host synchronization).
 //
+// The residual is fp32 or bf16 (R below): y is fp32 either way, and the new residual is rounded
+// to R only when it is stored (so a bf16 residual halves that traffic, nothing else changes).
+//
 // The arithmetic is pycomm.reference's, operation for operation (see common.cuh), so outputs
 // match the CPU kernels bit for bit. As on the CPU, two fp64 sums are taken in another order
 // than torch's: a 1-bit block's sum of |y| (exact unless one block spans more than about
@@ -34,28 +37,55 @@ constexpr int kTile = kThreads * kVec;
 constexpr float kMaxFinite = std::numeric_limits<float>::max();
 constexpr float kNaN = std::numeric_limits<float>::quiet_NaN();
 
-// y = x * s (+ r), x zero beyond its n elements: the references' y.
-template <typename T>
+// y = x * s (+ r), x zero beyond its n elements: the references' y. R: the residual's type,
+// float or at::BFloat16 (float without a residual).
+template <typename T, typename R>
 struct Source {
-  const T* x;       // [n], contiguous
-  const float* r;   // [numel] residual read, or nullptr without error feedback
-  float* r_out;     // [numel] residual written: r itself, or residual_out
+  using x_t = T;
+  using r_t = R;
+  const T* x;  // [n], contiguous
+  const R* r;  // [numel] residual read, or nullptr without error feedback
+  R* r_out;    // [numel] residual written: r itself, or residual_out
   int64_t n;
   float s;
 };
 
+// A residual as fp32, exactly. bf16 by its bits, not a conversion (sm_90's cvt may quiet a
+// NaN): to_residual below then stores a kept NaN back bit for bit.
+__device__ __forceinline__ float from_residual(float v) { return v; }
+__device__ __forceinline__ float from_residual(at::BFloat16 v) {
+  return bits_float(static_cast<uint32_t>(v.x) << 16);
+}
+
+// v as a residual of type R. bf16: to nearest even, as c10::BFloat16(float), except NaN, which
+// only a non-finite block's kept residual can be (a new one is always finite): its upper half
+// is the bf16 it was widened from, so truncating keeps that value bit for bit (payload, sign).
+template <typename R>
+__device__ __forceinline__ R to_residual(float v) {
+  if constexpr (std::is_same_v<R, float>) {
+    return v;
+  } else {
+    static_assert(std::is_same_v<R, at::BFloat16>, "a residual is Float or BFloat16");
+    return is_nan(v) ? R(static_cast<uint16_t>(float_bits(v) >> 16), R::from_bits()) : R(v);
+  }
+}
+
 // y and the residual's old value (0 without one) of elements [i, i + count), count <= kVec;
 // lanes past count are 0.
-template <typename T>
-__device__ __forceinline__ void load_y(const Source<T>& src, int64_t i, int count,
+template <typename T, typename R>
+__device__ __forceinline__ void load_y(const Source<T, R>& src, int64_t i, int count,
                                        float (&y)[kVec], float (&r_old)[kVec]) {
   if (count == kVec && i + kVec <= src.n && vec_ok(src.x + i) &&
       (src.r == nullptr || vec_ok(src.r + i))) {
     load8(src.x + i, y);
     if (src.r != nullptr) {
-      load8(src.r + i, r_old);
+      R r[kVec];
+      load_raw8(src.r + i, r);  // bf16: one 16-byte vector, fp32: two
 #pragma unroll
-      for (int k = 0; k < kVec; ++k) y[k] = fadd(fmul(y[k], src.s), r_old[k]);
+      for (int k = 0; k < kVec; ++k) {
+        r_old[k] = from_residual(r[k]);
+        y[k] = fadd(fmul(y[k], src.s), r_old[k]);
+      }
     } else {
 #pragma unroll
       for (int k = 0; k < kVec; ++k) {
@@ -70,26 +100,30 @@ __device__ __forceinline__ void load_y(const Source<T>& src, int64_t i, int coun
     const int64_t e = i + k;
     // padding is +0 (+ r): 0 + -0 is +0, as in the reference
     const float xs = (k < count && e < src.n) ? fmul(static_cast<float>(src.x[e]), src.s) : 0.0f;
-    r_old[k] = (k < count && src.r != nullptr) ? src.r[e] : 0.0f;
+    r_old[k] = (k < count && src.r != nullptr) ? from_residual(src.r[e]) : 0.0f;
     y[k] = (k < count && src.r != nullptr) ? fadd(xs, r_old[k]) : xs;
   }
 }
 
-// r[i, i + count) = v[0, count).
-__device__ __forceinline__ void store_r(float* r, int64_t i, int count, const float (&v)[kVec]) {
+// r[i, i + count) = v[0, count), rounded to R.
+template <typename R>
+__device__ __forceinline__ void store_r(R* r, int64_t i, int count, const float (&v)[kVec]) {
+  R w[kVec];
+#pragma unroll
+  for (int k = 0; k < kVec; ++k) w[k] = to_residual<R>(v[k]);
   if (count == kVec && vec_ok(r + i)) {
-    store8(r + i, v);
+    store_raw8(r + i, w);  // bf16: one 16-byte vector, fp32: two
     return;
   }
 #pragma unroll
   for (int k = 0; k < kVec; ++k) {
-    if (k < count) r[i + k] = v[k];
+    if (k < count) r[i + k] = w[k];
   }
 }
 
-template <typename in_t, typename out_t>
+template <typename in_t, typename R, typename out_t>
 __global__ void __launch_bounds__(kThreads)
-    encode16_kernel(Source<in_t> src, out_t* out, int64_t numel) {
+    encode16_kernel(Source<in_t, R> src, out_t* out, int64_t numel) {
   const int64_t stride = int64_t{gridDim.x} * kThreads * kVec;
   for (int64_t i = (int64_t{blockIdx.x} * kThreads + threadIdx.x) * kVec; i < numel;
        i += stride) {
@@ -117,10 +151,12 @@ __global__ void __launch_bounds__(kThreads)
 }
 
 // Symmetric int8 per block: s = absmax / 127, q = round_half_even(y * inv) clamped to ±127.
+// R: the residual's type.
+template <typename R>
 struct Int8Codec {
   int8_t* codes;  // [numel]
   float* scales;  // [numel / block]
-  float* r;       // [numel] residual written (a non-finite block's old value too), or nullptr
+  R* r;           // [numel] residual written (a non-finite block's old value too), or nullptr
   using Stat = float;  // absmax, NaN-propagating: finite iff the block is
   struct Param {
     float s, inv;  // s is NaN for a block that is not finite
@@ -182,10 +218,12 @@ struct Int8Codec {
 };
 
 // One sign bit per element (y >= 0), one bf16 scale per block: the mean |y| (fp64 sum).
+// R: the residual's type.
+template <typename R>
 struct OnebitCodec {
   uint8_t* bits;         // [numel / 8]
   at::BFloat16* scales;  // [numel / block]
-  float* r;              // [numel] residual written (a non-finite block's old value too), or nullptr
+  R* r;                  // [numel] residual written (a non-finite block's old value too), or nullptr
   using Stat = double;   // sum of |y|: finite iff the block is (no fp32 sum overflows fp64)
   struct Param {
     float s;
@@ -238,9 +276,9 @@ struct Combine {
 
 // Codec blocks [blockIdx.x * per_tile, + per_tile) (fewer in the last tile), each `block`
 // <= kTile elements long; team: lanes per codec block for the statistic, a power of two <= 32.
-template <typename T, typename Codec>
+template <typename T, typename R, typename Codec>
 __global__ void __launch_bounds__(kThreads)
-    encode_tiles_kernel(Source<T> src, Codec codec, int64_t block, int64_t per_tile,
+    encode_tiles_kernel(Source<T, R> src, Codec codec, int64_t block, int64_t per_tile,
                         int64_t nblocks, int team) {
   __shared__ float ys[kTile];
   __shared__ typename Codec::Param params[kTile / Codec::kMinBlock];
@@ -278,9 +316,9 @@ __global__ void __launch_bounds__(kThreads)
 
 // One codec block of `block` > kTile elements per thread block: its statistic from a first
 // sweep over x and the residual, its codes from a second.
-template <typename T, typename Codec>
+template <typename T, typename R, typename Codec>
 __global__ void __launch_bounds__(kThreads)
-    encode_large_kernel(Source<T> src, Codec codec, int64_t block) {
+    encode_large_kernel(Source<T, R> src, Codec codec, int64_t block) {
   const int64_t blk = blockIdx.x;
   const int64_t base = blk * block;
   float y[kVec], r_old[kVec];
@@ -303,13 +341,13 @@ __global__ void __launch_bounds__(kThreads)
 }
 
 // Runs codec over the numel / block codec blocks of y = src.
-template <typename T, typename Codec>
-void encode_blocks(const Source<T>& src, const Codec& codec, int64_t numel, int64_t block,
+template <typename T, typename R, typename Codec>
+void encode_blocks(const Source<T, R>& src, const Codec& codec, int64_t numel, int64_t block,
                    Stream stream) {
   const int64_t nblocks = numel / block;
   if (block > kTile) {
     PYCOMM_LAUNCH(static_cast<unsigned>(nblocks), kThreads, stream,
-                  encode_large_kernel<T, Codec>)(src, codec, block);
+                  encode_large_kernel<T, R, Codec>)(src, codec, block);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
     return;
   }
@@ -320,27 +358,37 @@ void encode_blocks(const Source<T>& src, const Codec& codec, int64_t numel, int6
   int team = 1;
   while (team * 2 <= std::min<int64_t>(block, kWarp)) team *= 2;
   const int64_t tiles = (nblocks + per_tile - 1) / per_tile;
-  PYCOMM_LAUNCH(static_cast<unsigned>(tiles), kThreads, stream, encode_tiles_kernel<T, Codec>)(
+  PYCOMM_LAUNCH(static_cast<unsigned>(tiles), kThreads, stream, encode_tiles_kernel<T, R, Codec>)(
       src, codec, block, per_tile, nblocks, team);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
-// Calls f(Source<T>) with T x's dtype (x staged contiguous when it is not), reading residual
-// and writing residual_out if given, else residual.
+// Calls f(Source<T, R>) with T x's dtype (x staged contiguous when it is not) and R the
+// residual's (float or at::BFloat16; float without one), reading residual and writing
+// residual_out if given, else residual. check_encoder has checked that both have one dtype.
 template <typename F>
 void with_source(const at::Tensor& x, const std::optional<at::Tensor>& residual, double scale,
                  const std::optional<at::Tensor>& residual_out, F&& f) {
   const at::Tensor xc = x.contiguous();
-  float* r_in = residual.has_value() ? residual->data_ptr<float>() : nullptr;
-  float* r_out = residual_out.has_value() ? residual_out->data_ptr<float>() : r_in;
-  dispatch_float(xc.scalar_type(), [&](auto tag) {
-    using T = decltype(tag);
-    f(Source<T>{xc.const_data_ptr<T>(), r_in, r_out, xc.numel(), static_cast<float>(scale)});
-  });
+  const auto run = [&](auto r_tag) {
+    using R = decltype(r_tag);
+    R* r_in = residual.has_value() ? residual->data_ptr<R>() : nullptr;
+    R* r_out = residual_out.has_value() ? residual_out->data_ptr<R>() : r_in;
+    dispatch_float(xc.scalar_type(), [&](auto tag) {
+      using T = decltype(tag);
+      f(Source<T, R>{xc.const_data_ptr<T>(), r_in, r_out, xc.numel(),
+                     static_cast<float>(scale)});
+    });
+  };
+  if (residual.has_value() && residual->scalar_type() == at::kBFloat16) {
+    run(at::BFloat16{});
+  } else {
+    run(float{});
+  }
 }
 
 // x: any float dtype, n <= numel elements, any strides, on a CUDA device. residual: [numel]
-// fp32 or absent. dtype: Half or BFloat16. Returns [numel] of dtype: y = x * scale
+// fp32 or bf16, or absent. dtype: Half or BFloat16. Returns [numel] of dtype: y = x * scale
 // (+ residual) padded with zeros to numel, rounded; residual = y - returned where finite.
 at::Tensor encode16_cuda(const at::Tensor& x, const std::optional<at::Tensor>& residual,
                          double scale, at::ScalarType dtype, int64_t numel,
@@ -354,11 +402,13 @@ at::Tensor encode16_cuda(const at::Tensor& x, const std::optional<at::Tensor>& r
   const DeviceGuard guard(x.device());
   const Stream stream = current_stream();
   with_source(x, residual, scale, residual_out, [&](const auto& src) {
-    using in_t = std::remove_const_t<std::remove_pointer_t<decltype(src.x)>>;
+    using Src = std::decay_t<decltype(src)>;
+    using in_t = typename Src::x_t;
+    using R = typename Src::r_t;
     dispatch_float(dtype, [&](auto out_tag) {
       using out_t = decltype(out_tag);
       if constexpr (!std::is_same_v<out_t, float>) {  // checked above: Half or BFloat16
-        PYCOMM_LAUNCH(blocks_for(numel), kThreads, stream, encode16_kernel<in_t, out_t>)(
+        PYCOMM_LAUNCH(blocks_for(numel), kThreads, stream, encode16_kernel<in_t, R, out_t>)(
             src, out.data_ptr<out_t>(), numel);
         C10_CUDA_KERNEL_LAUNCH_CHECK();
       }
@@ -381,7 +431,8 @@ std::tuple<at::Tensor, at::Tensor> quantize_int8_cuda(
   const DeviceGuard guard(x.device());
   const Stream stream = current_stream();
   with_source(x, residual, scale, residual_out, [&](const auto& src) {
-    const Int8Codec codec{codes.data_ptr<int8_t>(), scales.data_ptr<float>(), src.r_out};
+    using R = typename std::decay_t<decltype(src)>::r_t;
+    const Int8Codec<R> codec{codes.data_ptr<int8_t>(), scales.data_ptr<float>(), src.r_out};
     encode_blocks(src, codec, numel, block, stream);
   });
   return {codes, scales};
@@ -401,8 +452,9 @@ std::tuple<at::Tensor, at::Tensor> quantize_onebit_cuda(
   const DeviceGuard guard(x.device());
   const Stream stream = current_stream();
   with_source(x, residual, scale, residual_out, [&](const auto& src) {
-    const OnebitCodec codec{bits.data_ptr<uint8_t>(), scales.data_ptr<at::BFloat16>(),
-                            src.r_out, block};
+    using R = typename std::decay_t<decltype(src)>::r_t;
+    const OnebitCodec<R> codec{bits.data_ptr<uint8_t>(), scales.data_ptr<at::BFloat16>(),
+                               src.r_out, block};
     encode_blocks(src, codec, numel, block, stream);
   });
   return {bits, scales};

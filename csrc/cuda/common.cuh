@@ -14,6 +14,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
 
 #include "checks.h"
 
@@ -54,6 +55,16 @@ inline float to_float(double a) { return static_cast<float>(a); }
 inline bool finite(float a) { return std::isfinite(a); }
 inline bool finite(double a) { return std::isfinite(a); }
 inline bool is_nan(float a) { return std::isnan(a); }
+inline uint32_t float_bits(float a) {
+  uint32_t u;
+  std::memcpy(&u, &a, sizeof u);
+  return u;
+}
+inline float bits_float(uint32_t u) {
+  float a;
+  std::memcpy(&a, &u, sizeof a);
+  return a;
+}
 inline void sync_threads() { ::pycomm::emu::sync_threads(); }
 template <typename T>
 T shfl_xor(T v, int lane_mask, int width) {
@@ -78,6 +89,8 @@ __device__ __forceinline__ float to_float(double a) { return __double2float_rn(a
 __device__ __forceinline__ bool finite(float a) { return isfinite(a); }
 __device__ __forceinline__ bool finite(double a) { return isfinite(a); }
 __device__ __forceinline__ bool is_nan(float a) { return isnan(a); }
+__device__ __forceinline__ uint32_t float_bits(float a) { return __float_as_uint(a); }
+__device__ __forceinline__ float bits_float(uint32_t u) { return __uint_as_float(u); }
 __device__ __forceinline__ void sync_threads() { __syncthreads(); }
 template <typename T>
 __device__ __forceinline__ T shfl_xor(T v, int lane_mask, int width) {
@@ -116,29 +129,47 @@ __device__ __forceinline__ void store_vec(T* p, const Vec<T, N>& v) {
   *reinterpret_cast<Vec<T, N>*>(p) = v;
 }
 
-// kVec elements as fp32, from vec_ok(p).
+// Loads kVec values of T as 16-byte vectors, from vec_ok(p).
 template <typename T>
-__device__ __forceinline__ void load8(const T* p, float (&f)[kVec]) {
+__device__ __forceinline__ void load_raw8(const T* p, T (&v)[kVec]) {
   constexpr int kPer = 16 / sizeof(T) < kVec ? 16 / sizeof(T) : kVec;
 #pragma unroll
   for (int k = 0; k < kVec; k += kPer) {
-    const Vec<T, kPer> v = load_vec<T, kPer>(p + k);
+    const Vec<T, kPer> u = load_vec<T, kPer>(p + k);
 #pragma unroll
-    for (int j = 0; j < kPer; ++j) f[k + j] = static_cast<float>(v.v[j]);
+    for (int j = 0; j < kPer; ++j) v[k + j] = u.v[j];
   }
+}
+
+// Stores kVec values of T as 16-byte vectors, at vec_ok(p).
+template <typename T>
+__device__ __forceinline__ void store_raw8(T* p, const T (&v)[kVec]) {
+  constexpr int kPer = 16 / sizeof(T) < kVec ? 16 / sizeof(T) : kVec;
+#pragma unroll
+  for (int k = 0; k < kVec; k += kPer) {
+    Vec<T, kPer> u;
+#pragma unroll
+    for (int j = 0; j < kPer; ++j) u.v[j] = v[k + j];
+    store_vec<T, kPer>(p + k, u);
+  }
+}
+
+// kVec elements as fp32, from vec_ok(p).
+template <typename T>
+__device__ __forceinline__ void load8(const T* p, float (&f)[kVec]) {
+  T v[kVec];
+  load_raw8(p, v);
+#pragma unroll
+  for (int k = 0; k < kVec; ++k) f[k] = static_cast<float>(v[k]);
 }
 
 // Rounds kVec fp32 values to T (to nearest even) and stores them, at vec_ok(p).
 template <typename T>
 __device__ __forceinline__ void store8(T* p, const float (&f)[kVec]) {
-  constexpr int kPer = 16 / sizeof(T) < kVec ? 16 / sizeof(T) : kVec;
+  T v[kVec];
 #pragma unroll
-  for (int k = 0; k < kVec; k += kPer) {
-    Vec<T, kPer> v;
-#pragma unroll
-    for (int j = 0; j < kPer; ++j) v.v[j] = static_cast<T>(f[k + j]);
-    store_vec<T, kPer>(p + k, v);
-  }
+  for (int k = 0; k < kVec; ++k) v[k] = static_cast<T>(f[k]);
+  store_raw8(p, v);
 }
 
 // x rounded to T and back: the value a store of x to a T keeps.

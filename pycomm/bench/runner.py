@@ -78,6 +78,20 @@ PYCOMM_OPTIONS: dict[str, dict[str, Any]] = {
     "powersgd": {"matrix_approximation_rank": 1, "start_powerSGD_iter": 2},
 }
 
+# pycomm hooks with a non-default option, side by side with the defaults: name -> (hook, options)
+VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
+    "int8-bf16res": ("int8", {"residual_dtype": "bfloat16"}),
+    "onebit-bf16res": ("onebit", {"residual_dtype": "bfloat16"}),
+}
+
+
+def _hook_and_options(name: str) -> tuple[str, Optional[dict[str, Any]]]:
+    """The pycomm.wrap hook and options that bench hook ``name`` stands for."""
+    if name in VARIANTS:
+        return VARIANTS[name]
+    return name, PYCOMM_OPTIONS.get(name)
+
+
 # pycomm's powersgd is torch's PowerSGD delegated: torch-powersgd1 already stands for it in
 # the default set.
 _NOT_DEFAULT = {"powersgd"}
@@ -102,7 +116,7 @@ def available_hooks() -> list[str]:
         >>> available_hooks()[:2]
         ['compute', 'ddp']
     """
-    return [COMPUTE, BASELINE, *TORCH_HOOKS, *pycomm_hooks(), *WIRE_HOOKS]
+    return [COMPUTE, BASELINE, *TORCH_HOOKS, *pycomm_hooks(), *VARIANTS, *WIRE_HOOKS]
 
 
 def default_hooks_set() -> list[str]:
@@ -151,8 +165,8 @@ def describe(name: str, accumulate_steps: int = 1) -> str:
             "alone (gradients not reduced)"
         )
     else:
-        options = PYCOMM_OPTIONS.get(name)
-        text = f"pycomm {name} hook" + (f" {options}" if options else "")
+        hook, options = _hook_and_options(name)
+        text = f"pycomm {hook} hook" + (f" {options}" if options else "")
         if accumulate_steps > 1:
             return f"{text}, wrap(accumulate_steps={accumulate_steps})"
     if accumulate_steps > 1:
@@ -193,9 +207,9 @@ def _build(
         return ddp, state
     ddp = pycomm.wrap(
         module,
-        hook=name,
+        hook=_hook_and_options(name)[0],
         accumulate_steps=accumulate_steps,
-        hook_options=PYCOMM_OPTIONS.get(name),
+        hook_options=_hook_and_options(name)[1],
         **kw,
     )
     return ddp, pycomm.hook_state(ddp)

@@ -191,6 +191,18 @@ def _check_int(hook: str, name: str, value: Any, minimum: int) -> int:
     return value
 
 
+_RESIDUAL_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16"}
+
+
+def _check_residual_dtype(hook: str, value: Any) -> torch.dtype:
+    for dtype, name in _RESIDUAL_DTYPES.items():
+        if value is dtype or (isinstance(value, str) and value == name):
+            return dtype
+    raise ValueError(
+        f"pycomm {hook} hook: residual_dtype={value!r}, expected 'float32' or 'bfloat16'"
+    )
+
+
 def _check_bool(hook: str, name: str, value: Any) -> bool:
     if not isinstance(value, bool):
         raise ValueError(f"pycomm {hook} hook: {name}={value!r}, expected True or False")
@@ -201,12 +213,16 @@ class CompressedState(HookState):
     """State of a compression hook: config, the two process groups, residuals, counters.
 
     Options (all hooks): ``start_iter`` (default 2, >= 2: the first iterations use the exact
-    fp32 all-reduce, because DDP rebuilds its buckets after the first one) and
-    ``error_feedback``.
+    fp32 all-reduce, because DDP rebuilds its buckets after the first one),
+    ``error_feedback``, and ``residual_dtype``: ``"float32"`` (default) or ``"bfloat16"``, the
+    error-feedback residuals' storage. bf16 halves their memory (the hooks keep two copies, a
+    step's new residuals apart until it is known finite: 8 bytes per parameter in fp32) and
+    the memory traffic of encoding; y is still computed in fp32, and each new residual is
+    rounded to bf16 (a relative 2^-9 of the error it carries).
     """
 
     default_error_feedback = True
-    option_names: tuple = ("start_iter", "error_feedback")
+    option_names: tuple = ("start_iter", "error_feedback", "residual_dtype")
 
     def __init__(self, process_group: Optional[dist.ProcessGroup] = None, **options: Any):
         super().__init__(process_group)
@@ -221,6 +237,7 @@ class CompressedState(HookState):
         self.error_feedback = _check_bool(
             hook, "error_feedback", options.get("error_feedback", self.default_error_feedback)
         )
+        self.residual_dtype = _check_residual_dtype(hook, options.get("residual_dtype", "float32"))
         self.codec = self.make_codec(options)
         self.iter = 0
         # (bucket index, numel, dtype) -> {"r1": phase-1 residual, "r2": phase-2 residual}, as
@@ -286,7 +303,11 @@ class CompressedState(HookState):
         raise NotImplementedError
 
     def options(self) -> dict[str, Any]:
-        return {"start_iter": self.start_iter, "error_feedback": self.error_feedback}
+        return {
+            "start_iter": self.start_iter,
+            "error_feedback": self.error_feedback,
+            "residual_dtype": _RESIDUAL_DTYPES[self.residual_dtype],
+        }
 
     # --- layout ------------------------------------------------------------------------
 
@@ -320,13 +341,13 @@ class CompressedState(HookState):
                 res = self._pending.pop(key)
             else:
                 res = {
-                    name: torch.zeros(numel, device=self.device)
+                    name: torch.zeros(numel, dtype=self.residual_dtype, device=self.device)
                     for name, numel in self.residual_sizes(n).items()
                 }
             self.residuals[key] = res
             self._next[key] = {name: torch.empty_like(t) for name, t in res.items()}
             self._stats["residual_bytes"] = 2 * sum(
-                t.numel() * 4 for r in self.residuals.values() for t in r.values()
+                t.numel() * t.element_size() for r in self.residuals.values() for t in r.values()
             )
         nxt = self._next[key]
         self._touched.add(key)
@@ -439,6 +460,12 @@ class CompressedState(HookState):
                         f"pycomm {self.hook_name} hook: cannot load the residual of bucket "
                         f"{key[0]} ({key[1]} elements): {name} has {got} elements, expected "
                         f"{numel} for this world size and block"
+                    )
+                if res[name].dtype != self.residual_dtype:
+                    raise ValueError(
+                        f"pycomm {self.hook_name} hook: cannot load the residual of bucket "
+                        f"{key[0]} ({key[1]} elements): {name} has dtype {res[name].dtype}, "
+                        f"expected {self.residual_dtype} (residual_dtype)"
                     )
         layout = state.get("layout")
         if layout is not None and self._params is not None:

@@ -16,7 +16,7 @@ class _Float16State(CompressedState):
     # 8 MB buckets start sending while backward runs: 16% faster steps than DDP's 25 MB at
     # 2.5 Gbit/s (benchmarks/README.md), where the wire, not the codec, is the cost.
     default_bucket_cap_mb = 8.0
-    option_names = ("start_iter", "error_feedback", "two_phase")
+    option_names = (*CompressedState.option_names, "two_phase")
 
     def make_codec(self, options: dict[str, Any]) -> Codec:
         self.two_phase = _check_bool(self.hook_name, "two_phase", options.get("two_phase", False))

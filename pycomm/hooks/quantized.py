@@ -14,7 +14,7 @@ class Int8State(CompressedState):
     """
 
     hook_name = "int8"
-    option_names = ("start_iter", "error_feedback", "block")
+    option_names = (*CompressedState.option_names, "block")
     default_bucket_cap_mb = 8.0  # as the 16-bit hooks; onebit keeps DDP's 25 MB (faster)
 
     def make_codec(self, options: dict[str, Any]) -> Codec:
@@ -33,7 +33,7 @@ class OneBitState(CompressedState):
     """
 
     hook_name = "onebit"
-    option_names = ("start_iter", "error_feedback", "block")
+    option_names = (*CompressedState.option_names, "block")
 
     def make_codec(self, options: dict[str, Any]) -> Codec:
         block = _check_int(self.hook_name, "block", options.get("block", 64), 8)
