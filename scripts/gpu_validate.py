@@ -185,8 +185,10 @@ def check_fusion(run: Run, big: int) -> None:
     run.check("pack/unpack_ 300 tensors, strided", many)
 
 
-def check_encoder(run: Run, name: str, x, scale, arg, numel, with_residual: bool) -> None:
-    r = run.randn(numel, special=False) * 0.1 if with_residual else None
+def check_encoder(run: Run, name: str, x, scale, arg, numel, rdtype) -> None:
+    """rdtype: the residual's dtype (float32 or bfloat16), None without one."""
+    with_residual = rdtype is not None
+    r = (run.randn(numel, special=False) * 0.1).to(rdtype) if with_residual else None
     r_dev = run.to(r)
     want = getattr(reference, name)(x, r, scale, arg, numel)
     want = want if isinstance(want, tuple) else (want,)
@@ -209,13 +211,18 @@ def check_codecs(run: Run, big: int) -> None:
             block = 8 if name == "encode16" else arg
             for n in sizes(block, big):
                 for dtype in DTYPES:
-                    for pad, with_residual in ((0, True), (3, True), (1, False)):
+                    for pad, rdtype in (
+                        (0, torch.float32),
+                        (3, torch.float32),
+                        (0, torch.bfloat16),
+                        (1, None),
+                    ):
                         numel = n + pad if name == "encode16" else (-(-n // block) + pad) * block
                         x = run.randn(n, dtype)
                         run.check(
-                            f"{name} {arg} n={n} numel={numel} {dtype} residual={with_residual}",
-                            lambda x=x, nm=name, s=scale, a=arg, k=numel, wr=with_residual: (
-                                check_encoder(run, nm, x, s, a, k, wr)
+                            f"{name} {arg} n={n} numel={numel} {dtype} residual={rdtype}",
+                            lambda x=x, nm=name, s=scale, a=arg, k=numel, rd=rdtype: check_encoder(
+                                run, nm, x, s, a, k, rd
                             ),
                         )
     base = run.randn(300 * 70, torch.float16).view(300, 70)
@@ -229,7 +236,7 @@ def check_codecs(run: Run, big: int) -> None:
             run.check(
                 f"{name} strided/misaligned x #{i}",
                 lambda x=x, name=name, arg=arg, numel=numel: check_encoder(
-                    run, name, x, 0.5, arg, numel, True
+                    run, name, x, 0.5, arg, numel, torch.float32
                 ),
             )
 
