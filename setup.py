@@ -12,6 +12,7 @@ Environment:
 """
 
 import glob
+import importlib.util
 import os
 import platform
 import sys
@@ -21,6 +22,16 @@ from setuptools import setup
 from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CppExtension, CUDAExtension
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
+
+
+def _load_buildcheck():
+    # by path: importing the pycomm package would load the extension this builds
+    spec = importlib.util.spec_from_file_location(
+        "pycomm_buildcheck", os.path.join(ROOT, "pycomm", "_buildcheck.py")
+    )
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
 
 
 def _use_cuda() -> bool:
@@ -109,5 +120,7 @@ def _extension():
 
 setup(
     ext_modules=[_extension()],
-    cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True)},
+    # links against the shared libstdc++ (strips -static-libstdc++ that the interpreter's
+    # sysconfig or LDFLAGS may carry) and refuses a built _C that defines the C++ runtime itself
+    cmdclass={"build_ext": _load_buildcheck().guarded(BuildExtension.with_options(use_ninja=True))},
 )

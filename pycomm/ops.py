@@ -6,6 +6,7 @@ against another torch than the one running, the ImportError says which and how t
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from typing import Optional
 
@@ -15,6 +16,7 @@ REBUILD = "pip install --no-build-isolation -e .  (from the pycomm checkout; or 
 
 
 def _load_extension():
+    _refuse_private_runtime()
     try:
         from pycomm import _C
     except ModuleNotFoundError as e:
@@ -42,6 +44,23 @@ def _load_extension():
             f"this machine with: PYCOMM_CPU=default {REBUILD}"
         )
     return _C
+
+
+def _refuse_private_runtime() -> None:
+    # Checked before loading: such a build segfaults on its first formatted error message.
+    import importlib.util
+
+    from pycomm import _buildcheck
+
+    try:
+        spec = importlib.util.find_spec("pycomm._C")
+    except (ImportError, ValueError):
+        return  # not loadable at all: the import below says why
+    path = getattr(spec, "origin", None) if spec is not None else None
+    if path and os.path.isfile(path):
+        problems = _buildcheck.check(path)
+        if problems:
+            raise ImportError(f"{_buildcheck.message(path, problems)} Then: {REBUILD}")
 
 
 def _cpu_has_avx2() -> bool:

@@ -3,9 +3,11 @@
 #   1. build pycomm._C (USE_CUDA=1, sm_90 unless TORCH_CUDA_ARCH_LIST says otherwise) in a copy
 #      of the checkout ($GPU_VALIDATE_TREE, default /tmp/pycomm-gpu-validate), so that the
 #      checkout's own in-place build is never replaced
-#   2. scripts/gpu_validate.py: every op against pycomm.reference on fresh random data, then
+#   2. the toolchain (sysconfig, flags, compiler) and tests/test_build.py: the built _C shares
+#      torch's libstdc++ and an error message with an integer raises instead of crashing
+#   3. scripts/gpu_validate.py: every op against pycomm.reference on fresh random data, then
 #      the timing table against the device's copy bandwidth (25 MB buckets)
-#   3. pytest tests/test_cuda.py on the GPU: the kernel checks, streams, opcheck, and the hooks
+#   4. pytest tests/test_cuda.py on the GPU: the kernel checks, streams, opcheck, and the hooks
 #      on CUDA tensors (2 ranks sharing the GPU over gloo, NCCL at world size 1); the emulated
 #      backend is left to CI (scripts/cuda_check.sh), it needs no GPU
 # Logs and gpu_validate.json go to $OUT (the device tool's folder that comes back), else to
@@ -84,6 +86,31 @@ if [ "$BUILD" = 1 ]; then
   grep -E "csrc/cuda/.*(warning|error)" "$OUT/build.log" | head -20
   phase build
 fi
+
+# The toolchain as the build saw it. A _C linked with a private libstdc++ (-static-libstdc++
+# from the interpreter's sysconfig or LDFLAGS) segfaulted here on its first error message with
+# an integer; setup.py strips the flag and refuses such a build, tests/test_build.py checks it.
+{
+  grep "pycomm setup:" "$OUT/build.log"
+  "$PY" - <<'PYEOF'
+import os, platform, subprocess, sysconfig
+print("python", platform.python_version(), sysconfig.get_config_var("prefix"))
+for k in ("CC", "CXX", "LDSHARED", "LDFLAGS", "CFLAGS", "LDCXXSHARED"):
+    print(f"sysconfig {k} = {sysconfig.get_config_var(k)!r}")
+for k in ("CC", "CXX", "LDFLAGS", "CFLAGS", "CXXFLAGS"):
+    print(f"env {k} = {os.environ.get(k)!r}")
+print(subprocess.run(["c++", "--version"], capture_output=True, text=True).stdout.splitlines()[0])
+from pycomm import _buildcheck
+import glob
+for so in glob.glob("pycomm/_C*.so"):
+    r = _buildcheck.inspect(so)
+    print(so, "needs", ", ".join(r.needed))
+    print("C++ runtime problems:", _buildcheck.check(so) or "none")
+PYEOF
+} 2>&1 | tee "$OUT/toolchain.txt"
+"$PY" -m pytest -q -p no:cacheprovider tests/test_build.py 2>&1 | tee "$OUT/pytest_build.log" | tail -5
+[ "${PIPESTATUS[0]}" = 0 ] || STATUS=1
+phase build-check
 
 "$PY" scripts/gpu_validate.py --out "$OUT" ${ARGS[@]+"${ARGS[@]}"} 2>&1 | tee "$OUT/gpu_validate.log"
 [ "${PIPESTATUS[0]}" = 0 ] || STATUS=1
