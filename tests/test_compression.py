@@ -107,10 +107,11 @@ class _Fixed(torch.nn.Module):
         return (self.p * c).sum()
 
 
-def _rank_bucket(hook, options, n, steps, nan_step):
+def _rank_bucket(hook, options, n, steps, nan_step, commit_on_device=None, kept=None):
     torch.manual_seed(0)
     ddp = pycomm.wrap(_Fixed(n), hook=hook, hook_options=options)
     state = pycomm.hook_state(ddp)
+    state._commit_on_device = commit_on_device
     c = torch.randn(n, generator=torch.Generator().manual_seed(dist.get_rank()))
     outs, sent = [], []
     for step in range(steps):
@@ -120,10 +121,44 @@ def _rank_bucket(hook, options, n, steps, nan_step):
             x[n // 3] = float("nan")
         before = state.stats["bytes_sent"]
         ddp(x).backward()
+        if kept is not None:  # the residuals as committed, before a stats read folds the step
+            kept.append(state.state_dict()["residuals"])
         sent.append(state.stats["bytes_sent"] - before)
         outs.append(ddp.module.p.grad.clone())
     res = state.state_dict()["residuals"]  # committed: the last step's included
     return outs, sent, dict(state.stats), res, c
+
+
+def _rank_kept_residuals(hook, n, steps, nan_step, commit_on_device):
+    kept = []
+    outs, _, stats, _, _ = _rank_bucket(hook, {}, n, steps, nan_step, commit_on_device, kept)
+    return outs, kept, stats["nonfinite_buckets"]
+
+
+def test_nan_step_leaves_residuals_bitwise_on_host_and_device_commit():
+    # The commit decision read on the host (CPU buckets) and taken on the device (a select, as
+    # on an accelerator, which never waits for the device): the same residuals, bit for bit,
+    # and a non-finite step leaves them exactly as the step before left them.
+    n, nan_step = 5000, 3
+    host, device = (
+        run_ranks(_rank_kept_residuals, 2, "int8", n, 6, nan_step, False, timeout=60)[0],
+        run_ranks(_rank_kept_residuals, 2, "int8", n, 6, nan_step, True, timeout=60)[0],
+    )
+    for outs, kept, nonfinite in (host, device):
+        assert nonfinite == 1
+        assert outs[nan_step].isnan().any() and outs[nan_step + 1].isfinite().all()
+        for key, r in kept[nan_step].items():
+            for name, t in r.items():
+                assert torch.equal(t, kept[nan_step - 1][key][name])  # the NaN step dropped
+        assert any(
+            not torch.equal(t, kept[nan_step][k][name])
+            for k, r in kept[nan_step + 1].items()
+            for name, t in r.items()
+        ), "the step after the NaN step committed nothing"
+    for a, b in zip(host[1], device[1]):
+        for key, r in a.items():
+            for name, t in r.items():
+                assert torch.equal(t, b[key][name])
 
 
 def test_nan_stays_nonfinite_on_every_rank_and_does_not_poison():

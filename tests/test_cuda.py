@@ -878,7 +878,9 @@ def test_opcheck_cuda(cuda, name, make):
     torch.library.opcheck(getattr(torch.ops.pycomm, name).default, make("cuda"))
 
 
-def _rank_hooks_on_cuda(hook, steps):
+def _rank_hooks_on_cuda(hook, steps, side_stream=False):
+    import contextlib
+
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -886,7 +888,13 @@ def _rank_hooks_on_cuda(hook, steps):
 
     torch.manual_seed(0)
     dev = torch.device("cuda", 0)
+    # the caller's stream: the hooks must enqueue on it, not on the default stream
+    ctx = torch.cuda.stream(torch.cuda.Stream()) if side_stream else contextlib.nullcontext()
+    with ctx:
+        return _train_on_cuda(hook, steps, dev, dist, DDP, pycomm)
 
+
+def _train_on_cuda(hook, steps, dev, dist, DDP, pycomm):
     def model():
         torch.manual_seed(0)
         return torch.nn.Sequential(
@@ -907,6 +915,7 @@ def _rank_hooks_on_cuda(hook, steps):
         assert ours.is_cuda
         errors.append(((ours - exact).norm() / exact.norm()).item())
         grads.append(ours.cpu())
+    torch.cuda.current_stream().synchronize()
     return errors, grads, dict(pycomm.hook_state(ddp).stats)
 
 
@@ -926,6 +935,87 @@ def test_hooks_on_cuda_two_ranks_gloo(cuda, hook, bound):
     assert stats["steps"] == 5 and stats.get("nonfinite_buckets", 0) == 0
     for a, b in zip(grads, results[1][1]):  # every rank holds the same reduced gradients
         assert torch.equal(a, b)
+    # the same training on a stream of the caller's: the same gradients, bit for bit
+    side = pycomm.launch(_rank_hooks_on_cuda, 2, hook, 5, True, backend="gloo", timeout=300)
+    for a, b in zip(grads, side[0][1]):
+        assert torch.equal(a, b)
+
+
+# A fake process group (torch's, for tests) of world size 2 completes every collective at once
+# without moving data: the hooks' whole host path runs on one GPU, encoders and decoders on the
+# device, with torch's sync debug mode turning any host synchronization into an error.
+SYNC_FREE = """
+import sys
+import torch, torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.testing._internal.distributed.fake_pg import FakeStore
+import pycomm
+from pycomm import hooks
+
+hook = sys.argv[1]
+dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+dev = torch.device("cuda", 0)
+states = {
+    "allreduce": (hooks.AllreduceState, hooks.allreduce_hook),
+    "fp16": (hooks.Fp16State, hooks.compressed_hook),
+    "bf16": (hooks.Bf16State, hooks.compressed_hook),
+    "int8": (hooks.Int8State, hooks.compressed_hook),
+    "onebit": (hooks.OneBitState, hooks.compressed_hook),
+}
+make, fn = states[hook]
+state = make(None)
+torch.manual_seed(0)
+model = torch.nn.Sequential(*[torch.nn.Linear(256, 256) for _ in range(6)]).to(dev)
+ddp = DDP(model, bucket_cap_mb=0.1)  # several buckets
+ddp.register_comm_hook(state, fn)
+x = torch.randn(32, 256, device=dev)
+
+def step():
+    ddp.zero_grad(set_to_none=False)
+    ddp(x).square().mean().backward()
+
+for _ in range(3):  # DDP's bucket rebuild and the exact warm-up steps
+    step()
+torch.cuda.synchronize()
+torch.cuda.set_sync_debug_mode("error")
+for _ in range(4):
+    step()
+torch.cuda.set_sync_debug_mode(0)
+torch.cuda.synchronize()
+print("STEPS", state.stats["steps"])
+"""
+
+
+@pytest.mark.parametrize("hook", ["allreduce", "fp16", "bf16", "int8", "onebit"])
+def test_hooks_never_synchronize_the_host(cuda, hook):
+    out = subprocess.run(
+        [sys.executable, "-c", SYNC_FREE, hook], capture_output=True, text=True, timeout=300
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "STEPS 7" in out.stdout, out.stdout
+
+
+def test_ops_never_synchronize_the_host(cuda):
+    n, block = 1 << 16, 256
+    x = torch.randn(n, device="cuda")
+    r = torch.zeros(n, device="cuda")
+    out = torch.empty(n, device="cuda")
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        flat = ops.pack([x, x[:100]], 0.5, torch.bfloat16)
+        ops.unpack_(flat.float(), [out, out[:100].clone()], 2.0)
+        ops.accumulate_(out, x.half(), 0.5)
+        ops.scale_(out, 3.0)
+        codes, scales = ops.quantize_int8(x, r, 1.0, block, n)[:2]
+        ops.dequantize_int8_sum(codes.view(1, -1), scales.view(1, -1), block, 0.5, out)
+        bits, bscales = ops.quantize_onebit(x, r, 1.0, block, n)[:2]
+        ops.dequantize_onebit_sum(bits.view(1, -1), bscales.view(1, -1), block, 0.5, out)
+        enc = ops.encode16(x, r, 1.0, torch.bfloat16, n)
+        ops.decode16_sum(enc.view(1, -1), 1.0, out)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    torch.cuda.synchronize()
 
 
 @pytest.mark.parametrize("hook", ["allreduce", "bf16", "int8", "onebit"])

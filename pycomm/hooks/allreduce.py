@@ -44,4 +44,9 @@ def exact_allreduce(
     state.count(bucket, ring_bytes(tensor.numel() * tensor.element_size(), state.world_size))
     tensor.mul_(1.0 / state.world_size)
     work = dist.all_reduce(tensor, group=group, async_op=True)
-    return work.get_future().then(lambda fut: fut.value()[0])
+
+    def done(fut: torch.futures.Future) -> torch.Tensor:
+        fut.value()  # raises what the collective raised
+        return tensor  # reduced in place
+
+    return work.get_future().then(done)

@@ -251,9 +251,12 @@ class CompressedState(HookState):
         self._pending: Optional[dict[tuple, dict[str, torch.Tensor]]] = None
         self._buffers: dict[tuple, dict[str, torch.Tensor]] = {}
         self._lock = threading.Lock()  # decode callbacks of different buckets may race
-        self._decoded: list[tuple[int, torch.Tensor]] = []  # (step, [sqnorm, non-finite])
+        # (step, [squared norm, non-finite values], False) per decode, or, once a step is
+        # committed on an accelerator, (step, [squared norm, non-finite buckets], True)
+        self._decoded: list[tuple[int, torch.Tensor, bool]] = []
         self._sqnorm: dict[int, float] = {}
         self._fold_next = False
+        self._commit_on_device: Optional[bool] = None  # None: on an accelerator (see commit)
         self._stats.update(nonfinite_buckets=0, residual_bytes=0, rebucketed_steps=0)
         self.last_sqnorm = 0.0
         self.device = torch.device("cpu")  # of the buckets; set by the hook
@@ -355,14 +358,43 @@ class CompressedState(HookState):
 
     def commit(self) -> None:
         """End of a step (all its buckets decoded): keep its new residuals, unless some bucket
-        came out non-finite, in which case the step's residual updates are dropped."""
-        self.fold()
+        came out non-finite, in which case the step's residual updates are dropped.
+
+        On the CPU the decision reads the decodes' flags. On an accelerator it is taken on the
+        device (a select between the kept and the new residuals, one pass over them), so the
+        hook never waits for the device: the flags reach the host only when stats are read."""
         step = self.iter - 1
-        if step not in self._bad_steps:
+        on_device = self._commit_on_device
+        if on_device is None:
+            on_device = self.device.type != "cpu"
+        if not on_device:
+            self.fold()
+            if step not in self._bad_steps:
+                for key in self._touched:
+                    self.residuals[key], self._next[key] = self._next[key], self.residuals[key]
+        elif step not in self._bad_steps:  # (a stats read may have folded it already)
+            finite = self._step_finite_on_device(step)
             for key in self._touched:
-                self.residuals[key], self._next[key] = self._next[key], self.residuals[key]
+                new, kept = self._next[key], self.residuals[key]
+                if finite is not None:
+                    for name, t in new.items():
+                        torch.where(finite, t, kept[name], out=t)
+                self.residuals[key], self._next[key] = new, kept
         self._touched = set()
         self._bad_steps = {s for s in self._bad_steps if s > step}
+
+    def _step_finite_on_device(self, step: int) -> Optional[torch.Tensor]:
+        """A device bool, true when every decode of ``step`` was finite (None: no decode, as
+        in a warm-up step). The step's decode results are summed into one entry on the device,
+        [squared norm, non-finite buckets], so that they do not pile up between reads."""
+        with self._lock:
+            mine = [st for s, st, _ in self._decoded if s == step]
+            if not mine:
+                return None
+            rows = torch.stack(mine)
+            summary = torch.stack([rows[:, 0].sum(), (rows[:, 1] > 0).sum().to(rows.dtype)])
+            self._decoded = [e for e in self._decoded if e[0] != step] + [(step, summary, True)]
+        return summary[1] == 0
 
     def _workspace(self, key: tuple, w: int, row_bytes: int, device) -> dict:
         """The send and receive buffers of one bucket's exchange, allocated once: fresh ones
@@ -394,20 +426,20 @@ class CompressedState(HookState):
 
     def note_decode(self, st: torch.Tensor, step: int) -> None:
         """Keep a decode's [squared norm, non-finite count] (from a callback thread) until
-        :meth:`fold`, which runs when the stats are read and at the start of every step: no
-        callback reads a device value."""
+        :meth:`fold`, which runs when the stats are read (and, on the CPU, at the start of every
+        step): no callback reads a device value."""
         with self._lock:
-            self._decoded.append((step, st))
+            self._decoded.append((step, st, False))
 
     def fold(self) -> None:
         """Fold the kept decode results into ``stats`` and ``last_sqnorm``, the squared norm of
         the latest step's reduced gradients (complete once DDP's backward has returned)."""
         with self._lock:
             pending, self._decoded = self._decoded, []
-        for step, st in pending:
+        for step, st, summed in pending:
             sq, bad = st.tolist()
             self._sqnorm[step] = self._sqnorm.get(step, 0.0) + sq
-            self._stats["nonfinite_buckets"] += int(bad > 0)
+            self._stats["nonfinite_buckets"] += int(bad) if summed else int(bad > 0)
             if bad > 0:  # the norm of a gradient holding NaN or Inf is not finite
                 self._bad_steps.add(step)
                 self._sqnorm[step] = float("nan")
