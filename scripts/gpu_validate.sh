@@ -10,10 +10,13 @@
 #   4. pytest tests/test_cuda.py on the GPU: the kernel checks, streams, opcheck, and the hooks
 #      on CUDA tensors (2 ranks sharing the GPU over gloo, NCCL at world size 1); the emulated
 #      backend is left to CI (scripts/cuda_check.sh), it needs no GPU
-# Logs and gpu_validate.json go to $OUT (the device tool's folder that comes back), else to
+#   5. python -m pycomm.bench --device cuda: 2 ranks sharing the GPU over gloo, --link 10gbit,
+#      a GPT-2 small sized transformer, the hooks side by side with their peak GPU memory
+# Logs, tables and JSON go to $OUT (the device tool's folder that comes back), else to
 # gpu_validate_out/. Nothing is installed: the machine's python3 and torch are used as found.
 #
-#   scripts/gpu_validate.sh [--skip-build] [--skip-pytest] [--cpu] [gpu_validate.py arguments]
+#   scripts/gpu_validate.sh [--skip-build] [--skip-pytest] [--skip-bench] [--cpu]
+#                           [gpu_validate.py arguments]
 #
 # --cpu: a dry run of this script on a machine without a GPU (the CPU kernels stand in for the
 # CUDA ones; the build still needs a torch with CUDA and nvcc, e.g. PYTHON=.venv-cuda/bin/python
@@ -26,12 +29,14 @@ OUT=$(cd "$OUT" && pwd)
 PY=${PYTHON:-python3}
 BUILD=1
 PYTEST=1
+BENCH=1
 CPU=0
 ARGS=()
 for a in "$@"; do
   case $a in
     --skip-build) BUILD=0 ;;
     --skip-pytest) PYTEST=0 ;;
+    --skip-bench) BENCH=0 ;;
     --cpu)
       CPU=1
       ARGS+=("$a")
@@ -121,6 +126,23 @@ if [ "$PYTEST" = 1 ]; then
     | tee "$OUT/pytest_cuda.log" | tail -40
   [ "${PIPESTATUS[0]}" = 0 ] || STATUS=1
   phase pytest
+fi
+# pycomm.bench on the GPU: 2 ranks sharing it over gloo with CUDA tensors, a GPT-2 small sized
+# transformer (124M parameters); --link 10gbit is shaped where tc and root allow, else the run
+# says it is unshaped. --cpu: the same flags' plumbing on the CPU with a small model.
+if [ "$BENCH" = 1 ]; then
+  if [ "$CPU" = 0 ]; then
+    BENCH_ARGS=(--device cuda --backend gloo --model transformer --layers 12 --d-model 768
+      --heads 12 --seq-len 1024 --vocab 50257 --batch 8 --steps 10 --warmup 3 --error-steps 1)
+  else
+    BENCH_ARGS=(--model transformer --layers 2 --d-model 64 --heads 4 --seq-len 32 --vocab 512
+      --batch 2 --steps 2 --warmup 2 --error-steps 1)
+  fi
+  "$PY" -m pycomm.bench --nprocs 2 --link 10gbit --hooks ddp,torch-fp16,allreduce,bf16,int8,onebit \
+    --step-timeout 60 --timeout 400 --quiet --json "$OUT/bench_cuda.json" "${BENCH_ARGS[@]}" 2>&1 \
+    | tee "$OUT/bench_cuda.txt"
+  [ "${PIPESTATUS[0]}" = 0 ] || STATUS=1
+  phase bench
 fi
 # the table again, last, where the reply's tail shows it
 sed -n '/copy of 1 GiB/,$p' "$OUT/gpu_validate.log"

@@ -11,6 +11,7 @@ import sys
 import time
 
 import pytest
+import torch
 
 import pycomm
 from pycomm.bench import link, session
@@ -25,7 +26,7 @@ FLAGS = [
     "--nprocs", "--hooks", "--list-hooks", "--accumulate-steps", "--threads", "--bucket-cap-mb",
     "--model", "--layers", "--width", "--d-model", "--heads", "--seq-len", "--vocab", "--batch",
     "--steps", "--warmup", "--error-steps", "--link", "--step-timeout", "--rerun-budget",
-    "--timeout", "--json", "--plot", "--quiet",
+    "--timeout", "--json", "--plot", "--quiet", "--device", "--backend",
 ]  # fmt: skip
 
 
@@ -76,12 +77,17 @@ def test_help_lists_every_flag(capsys):
         (("--json", "/nonexistent/dir/out.json"), "--json /nonexistent/dir/out.json: the folder"),
         (("--plot", "/nonexistent/dir/b.png"), "--plot /nonexistent/dir/b.png: the folder"),
         (("--width", "100000", "--layers", "100"), "--layers 100 --width 100000: 1000010.0M"),
+        (("--device", "tpu"), "--device: invalid choice: 'tpu'"),
+        (("--backend", "mpi"), "--backend: invalid choice: 'mpi'"),
+        (("--backend", "nccl"), "--backend nccl needs --device cuda"),
+        (("--device", "cuda"), "--device cuda: torch"),  # (no GPU: see below)
     ],
 )
 def test_bad_flags_rejected_before_any_rank_starts(monkeypatch, capsys, args, words):
     def no_launch(*a, **k):
         raise AssertionError("a rank was launched")
 
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # the same on a GPU machine
     monkeypatch.setattr(pycomm, "launch", no_launch)
     monkeypatch.setattr(link, "probe", no_launch)
     with pytest.raises(SystemExit) as exit_:
@@ -340,6 +346,65 @@ def test_link_without_root_runs_unshaped(monkeypatch, capsys, tmp_path):
     assert doc["link"]["shaped"] is False and doc["link"]["per_rank_bits"] == 2_500_000_000
     assert "root" in doc["link"]["reason"]
     assert doc["hooks"]["ddp"]["cfg"]["measure_lo"] is False
+
+
+def _fake_gpus(monkeypatch, count):
+    from types import SimpleNamespace
+
+    from pycomm import ops
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: count)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda i=0: "FakeGPU")
+    props = SimpleNamespace(total_memory=80 * 10**9)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i=0: props)
+    monkeypatch.setattr(ops, "WITH_CUDA", True)
+
+
+@pytest.mark.parametrize(
+    "gpus, nprocs, backend, want",
+    [
+        (2, 2, "auto", "nccl"),
+        (1, 2, "auto", "gloo"),
+        (1, 2, "gloo", "gloo"),
+        (4, 2, "nccl", "nccl"),
+    ],
+)
+def test_device_cuda_picks_the_backend(monkeypatch, capsys, gpus, nprocs, backend, want):
+    import pycomm.bench.__main__ as bench_main
+
+    seen = {}
+
+    def fake(cfg, hooks, nprocs, timeout, **kwargs):
+        seen.update(cfg=cfg)
+        return _fake_measure(cfg, hooks, nprocs, timeout)
+
+    _fake_gpus(monkeypatch, gpus)
+    monkeypatch.setattr(bench_main, "measure", fake)
+    argv = ["--device", "cuda", "--backend", backend, "--nprocs", str(nprocs), "--quiet"]
+    assert main(argv + ["--hooks", "int8"]) == 0
+    assert seen["cfg"]["device"] == "cuda" and seen["cfg"]["backend"] == want
+    out = capsys.readouterr().out
+    assert f"({want}, on {min(gpus, nprocs)} GPU(s), FakeGPU)" in out, out
+
+
+@pytest.mark.parametrize(
+    "argv, words",
+    [
+        (["--backend", "nccl", "--nprocs", "3"], "NCCL needs a GPU per rank and 2 GPU(s)"),
+        (["--width", "16384", "--layers", "30"], "GB is on one GPU (1 rank(s) on it)"),
+    ],
+)
+def test_device_cuda_refuses_what_the_gpus_cannot_hold(monkeypatch, capsys, argv, words):
+    def no_launch(*a, **k):
+        raise AssertionError("a rank was launched")
+
+    _fake_gpus(monkeypatch, 2)
+    monkeypatch.setattr(pycomm, "launch", no_launch)
+    with pytest.raises(SystemExit) as exit_:
+        main(["--device", "cuda", *argv])
+    assert exit_.value.code == 2
+    assert words in capsys.readouterr().err
 
 
 def test_flags_reach_the_ranks(monkeypatch, capsys):

@@ -7,11 +7,17 @@ of the reduced gradient against the exact fp32 mean.
     python -m pycomm.bench --link 2.5gbit         # each rank gets about 2.5 Gbit/s
     python -m pycomm.bench --model transformer --d-model 512 --layers 12 --hooks ddp,int8
     python -m pycomm.bench --accumulate-steps 4 --json out.json --plot out.png
+    python -m pycomm.bench --device cuda --model transformer --layers 12 --d-model 768 \
+        --heads 12 --seq-len 1024 --vocab 50257 --batch 8     # GPT-2 small (124M) on GPUs
 
 Sizes: --model mlp has layers x width^2 parameters (--width 256 --layers 16: 1.1M;
 --width 4096 --layers 6: 101M); --model transformer about 12 x layers x d_model^2 plus
 vocab x d_model (--d-model 1024 --layers 8: 109M). Each hook gets its own copy of the model
 on every rank: check memory before going big (the benchmark refuses sizes that cannot fit).
+
+--device cuda puts every rank on a GPU: with --backend auto, NCCL when each rank has a GPU of
+its own, gloo with CUDA tensors when ranks share GPUs; the table adds each hook's peak GPU
+memory per rank.
 
 --link re-runs the benchmark in a private network namespace (unshare -n) whose loopback is
 shaped with tc (tbf, rate = ranks x RATE); it needs root, unshare (util-linux) and tc
@@ -142,6 +148,19 @@ def _parser() -> argparse.ArgumentParser:
     )
     run.add_argument(
         "--threads", type=_positive, default=1, help="torch threads per rank; default 1"
+    )
+    run.add_argument(
+        "--device",
+        choices=("cpu", "cuda"),
+        default="cpu",
+        help="where the ranks train: cpu, or cuda (rank r on GPU r mod the GPU count); default cpu",
+    )
+    run.add_argument(
+        "--backend",
+        choices=("auto", "gloo", "nccl"),
+        default="auto",
+        help="the process group's backend: auto (nccl on --device cuda when every rank has a "
+        "GPU of its own, else gloo), gloo, or nccl; default auto",
     )
     run.add_argument(
         "--bucket-cap-mb",
@@ -312,6 +331,43 @@ def _size_flags(spec: ModelSpec) -> str:
     return " ".join(f"--{k.replace('_', '-')} {getattr(spec, k)}" for k in keys)
 
 
+def _device_and_backend(ap: argparse.ArgumentParser, args: argparse.Namespace) -> dict:
+    """What --device and --backend resolve to, checked before any rank starts."""
+    if args.device == "cpu":
+        if args.backend == "nccl":
+            ap.error("--backend nccl needs --device cuda (NCCL reduces GPU tensors only)")
+        return {"device": "cpu", "backend": "gloo", "gpus": 0}
+    if not torch.cuda.is_available():
+        ap.error(
+            f"--device cuda: torch {torch.__version__} sees no CUDA device "
+            f"(torch.version.cuda={torch.version.cuda}, torch.cuda.is_available() is False); "
+            "run on a GPU machine, or drop --device cuda"
+        )
+    from pycomm import ops
+
+    if not ops.WITH_CUDA:
+        ap.error(
+            "--device cuda: pycomm._C was built without its CUDA kernels; rebuild with "
+            "USE_CUDA=1 pip install --no-build-isolation -e ."
+        )
+    gpus = torch.cuda.device_count()
+    backend = args.backend
+    if backend == "auto":
+        backend = "nccl" if args.nprocs <= gpus else "gloo"
+    if backend == "nccl" and args.nprocs > gpus:
+        ap.error(
+            f"--backend nccl with --nprocs {args.nprocs}: NCCL needs a GPU per rank and "
+            f"{gpus} GPU(s) are visible; use --backend gloo (ranks share GPUs) or fewer ranks"
+        )
+    return {
+        "device": "cuda",
+        "backend": backend,
+        "gpus": gpus,
+        "gpu_name": torch.cuda.get_device_name(0),
+        "gpu_bytes": torch.cuda.get_device_properties(0).total_memory,
+    }
+
+
 def _available_memory() -> Optional[int]:
     """Bytes of memory available to new processes (MemAvailable), None when unknown."""
     try:
@@ -372,14 +428,20 @@ def main(argv: Optional[list[str]] = None) -> int:
             import matplotlib  # noqa: F401
         except ImportError:
             ap.error(f"--plot {args.plot}: needs matplotlib (pip install matplotlib)")
+    placed = _device_and_backend(ap, args)
     params = count_params(spec)
     need = memory_estimate(params, len(hooks), args.nprocs, args.error_steps)
     have = _available_memory()
+    where = "available"
+    if placed["device"] == "cuda":  # the busiest GPU holds ceil(nprocs / gpus) ranks
+        share = -(-args.nprocs // placed["gpus"])
+        need = need // args.nprocs * share
+        have, where = placed["gpu_bytes"], f"on one GPU ({share} rank(s) on it)"
     if have is not None and need > have:
         ap.error(
             f"{_size_flags(spec)}: {params / 1e6:.1f}M parameters, one copy per hook per rank: "
             f"{len(hooks)} hooks x {args.nprocs} ranks need about {need / 1e9:.1f} GB, "
-            f"{have / 1e9:.1f} GB is available; pick fewer --hooks or --nprocs or a smaller model"
+            f"{have / 1e9:.1f} GB is {where}; pick fewer --hooks or --nprocs or a smaller model"
         )
 
     per_rank = _link.parse_rate(args.link) if args.link else None
@@ -422,6 +484,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         "step_timeout": args.step_timeout,
         "comm_s": comm_s,
         "measure_lo": link["shaped"] and _link.in_private_netns(),
+        "device": placed["device"],
+        "backend": placed["backend"],
     }
     t0 = time.monotonic()
     result = measure(
@@ -443,8 +507,9 @@ def main(argv: Optional[list[str]] = None) -> int:
         "command": "python -m pycomm.bench " + " ".join(a for a in argv if a != _NETNS_FLAG),
         "config": {
             "nprocs": args.nprocs,
-            "backend": "gloo",
             "hooks": hooks,
+            "gpus": placed["gpus"],
+            "gpu_name": placed.get("gpu_name"),
             **{k: v for k, v in cfg.items() if k != "measure_lo"},
             "rerun_budget_s": args.rerun_budget,
             "pycomm_hooks": [h for h in hooks if is_pycomm(h)],

@@ -46,9 +46,13 @@ def header(doc: dict[str, Any]) -> list[str]:
     """The lines above the table: ranks, model, steps, buckets, link."""
     c, link = doc["config"], doc["link"]
     spec = ModelSpec(**c["model"])
+    where = c.get("device", "cpu")
+    if where == "cuda":
+        gpus = c.get("gpus") or 1
+        where = f"on {min(gpus, c['nprocs'])} GPU(s), {c.get('gpu_name', 'CUDA')}"
     lines = [
-        f"{c['nprocs']} ranks (gloo), {spec.describe(doc.get('params'))}, "
-        f"{c['threads']} torch thread(s)/rank",
+        f"{c['nprocs']} ranks ({c.get('backend', 'gloo')}, {where}), "
+        f"{spec.describe(doc.get('params'))}, {c['threads']} torch thread(s)/rank",
         f"{c['steps']} timed steps (+{c['warmup']} warm-up) per hook, hooks interleaved step by "
         "step; a step lasts until its slowest rank is done",
     ]
@@ -100,7 +104,9 @@ def table(doc: dict[str, Any]) -> str:
     cols = f"{'hook':<17}{'median ms':>10}{'min ms':>9}{'max ms':>9}{'/compute':>10}{'vs ddp':>8}"
     cpu = any(h.get("cpu_median_s") is not None for h in hooks.values())
     cols += f"{'cpu ms':>8}" if cpu else ""
+    gpu = any(h.get("gpu_peak_bytes") for h in hooks.values())
     cols += f"{'MB/step':>9}" + (f"{'lo MB/step':>12}" if measured_lo else "")
+    cols += f"{'GPU GB':>8}" if gpu else ""
     cols += (f"{'rel err':>9}" if errors else "") + "  status"
     lines.append(cols)
     for name, h in hooks.items():
@@ -116,6 +122,8 @@ def table(doc: dict[str, Any]) -> str:
         row += _num(h.get("bytes_per_step") if ok else None, 9, 2, 1e-6)
         if measured_lo:
             row += _num(h.get("lo_bytes_per_step") if ok else None, 12, 2, 1e-6)
+        if gpu:
+            row += _num(h.get("gpu_peak_bytes") if ok else None, 8, 2, 1e-9)
         if errors:
             row += _err(h.get("rel_err") if ok else None, 9)
         status = "ok" if ok else "FAILED (below)"
@@ -144,6 +152,11 @@ def table(doc: dict[str, Any]) -> str:
             "cpu ms: CPU time of one rank's process per step (all its threads: the hook's "
             "codecs, gloo's sends and receives), mean over ranks; where ranks share the cores, "
             "step time cannot drop below it"
+        )
+    if gpu:
+        lines.append(
+            "GPU GB: the most GPU memory one rank had allocated during the hook's steps; every "
+            "hook's model stays resident, so the differences between hooks are what each adds"
         )
     lines.append(
         "MB/step: bytes one rank sends per step (pycomm: hook stats; ddp/torch-allreduce: fp32 "

@@ -314,6 +314,16 @@ def _flat_grads(module: torch.nn.Module) -> torch.Tensor:
     )
 
 
+def _rank_device(cfg: dict[str, Any], rank: int) -> torch.device:
+    """This rank's device: the CPU, or a GPU (ranks spread over the visible GPUs, several ranks
+    sharing one when there are more ranks than GPUs; with NCCL each rank has its own)."""
+    if cfg.get("device", "cpu") != "cuda":
+        return torch.device("cpu")
+    device = torch.device("cuda", rank % torch.cuda.device_count())
+    torch.cuda.set_device(device)
+    return device
+
+
 def run_rank(cfg: dict[str, Any]) -> dict[str, Any]:
     """Train one model per hook, interleaving the hooks step by step (the order rotates each
     step); every rank's per-step times and process CPU times, bytes per step, gradient errors
@@ -321,7 +331,9 @@ def run_rank(cfg: dict[str, Any]) -> dict[str, Any]:
 
     ``cfg``: ``model`` (ModelSpec fields), ``hooks``, ``steps``, ``warmup``, ``threads``,
     ``bucket_cap_mb``, ``accumulate_steps``, ``error_steps``, ``step_timeout``, ``comm_s``,
-    ``measure_lo``, ``workdir`` (progress and stderr files for the parent).
+    ``measure_lo``, ``device`` ("cpu" or "cuda"), ``workdir`` (progress and stderr files for
+    the parent). On a GPU a step is timed until the device has finished it, and each hook's
+    peak GPU memory during its steps is kept.
 
     Example:
         >>> pycomm.launch(run_rank, 2, {"model": {"width": 16, "layers": 2}, "hooks": ["ddp"],
@@ -343,6 +355,8 @@ def run_rank(cfg: dict[str, Any]) -> dict[str, Any]:
     deadline = _Deadline(cfg.get("step_timeout", 10.0), cfg.get("comm_s", 0.0))
     if cfg.get("threads"):
         torch.set_num_threads(cfg["threads"])
+    device = _rank_device(cfg, rank)
+    on_gpu = device.type == "cuda"
 
     models: dict[str, DDP] = {}
     states: dict[str, Any] = {}
@@ -352,7 +366,7 @@ def run_rank(cfg: dict[str, Any]) -> dict[str, Any]:
         with deadline.guard(cold=True):
             try:
                 models[name], states[name] = _build(
-                    name, build(spec), cfg.get("bucket_cap_mb"), accumulate
+                    name, build(spec).to(device), cfg.get("bucket_cap_mb"), accumulate
                 )
             except Exception as exc:  # reported as this hook's failure; the others go on
                 setup_errors[name] = f"{type(exc).__name__}: {exc}".strip()
@@ -373,10 +387,10 @@ def run_rank(cfg: dict[str, Any]) -> dict[str, Any]:
     progress.total = progress.done + len(hooks) * (warmup + steps)
     opts = {name: torch.optim.SGD(models[name].parameters(), lr=1e-3) for name in hooks}
     params = count_params(spec)
-    ref = build(spec) if error_steps and hooks else None
+    ref = build(spec).to(device) if error_steps and hooks else None
 
     g = torch.Generator().manual_seed(rank)
-    data = batches(spec, accumulate, g)
+    data = [(x.to(device), y.to(device)) for x, y in batches(spec, accumulate, g)]
 
     def one_step(name: str) -> None:
         """One optimizer step: ``accumulate`` micro-steps, the loss scaled by 1/k each."""
@@ -408,6 +422,7 @@ def run_rank(cfg: dict[str, Any]) -> dict[str, Any]:
     cpu: dict[str, list[float]] = {name: [] for name in hooks}
     wire: dict[str, list[int]] = {name: [] for name in hooks}
     errors: dict[str, list[float]] = {name: [] for name in hooks}
+    gpu_peak: dict[str, int] = {name: 0 for name in hooks}
     before: dict[str, dict] = {}
     error_from = warmup + steps - error_steps
 
@@ -432,8 +447,14 @@ def run_rank(cfg: dict[str, Any]) -> dict[str, Any]:
                 dist.barrier()
                 lo0 = lo_tx_bytes() if measure and timed else 0
                 progress(f"step {name} {step}")
+                if on_gpu:
+                    torch.cuda.synchronize(device)
+                    torch.cuda.reset_peak_memory_stats(device)
                 t0, c0 = time.perf_counter(), time.process_time()
                 one_step(name)
+                if on_gpu:  # the step ends when the device has run it
+                    torch.cuda.synchronize(device)
+                    gpu_peak[name] = max(gpu_peak[name], torch.cuda.max_memory_allocated(device))
                 dt = time.perf_counter() - t0
                 # CPU time of the whole process (gloo's threads and the hooks' callbacks too):
                 # where ranks share cores, what a hook costs beyond the wire
@@ -478,5 +499,8 @@ def run_rank(cfg: dict[str, Any]) -> dict[str, Any]:
             "lo_bytes": wire[name] if measure else None,
             "rel_errors": errors[name],
             "bucket_sizes": [int(b) for b in buckets.split(",") if b.strip().isdigit()],
+            # on a GPU: the most memory allocated during this hook's steps (every hook's model
+            # stays resident, so the differences between hooks are what each one adds)
+            "gpu_peak_bytes": gpu_peak[name] if on_gpu else None,
         }
     return out

@@ -162,7 +162,7 @@ def _launch(
             run_rank,
             nprocs,
             {**cfg, "hooks": list(hooks), "workdir": workdir},
-            backend="gloo",
+            backend=cfg.get("backend", "gloo"),
             timeout=timeout,
         )
         record.update(ok=True, results=results)
@@ -254,6 +254,8 @@ def _per_hook(
             # every rank's packets cross the one lo once: the share of one rank
             "lo_bytes_per_step": statistics.median(lo) / nprocs if lo else None,
             "bucket_sizes": r0["bucket_sizes"],
+            "gpu_peak_bytes": max((r["hooks"][name].get("gpu_peak_bytes") or 0) for r in results)
+            or None,
             # every rank computes the same reduced gradient and the same exact mean
             "rel_err": statistics.median(r0["rel_errors"]) if r0["rel_errors"] else None,
             "rel_err_max": max(r0["rel_errors"]) if r0["rel_errors"] else None,
