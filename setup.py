@@ -17,11 +17,23 @@ import os
 import platform
 import sys
 
+import setuptools
 import torch
 from setuptools import setup
 from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CppExtension, CUDAExtension
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
+
+# pyproject.toml's build-system requirement, which `pip install --no-build-isolation` does not
+# install: the environment's own setuptools builds, and before 77 it cannot read the SPDX
+# license expression (it fails with "project.license must be valid exactly by one definition").
+_SETUPTOOLS = tuple(int(p) for p in setuptools.__version__.split(".")[:2] if p.isdigit())
+if _SETUPTOOLS < (77,):
+    raise SystemExit(
+        f"setup.py: pycomm builds with setuptools>=77 and this environment has setuptools "
+        f"{setuptools.__version__}. Upgrade it first (it does not change torch): "
+        "python -m pip install -U 'setuptools>=77' wheel ninja"
+    )
 
 
 def _load_buildcheck():

@@ -133,29 +133,20 @@ inline void check_block(const char* op, int64_t block, int64_t numel, int64_t mu
 
 // --- decoders (decode16_sum, dequantize_int8_sum, dequantize_onebit_sum) ---------------------
 
-// How a decoder's 2-D inputs may be laid out. The CPU kernels read each row through the row
-// stride (the hooks decode straight out of column slices of their [R, codes | scales] receive
-// buffers); the CUDA kernels index row r at r * m and so need the whole tensor contiguous.
-enum class RowLayout { kRowStrided, kContiguous };
-
-// t: [rows, cols]. kRowStrided: each row contiguous and rows apart by at least a row (a
-// row-major tensor, or a column slice of one). kContiguous: contiguous.
-inline void check_row_layout(const char* op, const char* arg, const at::Tensor& t,
-                             RowLayout layout) {
-  if (layout == RowLayout::kContiguous) {
-    TORCH_CHECK(t.is_contiguous(), op, ": ", arg, " has strides ", t.strides(),
-                ", expected a contiguous tensor");
-    return;
-  }
+// t: [rows, cols], each row contiguous and rows apart by at least a row: a row-major tensor,
+// or a column slice of one. The decoders (CPU and CUDA) read each row through the row stride,
+// so the hooks decode straight out of column slices of their [R, codes | scales] receive
+// buffers.
+inline void check_row_layout(const char* op, const char* arg, const at::Tensor& t) {
   TORCH_CHECK((t.size(1) <= 1 || t.stride(1) == 1) && (t.size(0) <= 1 || t.stride(0) >= t.size(1)),
               op, ": ", arg, " has shape ", t.sizes(), " and strides ", t.strides(),
               ", expected contiguous rows (stride 1 within a row, rows apart by >= a row)");
 }
 
-// rows: [R, cols], R >= 1, laid out as `layout` allows, of dtype `dtype` (a description for
-// the message).
+// rows: [R, cols], R >= 1, rows contiguous (check_row_layout), of dtype `dtype` (a
+// description for the message).
 inline void check_rows(const char* op, const char* arg, const at::Tensor& t, bool dtype_ok,
-                       const char* dtype, RowLayout layout) {
+                       const char* dtype) {
   TORCH_CHECK(t.defined(), op, ": ", arg, " is an undefined tensor");
   TORCH_CHECK(t.layout() == at::kStrided, op, ": ", arg, " has layout ", t.layout(),
               ", expected a dense (strided) tensor");
@@ -163,7 +154,7 @@ inline void check_rows(const char* op, const char* arg, const at::Tensor& t, boo
   TORCH_CHECK(t.dim() == 2, op, ": ", arg, " has shape ", t.sizes(),
               ", expected a 2-D [R, m] tensor");
   TORCH_CHECK(t.size(0) >= 1, op, ": ", arg, " has shape ", t.sizes(), ", expected R >= 1 rows");
-  check_row_layout(op, arg, t, layout);
+  check_row_layout(op, arg, t);
 }
 
 // out: contiguous float on ref's device, at most m elements.
@@ -179,7 +170,7 @@ inline void check_out(const char* op, const at::Tensor& out, const char* ref_arg
 // scales: [R, m / block] laid out as `layout` allows, of dtype want, on ref's device.
 inline void check_scales(const char* op, const at::Tensor& scales, at::ScalarType want,
                          const char* ref_arg, const at::Tensor& ref, int64_t rows, int64_t m,
-                         int64_t block, RowLayout layout) {
+                         int64_t block) {
   TORCH_CHECK(scales.defined(), op, ": scales is an undefined tensor");
   TORCH_CHECK(scales.layout() == at::kStrided, op, ": scales has layout ", scales.layout(),
               ", expected a dense (strided) tensor");
@@ -189,7 +180,7 @@ inline void check_scales(const char* op, const at::Tensor& scales, at::ScalarTyp
   TORCH_CHECK(scales.dim() == 2 && scales.size(0) == rows && scales.size(1) == m / block, op,
               ": scales has shape ", scales.sizes(), ", expected [", rows, ", ", m / block,
               "] ([R, m / block])");
-  check_row_layout(op, "scales", scales, layout);
+  check_row_layout(op, "scales", scales);
 }
 
 }  // namespace pycomm

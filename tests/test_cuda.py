@@ -723,6 +723,31 @@ def test_decode16_sum(be, rows, chunk_dtype, out_dtype):
             _check_sum(be, "decode16_sum", (chunks, 3.0), _out(m, out_dtype, short))
 
 
+@pytest.mark.parametrize("hook", ["bf16", "int8", "onebit"])
+@pytest.mark.parametrize("rows, m", [(1, 256), (3, 2048), (4, 20480)])
+def test_decoders_read_the_receive_buffers_row_slices(be, hook, rows, m):
+    # as the hooks decode: codes and scales are column slices of one [R, codes | scales] uint8
+    # buffer (Codec.pack / Codec.split), read in place, no contiguous copy
+    from pycomm.hooks import compressed
+
+    codec = {
+        "bf16": lambda: compressed.Float16Codec(torch.bfloat16),
+        "int8": lambda: compressed.Int8Codec(256),
+        "onebit": lambda: compressed.OneBitCodec(64),
+    }[hook]()
+    x = torch.stack([_x(m, torch.float32, codec.block, seed=r) * (r + 1) for r in range(rows)])
+    enc = [codec.encode(x[r], None, 1.0, m) for r in range(rows)]
+    scales = None if enc[0][1] is None else torch.cat([e[1] for e in enc])
+    packed = codec.pack(torch.cat([e[0] for e in enc]), scales, rows)
+    codes, scales = codec.split(packed, m)
+    assert not codes.is_contiguous() or scales is None or rows == 1
+    name = {"bf16": "decode16_sum", "int8": "dequantize_int8_sum"}.get(
+        hook, "dequantize_onebit_sum"
+    )
+    args = (codes, 0.5) if scales is None else (codes, scales, codec.block, 0.5)
+    _check_sum(be, name, args, torch.full((m,), 7.0))  # the slices, as they are, on every backend
+
+
 def test_sum_overflow_zero_size_and_misaligned_out(be):
     chunks = torch.full((2, 12), 60000.0, dtype=torch.float16)
     _check_sum(be, "decode16_sum", (chunks, 1.0), torch.empty(3, 4, dtype=torch.float16))

@@ -622,7 +622,7 @@ at::Tensor decode16_sum_cpu(const at::Tensor& chunks, double scale, const at::Te
   constexpr const char* op = "pycomm.decode16_sum";
   check_rows(op, "chunks", chunks,
              chunks.scalar_type() == at::kHalf || chunks.scalar_type() == at::kBFloat16,
-             "Half or BFloat16", RowLayout::kRowStrided);
+             "Half or BFloat16");
   const int64_t rows = chunks.size(0), m = chunks.size(1);
   check_out(op, out, "chunks", chunks, m);
   at::Tensor stats;
@@ -652,14 +652,12 @@ at::Tensor decode16_sum_cpu(const at::Tensor& chunks, double scale, const at::Te
 at::Tensor dequantize_int8_sum_cpu(const at::Tensor& codes, const at::Tensor& scales,
                                    int64_t block, double scale, const at::Tensor& out) {
   constexpr const char* op = "pycomm.dequantize_int8_sum";
-  check_rows(op, "codes", codes, codes.scalar_type() == at::kChar, "Char (int8)",
-             RowLayout::kRowStrided);
+  check_rows(op, "codes", codes, codes.scalar_type() == at::kChar, "Char (int8)");
   const int64_t rows = codes.size(0), m = codes.size(1);
   TORCH_CHECK(block >= 1, op, ": block is ", block, ", expected >= 1");
   TORCH_CHECK(m % block == 0, op, ": codes has m = ", m,
               " columns, expected a multiple of block = ", block);
-  check_scales(op, scales, at::kFloat, "codes", codes, rows, m, block,
-               RowLayout::kRowStrided);
+  check_scales(op, scales, at::kFloat, "codes", codes, rows, m, block);
   check_out(op, out, "codes", codes, m);
   const int8_t* q = codes.const_data_ptr<int8_t>();
   const float* sc = scales.const_data_ptr<float>();
@@ -687,15 +685,13 @@ at::Tensor dequantize_int8_sum_cpu(const at::Tensor& codes, const at::Tensor& sc
 at::Tensor dequantize_onebit_sum_cpu(const at::Tensor& bits, const at::Tensor& scales,
                                      int64_t block, double scale, const at::Tensor& out) {
   constexpr const char* op = "pycomm.dequantize_onebit_sum";
-  check_rows(op, "bits", bits, bits.scalar_type() == at::kByte, "Byte (uint8)",
-             RowLayout::kRowStrided);
+  check_rows(op, "bits", bits, bits.scalar_type() == at::kByte, "Byte (uint8)");
   const int64_t rows = bits.size(0), m = bits.size(1) * 8;
   TORCH_CHECK(block >= 1, op, ": block is ", block, ", expected >= 1");
   TORCH_CHECK(block % 8 == 0, op, ": block is ", block, ", expected a multiple of 8");
   TORCH_CHECK(m % block == 0, op, ": bits has m = ", m,
               " elements (8 per column), expected a multiple of block = ", block);
-  check_scales(op, scales, at::kBFloat16, "bits", bits, rows, m, block,
-               RowLayout::kRowStrided);
+  check_scales(op, scales, at::kBFloat16, "bits", bits, rows, m, block);
   check_out(op, out, "bits", bits, m);
   const uint8_t* bp = bits.const_data_ptr<uint8_t>();
   const at::BFloat16* sc = scales.const_data_ptr<at::BFloat16>();

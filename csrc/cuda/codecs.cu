@@ -469,10 +469,10 @@ std::tuple<at::Tensor, at::Tensor> quantize_onebit_cuda(
 template <typename T>
 struct Rows16 {
   const T* c;
-  int64_t m;
+  int64_t ld;  // elements from one row to the next (rows may be slices of wider rows)
 
   __device__ void load(int64_t r, int64_t i, int count, float (&d)[kVec]) const {
-    const T* p = c + r * m + i;
+    const T* p = c + r * ld + i;
     if (count == kVec && vec_ok(p)) {
       load8(p, d);
       return;
@@ -486,11 +486,11 @@ struct Rows16 {
 struct RowsInt8 {
   const int8_t* q;
   const float* sc;
-  int64_t m, block;
+  int64_t ld, lds, block;  // row strides of the codes and of the scales, in elements
 
   __device__ void load(int64_t r, int64_t i, int count, float (&d)[kVec]) const {
-    const int8_t* p = q + r * m + i;
-    const float* srow = sc + r * (m / block);
+    const int8_t* p = q + r * ld + i;
+    const float* srow = sc + r * lds;
     int8_t c[kVec];
     if (count == kVec && vec_ok(p)) {
       const Vec<int8_t, kVec> v = load_vec<int8_t, kVec>(p);
@@ -518,12 +518,12 @@ struct RowsInt8 {
 struct RowsOnebit {
   const uint8_t* bits;
   const at::BFloat16* sc;
-  int64_t m, block;
+  int64_t ld, lds, block;  // row strides of the bits (bytes) and of the scales, in elements
 
   // i is a multiple of 8 and block of 8: elements [i, i + 8) are one byte of one codec block
   __device__ void load(int64_t r, int64_t i, int count, float (&d)[kVec]) const {
-    const uint8_t byte = bits[r * (m / 8) + i / 8];
-    const float s = static_cast<float>(sc[r * (m / block) + i / block]);
+    const uint8_t byte = bits[r * ld + i / 8];
+    const float s = static_cast<float>(sc[r * lds + i / block]);
 #pragma unroll
     for (int k = 0; k < kVec; ++k) d[k] = ((byte >> k) & 1) ? s : -s;  // ±s, as the CPU's ±1 * s
   }
@@ -631,62 +631,60 @@ at::Tensor sum_rows(const Rows& rows, int64_t nrows, double scale, const at::Ten
   return stats;
 }
 
-// chunks: [R, m] Half/BFloat16 contiguous on a CUDA device. out: contiguous float, numel <= m,
+// chunks: [R, m] Half/BFloat16 on a CUDA device, rows contiguous (a row slice of wider rows,
+// as the exchange receives them, is read in place). out: contiguous float, numel <= m,
 // same device. out = scale * sum_r chunks[r, :out.numel()] (fp32, row order). Returns fp64 [2]
 // (see sum_rows).
 at::Tensor decode16_sum_cuda(const at::Tensor& chunks, double scale, const at::Tensor& out) {
   constexpr const char* op = "pycomm.decode16_sum";
   check_rows(op, "chunks", chunks,
              chunks.scalar_type() == at::kHalf || chunks.scalar_type() == at::kBFloat16,
-             "Half or BFloat16", RowLayout::kContiguous);
+             "Half or BFloat16");
   const int64_t rows = chunks.size(0), m = chunks.size(1);
   check_out(op, out, "chunks", chunks, m);
   at::Tensor stats;
   dispatch_float(chunks.scalar_type(), [&](auto tag) {
     using T = decltype(tag);
     if constexpr (!std::is_same_v<T, float>) {
-      stats = sum_rows(Rows16<T>{chunks.const_data_ptr<T>(), m}, rows, scale, out);
+      stats = sum_rows(Rows16<T>{chunks.const_data_ptr<T>(), chunks.stride(0)}, rows, scale, out);
     }
   });
   return stats;
 }
 
-// codes: [R, m] int8 contiguous, m % block == 0. scales: [R, m / block] fp32. out: as
-// decode16_sum. out = scale * sum_r codes[r] * scales[r] (per block).
+// codes: [R, m] int8, rows contiguous, m % block == 0. scales: [R, m / block] fp32, rows
+// contiguous. out: as decode16_sum. out = scale * sum_r codes[r] * scales[r] (per block).
 at::Tensor dequantize_int8_sum_cuda(const at::Tensor& codes, const at::Tensor& scales,
                                     int64_t block, double scale, const at::Tensor& out) {
   constexpr const char* op = "pycomm.dequantize_int8_sum";
-  check_rows(op, "codes", codes, codes.scalar_type() == at::kChar, "Char (int8)",
-             RowLayout::kContiguous);
+  check_rows(op, "codes", codes, codes.scalar_type() == at::kChar, "Char (int8)");
   const int64_t rows = codes.size(0), m = codes.size(1);
   TORCH_CHECK(block >= 1, op, ": block is ", block, ", expected >= 1");
   TORCH_CHECK(m % block == 0, op, ": codes has m = ", m,
               " columns, expected a multiple of block = ", block);
-  check_scales(op, scales, at::kFloat, "codes", codes, rows, m, block,
-               RowLayout::kContiguous);
+  check_scales(op, scales, at::kFloat, "codes", codes, rows, m, block);
   check_out(op, out, "codes", codes, m);
-  return sum_rows(RowsInt8{codes.const_data_ptr<int8_t>(), scales.const_data_ptr<float>(), m, block},
+  return sum_rows(RowsInt8{codes.const_data_ptr<int8_t>(), scales.const_data_ptr<float>(),
+                           codes.stride(0), scales.stride(0), block},
                   rows, scale, out);
 }
 
-// bits: [R, m / 8] uint8 contiguous, m % block == 0, block % 8 == 0. scales: [R, m / block]
-// bf16. out: as decode16_sum. out = scale * sum_r (bit ? +s : -s).
+// bits: [R, m / 8] uint8, rows contiguous, m % block == 0, block % 8 == 0. scales:
+// [R, m / block] bf16, rows contiguous. out: as decode16_sum. out = scale * sum_r (bit ? +s : -s).
 at::Tensor dequantize_onebit_sum_cuda(const at::Tensor& bits, const at::Tensor& scales,
                                       int64_t block, double scale, const at::Tensor& out) {
   constexpr const char* op = "pycomm.dequantize_onebit_sum";
-  check_rows(op, "bits", bits, bits.scalar_type() == at::kByte, "Byte (uint8)",
-             RowLayout::kContiguous);
+  check_rows(op, "bits", bits, bits.scalar_type() == at::kByte, "Byte (uint8)");
   const int64_t rows = bits.size(0), m = bits.size(1) * 8;
   TORCH_CHECK(block >= 1, op, ": block is ", block, ", expected >= 1");
   TORCH_CHECK(block % 8 == 0, op, ": block is ", block, ", expected a multiple of 8");
   TORCH_CHECK(m % block == 0, op, ": bits has m = ", m,
               " elements (8 per column), expected a multiple of block = ", block);
-  check_scales(op, scales, at::kBFloat16, "bits", bits, rows, m, block,
-               RowLayout::kContiguous);
+  check_scales(op, scales, at::kBFloat16, "bits", bits, rows, m, block);
   check_out(op, out, "bits", bits, m);
-  return sum_rows(
-      RowsOnebit{bits.const_data_ptr<uint8_t>(), scales.const_data_ptr<at::BFloat16>(), m, block},
-      rows, scale, out);
+  return sum_rows(RowsOnebit{bits.const_data_ptr<uint8_t>(), scales.const_data_ptr<at::BFloat16>(),
+                             bits.stride(0), scales.stride(0), block},
+                  rows, scale, out);
 }
 
 }  // namespace

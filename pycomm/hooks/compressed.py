@@ -80,10 +80,8 @@ class Codec:
     def split(self, rows: torch.Tensor, m: int):
         """The inverse of :meth:`pack` for chunks of ``m`` elements: ([R, m] codes, scales)."""
         cb = self.code_bytes(m)
+        # row slices, read in place by the decoders (CPU and CUDA): no copy
         codes, scales = rows[:, :cb], None if self.scale_dtype is None else rows[:, cb:]
-        if rows.device.type != "cpu":  # the CPU decoders read row slices in place
-            codes = codes.contiguous()
-            scales = None if scales is None else scales.contiguous()
         codes = codes.view(self.code_dtype)
         return codes, None if scales is None else scales.view(self.scale_dtype)
 
