@@ -349,7 +349,7 @@ def _rank_fault_in_hook(out_dir, kind, fault, k):
 def test_rank_killed_in_hook_others_see_a_lost_peer(tmp_path, kind):
     k = 3  # the int8 hook compresses from iteration 2 on (start_iter)
     with pytest.raises(pycomm.LaunchError) as err:
-        run_ranks(_rank_fault_in_hook, 2, str(tmp_path), kind, "die", k, timeout=90)
+        run_ranks(_rank_fault_in_hook, 2, str(tmp_path), kind, "die", k, timeout=90, fresh=True)
     e = err.value
     assert (e.rank, e.exitcode) == (1, KILL_CODE), str(e)
     assert "rank 1" in str(e) and f"code {KILL_CODE}" in str(e)
@@ -365,7 +365,7 @@ def test_rank_stalled_in_hook_is_named_after_the_timeout(tmp_path, kind):
     # must time out as the group given to the hook does (not after torch's default 30 min)
     k = 2
     with pytest.raises(pycomm.LaunchError) as err:
-        run_ranks(_rank_fault_in_hook, 2, str(tmp_path), kind, "stall", k, timeout=90)
+        run_ranks(_rank_fault_in_hook, 2, str(tmp_path), kind, "stall", k, timeout=90, fresh=True)
     e = err.value
     assert isinstance(e, TimeoutError), str(e)
     assert e.rank == 1 and e.unfinished == (1,), str(e)
@@ -580,7 +580,9 @@ def _same(a, b):
 def test_checkpoint_save_load_atomic_and_mismatches(tmp_path):
     path = str(tmp_path / "ckpt.pt")
     with pytest.raises(pycomm.LaunchError) as err:
-        run_ranks(_rank_save_then_die_mid_save, 2, path, str(tmp_path), "int8", timeout=90)
+        run_ranks(
+            _rank_save_then_die_mid_save, 2, path, str(tmp_path), "int8", timeout=90, fresh=True
+        )
     assert (err.value.rank, err.value.exitcode) == (0, KILL_CODE)
     # the killed save left the first checkpoint whole; a fresh process group loads it
     results = run_ranks(_rank_load, 2, path, "int8", timeout=90)

@@ -9,7 +9,7 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
-from harness import run_ranks
+from harness import launched_children, run_ranks
 
 import pycomm
 import pycomm.dist as pdist
@@ -84,7 +84,7 @@ def _recorded_pids(pid_dir, nprocs):
 
 
 def _assert_all_gone(pids):
-    assert multiprocessing.active_children() == []
+    assert launched_children() == []
     for pid in pids:
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)
@@ -100,7 +100,7 @@ def _fresh(monkeypatch):
 
 @pytest.mark.parametrize("nprocs", [2, 4])
 def test_results_in_rank_order(nprocs):
-    results = run_ranks(_rank_report, nprocs, 0.5, timeout=60)
+    results = run_ranks(_rank_report, nprocs, 0.5, timeout=60, fresh=True)
     assert [r[:4] for r in results] == [(rank, nprocs, rank, "gloo") for rank in range(nprocs)]
     expected_sum = 0.5 * nprocs * (nprocs + 1) / 2
     assert [r[4] for r in results] == [expected_sum] * nprocs
@@ -111,7 +111,7 @@ def test_results_in_rank_order(nprocs):
 
 def test_failing_rank_raises_launch_error_with_its_traceback(tmp_path):
     with pytest.raises(pycomm.LaunchError) as err:
-        run_ranks(_raise_on_rank1, 2, str(tmp_path), timeout=60)
+        run_ranks(_raise_on_rank1, 2, str(tmp_path), timeout=60, fresh=True)
     e = err.value
     assert e.rank == 1
     assert e.exitcode is None
@@ -123,7 +123,7 @@ def test_failing_rank_raises_launch_error_with_its_traceback(tmp_path):
 
 def test_dying_rank_names_rank_and_exit_code(tmp_path):
     with pytest.raises(pycomm.LaunchError) as err:
-        run_ranks(_exit_on_rank1, 2, str(tmp_path), timeout=60)
+        run_ranks(_exit_on_rank1, 2, str(tmp_path), timeout=60, fresh=True)
     e = err.value
     assert (e.rank, e.exitcode) == (1, 3)
     assert "rank 1" in str(e) and "code 3" in str(e)
@@ -135,7 +135,7 @@ def test_hanging_rank_times_out(tmp_path):
     with pytest.raises(pycomm.LaunchError) as err:
         # long enough that both ranks have started and rank 1 sits in its sleep even on a
         # loaded machine (start-up alone took ~4 s under load)
-        run_ranks(_hang_on_rank1, 2, str(tmp_path), timeout=15)
+        run_ranks(_hang_on_rank1, 2, str(tmp_path), timeout=15, fresh=True)
     elapsed = time.monotonic() - start
     e = err.value
     assert isinstance(e, TimeoutError)
@@ -150,20 +150,20 @@ def test_hanging_rank_times_out(tmp_path):
 
 def test_unpicklable_result_is_reported():
     with pytest.raises(pycomm.LaunchError, match="picklable") as err:
-        run_ranks(_unpicklable_result, 1, timeout=60)
+        run_ranks(_unpicklable_result, 1, timeout=60, fresh=True)
     assert err.value.rank == 0
-    assert multiprocessing.active_children() == []
+    assert launched_children() == []
 
 
 def test_rank_exiting_zero_without_result_is_an_error():
     with pytest.raises(pycomm.LaunchError, match="without reporting") as err:
-        run_ranks(_exits_zero_early, 1, timeout=60)
+        run_ranks(_exits_zero_early, 1, timeout=60, fresh=True)
     assert (err.value.rank, err.value.exitcode) == (0, 0)
 
 
 def test_tcp_backend_through_launch_warns_and_uses_gloo():
     with pytest.warns(UserWarning, match="'tcp'"):
-        results = run_ranks(_rank_report, 2, 1.0, backend="tcp", timeout=60)
+        results = run_ranks(_rank_report, 2, 1.0, backend="tcp", timeout=60, fresh=True)
     assert [r[:4] for r in results] == [(0, 2, 0, "gloo"), (1, 2, 1, "gloo")]
     assert [r[4] for r in results] == [3.0, 3.0]
 
@@ -173,7 +173,7 @@ def test_invalid_nprocs(nprocs):
     with pytest.raises(ValueError, match="nprocs") as err:
         pycomm.launch(_rank_report, nprocs, 1.0)
     assert repr(nprocs) in str(err.value)
-    assert multiprocessing.active_children() == []
+    assert launched_children() == []
 
 
 def test_invalid_fn_and_backend():
@@ -183,7 +183,7 @@ def test_invalid_fn_and_backend():
         pycomm.launch(_rank_report, 2, 1.0, backend="bogus")
     with pytest.raises(ValueError, match="timeout"):
         pycomm.launch(_rank_report, 2, 1.0, timeout=-1)
-    assert multiprocessing.active_children() == []
+    assert launched_children() == []
 
 
 def test_launch_errors_survive_pickling():
@@ -205,7 +205,7 @@ def test_launch_errors_survive_pickling():
 
 def test_a_rank_may_start_its_own_processes():
     # e.g. a DataLoader with workers: impossible if ranks were daemonic processes
-    assert run_ranks(_start_a_child, 1, timeout=60) == [0]
+    assert run_ranks(_start_a_child, 1, timeout=60, fresh=True) == [0]
 
 
 def test_failure_blames_the_root_cause():
