@@ -136,7 +136,6 @@ class HookState:
     def check_fingerprint(self, state: dict[str, Any]) -> None:
         """Refuse (ValueError naming the field) a checkpoint of another hook or config, or
         the state of another rank."""
-        check_owner(self.hook_name, state, self.rank, self.world_size)
         mine, theirs = self.fingerprint(), state.get("fingerprint", {})
         for key in sorted(set(mine) | set(theirs)):
             if mine.get(key) != theirs.get(key):
@@ -144,6 +143,7 @@ class HookState:
                     f"pycomm: cannot load hook state: {key} is {theirs.get(key)!r} in the "
                     f"checkpoint but {mine.get(key)!r} here"
                 )
+        check_owner(self.hook_name, state, self.rank, self.world_size)
 
 
 def check_owner(hook: str, state: dict[str, Any], rank: int, world_size: int) -> None:
