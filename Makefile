@@ -15,6 +15,8 @@ $(VENV)/.deps: $(PY)
 	$(PY) -m pip install -q --upgrade pip
 	$(if $(TORCH),$(PY) -m pip install -q "$(TORCH)")
 	$(PY) -m pip install -q setuptools wheel ninja numpy scikit-learn pytest pytest-timeout hypothesis ruff tqdm matplotlib
+	# the real clients of tests/test_clients.py, installed without changing the torch above
+	$(PY) -m pip install -q lightning accelerate $(if $(TORCH),"$(TORCH)")
 	touch $@
 
 # --no-build-isolation: compile against the torch in the venv, never a freshly fetched one.

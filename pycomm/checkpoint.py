@@ -46,11 +46,12 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from pycomm.hooks import HookState
 from pycomm.wrap import _ATTR, _params_signature
 
-__all__ = ["load", "save"]
+__all__ = ["gather_hook_state", "load", "load_hook_state", "save"]
 
 logger = logging.getLogger(__name__)
 
 FORMAT = "pycomm.checkpoint/1"
+GATHERED = "pycomm.hook_state/1"
 
 PathLike = Union[str, "os.PathLike[str]"]
 
@@ -248,3 +249,82 @@ def load(path: PathLike, ddp: DDP, optimizer: Optional[torch.optim.Optimizer]) -
         state.load_state_dict(hook_sd)
     logger.info("pycomm.checkpoint: loaded %s (rank %d of %d)", path, rank, world)
     return dict(ckpt["extra"])
+
+
+def _state_of(where: str, obj: Any) -> HookState:
+    state = _hook(obj) if isinstance(obj, DDP) else obj
+    if not isinstance(state, HookState):
+        raise TypeError(
+            f"pycomm.checkpoint.{where}: got a {type(obj).__name__}, expected a DDP model with a "
+            "pycomm hook or a pycomm hook state"
+        )
+    return state
+
+
+def _to_cpu(obj: Any) -> Any:
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().cpu()
+    if isinstance(obj, dict):
+        return {k: _to_cpu(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_to_cpu(v) for v in obj)
+    return obj
+
+
+def _to_device(obj: Any, device: torch.device) -> Any:
+    if isinstance(obj, torch.Tensor):
+        return obj.to(device)
+    if isinstance(obj, dict):
+        return {k: _to_device(v, device) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_to_device(v, device) for v in obj)
+    return obj
+
+
+def gather_hook_state(obj: Any) -> dict[str, Any]:
+    """Every rank's hook state, in rank order, on every rank: for checkpoints that one rank
+    writes (Lightning's, Accelerate's ``register_for_checkpointing``). A collective: every rank
+    of the hook's group calls it. Tensors come back on the CPU; the result holds N ranks'
+    residuals, so prefer :func:`save` (one file per rank) for large models.
+
+    Example:
+        >>> blob = pycomm.checkpoint.gather_hook_state(ddp)   # on every rank
+        >>> pycomm.checkpoint.load_hook_state(ddp, blob)        # each rank takes its own
+    """
+    state = _state_of("gather_hook_state", obj)
+    mine = _to_cpu(state.state_dict())
+    states: list[Any] = [None] * state.world_size
+    if state.world_size > 1:
+        dist.all_gather_object(states, mine, group=state.process_group)
+    else:
+        states[0] = mine
+    return {"format": GATHERED, "world_size": state.world_size, "states": states}
+
+
+def load_hook_state(obj: Any, gathered: dict[str, Any]) -> None:
+    """Load this rank's entry of :func:`gather_hook_state`'s result into the hook state.
+    Another world size, another hook or options, or an entry of another rank is a ValueError
+    naming it. Local: no collective.
+
+    Example:
+        >>> pycomm.checkpoint.load_hook_state(ddp, blob)
+    """
+    state = _state_of("load_hook_state", obj)
+    if not isinstance(gathered, dict) or gathered.get("format") != GATHERED:
+        raise ValueError(
+            "pycomm.checkpoint.load_hook_state: expected what gather_hook_state returned "
+            f"(format {GATHERED!r}), got a {type(gathered).__name__}"
+        )
+    rank, world = state.rank, state.world_size
+    if gathered["world_size"] != world:
+        raise ValueError(
+            f"pycomm.checkpoint.load_hook_state: the hook state was saved by "
+            f"world_size={gathered['world_size']} ranks, this process group has "
+            f"world_size={world}: the state is per rank and does not carry over"
+        )
+    device = getattr(state, "device", None)
+    params = getattr(state, "params", None) or getattr(state, "_params", None)
+    if params:
+        device = params[0].device
+    mine = gathered["states"][rank]
+    state.load_state_dict(mine if device is None else _to_device(mine, device))

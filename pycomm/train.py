@@ -15,6 +15,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from pycomm.hooks.accumulate import AccumulateState
+from pycomm.wrap import ddp_parameters
 
 logger = logging.getLogger(__name__)
 
@@ -98,6 +99,14 @@ class TrainLoop:
                 if accumulate_steps is None
                 else _check_positive_int("accumulate_steps", accumulate_steps)
             )
+        if k > 1 and self._stage is None and getattr(ddp, "static_graph", False):
+            raise ValueError(
+                f"pycomm.TrainLoop: accumulate_steps={k} on a DDP built with static_graph=True "
+                "and no pycomm accumulate stage: accumulating there needs DDP's no_sync(), "
+                "which a static graph does not support (DDP's reducer fails). Use "
+                f"pycomm.wrap(module, accumulate_steps={k}, static_graph=True) (pycomm's stage "
+                "accumulates without no_sync) or static_graph=False"
+            )
         if max_grad_norm is not None:
             if isinstance(max_grad_norm, bool) or not isinstance(max_grad_norm, (int, float)):
                 raise ValueError(
@@ -130,6 +139,8 @@ class TrainLoop:
         self._elapsed = 0.0  # seconds inside step()
         self._warned = False
         self._world = dist.get_world_size(ddp.process_group) if dist.is_initialized() else 1
+        # the parameters whose reduced gradients the hook's decode norm covers
+        self._reduced = {id(p) for p in ddp_parameters(ddp)}
         self._bar = None
         if progress and (not dist.is_initialized() or dist.get_rank() == 0):
             try:
@@ -196,6 +207,12 @@ class TrainLoop:
         ]
 
     def _hook_sqnorm(self) -> Optional[float]:
+        """The hook's norm, where it covers exactly the gradients the optimizer steps with
+        (not with parameters excluded from DDP, or left out of the optimizer)."""
+        params = [p for g in self.optimizer.param_groups for p in g["params"]]
+        stepped = {id(p) for p in params if p.grad is not None}
+        if not (stepped <= self._reduced <= {id(p) for p in params}):
+            return None
         state = self._stage if self._stage is not None else getattr(self.ddp, _ATTR, None)
         get = getattr(state, "reduced_sqnorm", None)
         return get() if get is not None else None

@@ -85,23 +85,33 @@ def _agree_across_ranks(where: str, fields: dict[str, Any], group) -> None:
             )
 
 
+def ddp_parameters(ddp: DDP) -> list[torch.Tensor]:
+    """The trainable parameters DDP reduces, in ``module.parameters()`` order: those excluded
+    from DDP (``_set_params_and_buffers_to_ignore_for_model``) are left out."""
+    ignored = getattr(ddp, "parameters_to_ignore", None) or ()
+    return [p for n, p in ddp.module.named_parameters() if p.requires_grad and n not in ignored]
+
+
 def _attach(ddp: DDP, hook: str, hook_options: dict[str, Any], accumulate_steps: int) -> HookState:
     state_cls, fn = HOOKS[hook]
     state = state_cls(ddp.process_group, **hook_options)
+    state.bind()
+    params = ddp_parameters(ddp)
     if hasattr(state, "bind_parameters"):  # the hook's own bucket layout (resumes bit for bit)
-        state.bind_parameters([p for p in ddp.module.parameters() if p.requires_grad])
+        state.bind_parameters(params)
     if accumulate_steps > 1:
         state = AccumulateState(
             state,
             fn,
             accumulate_steps,
-            [p for p in ddp.module.parameters() if p.requires_grad],
+            params,
             write_grads=ddp.find_unused_parameters and not ddp.gradient_as_bucket_view,
             bucket_view=ddp.gradient_as_bucket_view,
         )
         fn = accumulate_hook
     ddp.register_comm_hook(state, fn)
     setattr(ddp, _ATTR, state)
+    ddp.register_forward_pre_hook(_forward_guard)
     logger.info("pycomm: registered the %s hook with options %s", hook, state.options())
     return state
 
@@ -141,8 +151,41 @@ def register(
     return _attach(ddp, hook, hook_options, accumulate_steps)
 
 
+def _forward_guard(ddp: DDP, args: Any) -> None:
+    """Refuse, before DDP's forward, the setups that would run on silently wrong: this DDP
+    inside another one (every gradient reduced twice), and a caller skipping synchronization
+    (``no_sync()``) while pycomm's accumulate stage counts the micro-steps too. Every rank runs
+    the same forward, so every rank raises."""
+    outer = getattr(DDP, "_active_ddp_module", None)
+    state = getattr(ddp, _ATTR, None)
+    name = getattr(state, "hook_name", "?")
+    if outer is not None and outer is not ddp:
+        raise RuntimeError(
+            f"pycomm: this DistributedDataParallel model (with the pycomm {name} hook) runs "
+            "inside a second DistributedDataParallel (e.g. accelerator.prepare() or a Lightning "
+            "strategy after pycomm.wrap): every gradient would be all-reduced twice. Hand the "
+            "plain module to the framework and register the hook on its DDP instead "
+            "(pycomm.accelerate.register, pycomm.lightning.DDPStrategy, pycomm.register)"
+        )
+    k = getattr(state, "accumulate_steps", 1)
+    if k > 1 and torch.is_grad_enabled() and not ddp.require_backward_grad_sync:
+        raise RuntimeError(
+            f"pycomm: two gradient accumulators: this model has pycomm's accumulate stage "
+            f"(accumulate_steps={k}) and the caller also skips gradient synchronization "
+            "(DDP's no_sync(), as Lightning's accumulate_grad_batches and Accelerate's "
+            "accumulate() do), so the stage would miss micro-steps and the ranks drift apart. "
+            "Pass accumulate_steps=1 to pycomm and let the caller accumulate, or accumulate "
+            "with pycomm alone (pycomm.TrainLoop)"
+        )
+
+
 def _registration_problem(ddp: DDP) -> Optional[str]:
     """Why a hook cannot be registered on ``ddp`` now (the same text on every rank), or None."""
+    if isinstance(ddp.module, DDP):
+        return (
+            "this DDP model wraps another DistributedDataParallel: every gradient would be "
+            "all-reduced twice; build one DDP around the plain module"
+        )
     state = getattr(ddp, _ATTR, None)
     if state is not None:
         return (
@@ -210,6 +253,11 @@ def wrap(
     """
     hook_options = dict(hook_options or {})
     _check_args(hook, accumulate_steps)
+    if isinstance(module, DDP):
+        raise TypeError(
+            "pycomm.wrap: module is already a DistributedDataParallel; wrapping it again "
+            "would all-reduce every gradient twice: use pycomm.register(ddp, ...) on it"
+        )
     if not dist.is_initialized():
         raise RuntimeError("pycomm.wrap: no process group; call pycomm.init() first")
     _agree_across_ranks(

@@ -13,11 +13,13 @@ whose parameters live in other segments gets a new segment and their sums move i
 checkpoint stores the sums per parameter, so it does not depend on the layout either.
 """
 
+import weakref
 from collections.abc import Iterable
 from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from pycomm import ops
 from pycomm.hooks.state import HookState, check_bucket, completed
@@ -62,6 +64,41 @@ class _Segment:
         self.buffer = buffer
         self.offsets = offsets
         self.live = set(key)  # parameters whose sums live here (not moved to a newer segment)
+
+
+# id(parameter) -> the live stage accumulating it: optimizer.step() on such a parameter in the
+# middle of the stage's window steps with gradients that were never reduced across ranks.
+_STAGE_OF: "weakref.WeakValueDictionary[int, AccumulateState]" = weakref.WeakValueDictionary()
+_STEP_HOOK: list = []
+
+
+def _watch(stage: "AccumulateState") -> None:
+    for p in stage.params:
+        _STAGE_OF[id(p)] = stage
+    if not _STEP_HOOK:
+        _STEP_HOOK.append(register_optimizer_step_pre_hook(_check_step))
+
+
+def _check_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    """Refuse optimizer.step() inside an accumulation window (two accumulators: a framework or
+    loop deciding when to step while pycomm's stage decides when to communicate)."""
+    if not _STAGE_OF:
+        return
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            stage = _STAGE_OF.get(id(p))
+            if stage is None or stage.micro_step % stage.accumulate_steps == 0:
+                continue
+            k = stage.accumulate_steps
+            raise RuntimeError(
+                f"pycomm accumulate: optimizer.step() after micro-step "
+                f"{stage.micro_step % k} of a window of accumulate_steps={k}: the gradients "
+                f"are not reduced across ranks yet (pycomm's stage communicates on every "
+                f"{k}-th backward). Two accumulators: when a framework or your loop decides "
+                "when to step (Lightning's accumulate_grad_batches, Accelerate's "
+                "gradient_accumulation_steps), pass accumulate_steps=1 to pycomm; else step "
+                f"once every {k} backward passes (pycomm.TrainLoop does)"
+            )
 
 
 class AccumulateState(HookState):
@@ -120,6 +157,8 @@ class AccumulateState(HookState):
         self._segments: dict[tuple[int, ...], _Segment] = {}
         self._home: dict[int, _Segment] = {}  # parameter index -> segment holding its sum
         self._pending: Optional[dict[int, torch.Tensor]] = None  # loaded sums, placed lazily
+        if accumulate_steps > 1:
+            _watch(self)
 
     # --- what the loop reads ------------------------------------------------------------
 
@@ -229,6 +268,8 @@ class AccumulateState(HookState):
                 sums.update({i: t.clone() for i, t in self._pending.items()})
         return {
             "fingerprint": self.fingerprint(),
+            "rank": self.rank,
+            "world_size": self.world_size,
             "micro_step": self.micro_step,
             "sums": sums,
             "inner": self.inner.state_dict() if hasattr(self.inner, "state_dict") else {},

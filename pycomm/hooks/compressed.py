@@ -258,7 +258,6 @@ class CompressedState(HookState):
         self._stats.update(nonfinite_buckets=0, residual_bytes=0, rebucketed_steps=0)
         self.last_sqnorm = 0.0
         self.device = torch.device("cpu")  # of the buckets; set by the hook
-        self._phases = _phase_groups(process_group) if self.world_size > 1 else None
         # With the model's parameters bound (pycomm.wrap does), the hook keeps its own bucket
         # layout: DDP's buckets as they were at the first compressed step, as parameter
         # positions. Residuals, blocks and chunks follow it, so a freshly built DDP that
@@ -270,6 +269,12 @@ class CompressedState(HookState):
         self._layout_index: dict[tuple[int, ...], int] = {}
         self._recording = False
         self._rebucket: Optional[_Rebucket] = None
+
+    _phases: Optional[_PhaseGroups] = None  # set when the state binds to its group
+
+    def _bound(self) -> None:
+        if self.world_size > 1:
+            self._phases = _phase_groups(self.process_group)
 
     def bind_parameters(self, params: list[torch.Tensor]) -> None:
         """The model's trainable parameters in ``module.parameters()`` order: names buckets

@@ -36,8 +36,12 @@ class HookState:
 
     def __init__(self, process_group: Optional[dist.ProcessGroup] = None) -> None:
         self.process_group = process_group
-        self.world_size = dist.get_world_size(process_group)
-        self.rank = dist.get_rank(process_group)
+        # Bound to the group's size and this rank now if the group exists, else at the first
+        # hook call (or pycomm.register): frameworks build the state before the group.
+        self._world_size: Optional[int] = None
+        self._rank: Optional[int] = None
+        if dist.is_available() and dist.is_initialized():
+            self.bind()
         self._stats: dict[str, Any] = {
             "steps": 0,
             "buckets": 0,
@@ -46,6 +50,43 @@ class HookState:
             "bytes_fp32": 0,
             "compression": 1.0,
         }
+
+    def bind(self) -> None:
+        """Bind the state to its process group (world size, rank, and what a subclass needs,
+        such as the compressed hooks' phase groups). Idempotent; every rank must bind at the
+        same point (the first hook call, or registration), since it may create groups.
+
+        Example:
+            >>> state = pycomm.hooks.Int8State(None)  # before init_process_group: unbound
+            >>> pycomm.init(); state.bind()            # or let the first hook call bind it
+        """
+        if self._world_size is not None:
+            return
+        if not (dist.is_available() and dist.is_initialized()):
+            raise RuntimeError(
+                f"pycomm {self.hook_name} hook: the state is used before the process group "
+                "exists; call pycomm.init() (or let the framework start it) first"
+            )
+        self._rank = dist.get_rank(self.process_group)
+        self._world_size = dist.get_world_size(self.process_group)
+        self._bound()
+
+    def _bound(self) -> None:
+        """What a subclass sets up once the group is known (called once, from :meth:`bind`)."""
+
+    @property
+    def world_size(self) -> int:
+        """The process group's size (binds the state on first use)."""
+        if self._world_size is None:
+            self.bind()
+        return self._world_size
+
+    @property
+    def rank(self) -> int:
+        """This rank in the process group (binds the state on first use)."""
+        if self._rank is None:
+            self.bind()
+        return self._rank
 
     @property
     def stats(self) -> dict[str, Any]:
@@ -78,8 +119,14 @@ class HookState:
         return None
 
     def state_dict(self) -> dict[str, Any]:
-        """Counters and config fingerprint; subclasses add their tensors."""
-        return {"fingerprint": self.fingerprint(), "stats": dict(self.stats)}
+        """Counters, config fingerprint, and the rank and world size the state belongs to
+        (error-feedback residuals differ per rank); subclasses add their tensors."""
+        return {
+            "fingerprint": self.fingerprint(),
+            "rank": self.rank,
+            "world_size": self.world_size,
+            "stats": dict(self.stats),
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state_dict`; a checkpoint of another hook or config is refused."""
@@ -87,7 +134,8 @@ class HookState:
         self._stats = dict(state["stats"])
 
     def check_fingerprint(self, state: dict[str, Any]) -> None:
-        """Refuse (ValueError naming the field) a checkpoint of another hook or config."""
+        """Refuse (ValueError naming the field) a checkpoint of another hook or config, or
+        the state of another rank."""
         mine, theirs = self.fingerprint(), state.get("fingerprint", {})
         for key in sorted(set(mine) | set(theirs)):
             if mine.get(key) != theirs.get(key):
@@ -95,6 +143,24 @@ class HookState:
                     f"pycomm: cannot load hook state: {key} is {theirs.get(key)!r} in the "
                     f"checkpoint but {mine.get(key)!r} here"
                 )
+        check_owner(self.hook_name, state, self.rank, self.world_size)
+
+
+def check_owner(hook: str, state: dict[str, Any], rank: int, world_size: int) -> None:
+    """Refuse (ValueError naming both) a state dict saved by another rank or world size.
+    State dicts of older versions, which did not record their rank, are accepted."""
+    saved_rank, saved_world = state.get("rank"), state.get("world_size")
+    if saved_world is not None and saved_world != world_size:
+        raise ValueError(
+            f"pycomm {hook} hook: cannot load hook state of world_size={saved_world} into "
+            f"world_size={world_size}: the state is per rank"
+        )
+    if saved_rank is not None and saved_rank != rank:
+        raise ValueError(
+            f"pycomm {hook} hook: cannot load the hook state of rank {saved_rank} on rank "
+            f"{rank}: error-feedback residuals differ per rank; hand each rank its own "
+            "(pycomm.checkpoint.load_hook_state does)"
+        )
 
 
 def check_bucket(hook: str, bucket: dist.GradBucket) -> torch.Tensor:
