@@ -224,6 +224,7 @@ def _rank_accelerate(tmp):
     m = _accelerate_run(acc, register=lambda m: pycomm.register(m, hook="int8"), epochs=1)
     acc.register_for_checkpointing(pycomm.hook_state(m))
     acc.save_state(f"{tmp}/raw")
+    acc.wait_for_everyone()  # rank 0 writes the files every rank reads
     out["raw_load"] = _error(lambda: acc.load_state(f"{tmp}/raw"))
 
     # two accumulators
