@@ -5,6 +5,7 @@
 #include <ATen/MemoryOverlap.h>
 
 #include <optional>
+#include <utility>
 #include <string>
 #include <vector>
 
@@ -118,8 +119,9 @@ inline void check_encoder(const char* op, const at::Tensor& x,
   const auto& b = *residual_out;
   TORCH_CHECK(b.scalar_type() == a.scalar_type(), op, ": residual_out has dtype ",
               b.scalar_type(), ", expected ", a.scalar_type(), " like residual");
-  TORCH_CHECK(numel == 0 || a.data_ptr() == b.data_ptr() ||
-                  at::get_overlap_status(a, b) == at::MemOverlapStatus::No,
+  // (no data pointers: the Meta kernels run this on tensors without data)
+  const bool same = a.is_alias_of(b) && a.storage_offset() == b.storage_offset();
+  TORCH_CHECK(numel == 0 || same || at::get_overlap_status(a, b) == at::MemOverlapStatus::No,
               op, ": residual_out overlaps residual, expected separate tensors (or the same one)");
 }
 
@@ -167,7 +169,7 @@ inline void check_out(const char* op, const at::Tensor& out, const char* ref_arg
               ", expected a contiguous tensor");
 }
 
-// scales: [R, m / block] laid out as `layout` allows, of dtype want, on ref's device.
+// scales: [R, m / block], rows contiguous, of dtype want, on ref's device.
 inline void check_scales(const char* op, const at::Tensor& scales, at::ScalarType want,
                          const char* ref_arg, const at::Tensor& ref, int64_t rows, int64_t m,
                          int64_t block) {
@@ -181,6 +183,111 @@ inline void check_scales(const char* op, const at::Tensor& scales, at::ScalarTyp
               ": scales has shape ", scales.sizes(), ", expected [", rows, ", ", m / block,
               "] ([R, m / block])");
   check_row_layout(op, "scales", scales);
+}
+
+// --- each op's whole argument contract ------------------------------------------------------
+// The CPU, CUDA and Meta kernels of an op call the same function here, so every device and
+// FakeTensorMode accept the same inputs and refuse the others with the same message.
+
+// flat: [sum numel] 1-D contiguous float. tensors: [N] float tensors, one dtype, flat's device.
+// Returns each tensor's offset into flat and, last, their total numel.
+inline std::vector<int64_t> check_pack_into(const char* op, const at::Tensor& flat,
+                                            at::TensorList tensors) {
+  std::vector<int64_t> offsets = check_list(op, tensors);
+  check_flat(op, flat);
+  check_flat_total(op, flat, tensors, offsets.back());
+  return offsets;
+}
+
+// tensors: as pack_into_'s. Returns the output's dtype (dtype, else the tensors') and numel.
+inline std::pair<at::ScalarType, int64_t> check_pack(at::TensorList tensors,
+                                                     std::optional<at::ScalarType> dtype) {
+  const auto in_type = tensors.empty() ? at::kFloat : tensors[0].scalar_type();
+  const auto out_type = dtype.value_or(in_type);
+  TORCH_CHECK(!dtype || is_supported_float(*dtype), "pycomm.pack: dtype is ", out_type,
+              ", expected Float, Half or BFloat16");
+  return {out_type, check_list("pycomm.pack", tensors).back()};
+}
+
+// flat, tensors: as pack_into_'s (flat checked first). Returns the offsets and the total.
+inline std::vector<int64_t> check_unpack(const at::Tensor& flat, at::TensorList tensors) {
+  constexpr const char* op = "pycomm.unpack_";
+  check_flat(op, flat);
+  std::vector<int64_t> offsets = check_list(op, tensors);
+  check_flat_total(op, flat, tensors, offsets.back());
+  return offsets;
+}
+
+// dst: Float or src's dtype. src: float dtype, dst's shape and device.
+inline void check_accumulate(const at::Tensor& dst, const at::Tensor& src) {
+  constexpr const char* op = "pycomm.accumulate_";
+  check_float(op, "dst", dst);
+  check_float(op, "src", src);
+  TORCH_CHECK(dst.scalar_type() == at::kFloat || dst.scalar_type() == src.scalar_type(), op,
+              ": dst has dtype ", dst.scalar_type(), ", expected Float or src's dtype ",
+              src.scalar_type());
+  check_same_device(op, "src", src, "dst", dst);
+  TORCH_CHECK(dst.sizes() == src.sizes(), op, ": src has shape ", src.sizes(),
+              ", expected dst's shape ", dst.sizes());
+}
+
+// t: any float tensor.
+inline void check_scale(const at::Tensor& t) { check_float("pycomm.scale_", "t", t); }
+
+// x, residual, residual_out: as check_encoder. dtype: Half or BFloat16.
+inline void check_encode16(const at::Tensor& x, const std::optional<at::Tensor>& residual,
+                           at::ScalarType dtype, int64_t numel,
+                           const std::optional<at::Tensor>& residual_out) {
+  constexpr const char* op = "pycomm.encode16";
+  check_encoder(op, x, residual, numel, residual_out);
+  TORCH_CHECK(dtype == at::kHalf || dtype == at::kBFloat16, op, ": dtype is ", dtype,
+              ", expected Half or BFloat16");
+}
+
+// As check_encoder, and block >= 1 dividing numel (and a multiple of 8 for 1-bit codes).
+inline void check_quantize(const char* op, const at::Tensor& x,
+                           const std::optional<at::Tensor>& residual, int64_t block, int64_t numel,
+                           const std::optional<at::Tensor>& residual_out, int64_t multiple_of) {
+  check_encoder(op, x, residual, numel, residual_out);
+  check_block(op, block, numel, multiple_of);
+}
+
+// chunks: [R, m] Half/BFloat16, rows contiguous. out: contiguous float, numel <= m.
+inline void check_decode16_sum(const at::Tensor& chunks, const at::Tensor& out) {
+  constexpr const char* op = "pycomm.decode16_sum";
+  check_rows(op, "chunks", chunks,
+             chunks.scalar_type() == at::kHalf || chunks.scalar_type() == at::kBFloat16,
+             "Half or BFloat16");
+  check_out(op, out, "chunks", chunks, chunks.size(1));
+}
+
+// codes: [R, m] int8, rows contiguous, m % block == 0. scales: [R, m / block] fp32. out: as
+// decode16_sum's.
+inline void check_dequantize_int8_sum(const at::Tensor& codes, const at::Tensor& scales,
+                                      int64_t block, const at::Tensor& out) {
+  constexpr const char* op = "pycomm.dequantize_int8_sum";
+  check_rows(op, "codes", codes, codes.scalar_type() == at::kChar, "Char (int8)");
+  const int64_t rows = codes.size(0), m = codes.size(1);
+  TORCH_CHECK(block >= 1, op, ": block is ", block, ", expected >= 1");
+  TORCH_CHECK(m % block == 0, op, ": codes has m = ", m,
+              " columns, expected a multiple of block = ", block);
+  check_scales(op, scales, at::kFloat, "codes", codes, rows, m, block);
+  check_out(op, out, "codes", codes, m);
+}
+
+// bits: [R, m / 8] uint8, rows contiguous, m % block == 0, block % 8 == 0. scales:
+// [R, m / block] bf16. out: as decode16_sum's.
+inline void check_dequantize_onebit_sum(const at::Tensor& bits, const at::Tensor& scales,
+                                        int64_t block, const at::Tensor& out) {
+  constexpr const char* op = "pycomm.dequantize_onebit_sum";
+  check_rows(op, "bits", bits, bits.scalar_type() == at::kByte, "Byte (uint8)");
+  const int64_t rows = bits.size(0), m = bits.size(1) * 8;
+  TORCH_CHECK(block >= 1, op, ": block is ", block, ", expected >= 1");
+  TORCH_CHECK(block % 8 == 0, op, ": block is ", block, ", expected a multiple of 8");
+  TORCH_CHECK(m % block == 0, op, ": bits has m = ", m,
+              " elements (8 per column), expected a multiple of block = ", block);
+  check_scales(op, scales, at::kBFloat16, "bits", bits, rows, m, block);
+  check_out(op, out, "bits", bits, m);
 }
 
 }  // namespace pycomm

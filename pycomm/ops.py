@@ -12,6 +12,8 @@ from typing import Optional
 
 import torch
 
+from pycomm import _checks
+
 REBUILD = "pip install --no-build-isolation -e .  (from the pycomm checkout; or `make install`)"
 
 
@@ -75,85 +77,72 @@ def _cpu_has_avx2() -> bool:
 _C = _load_extension()
 WITH_CUDA: bool = bool(_C.WITH_CUDA)
 
-_FLOATS = (torch.float32, torch.float16, torch.bfloat16)
 
-
-def _check_float(op: str, arg: str, t: torch.Tensor) -> None:
-    if t.dtype not in _FLOATS:
-        raise RuntimeError(f"{op}: {arg} has dtype {t.dtype}, expected Float, Half or BFloat16")
-
-
-def _check_list(op: str, tensors: Sequence[torch.Tensor]) -> int:
-    for i, t in enumerate(tensors):
-        _check_float(op, f"tensors[{i}]", t)
-        if i and t.dtype != tensors[0].dtype:
-            raise RuntimeError(
-                f"{op}: tensors[{i}] has dtype {t.dtype}, expected {tensors[0].dtype} like "
-                f"tensors[0] (one dtype per call)"
-            )
-        if i and t.device != tensors[0].device:
-            raise RuntimeError(
-                f"{op}: tensors[{i}] is on {t.device}, expected {tensors[0].device} like tensors[0]"
-            )
-    return sum(t.numel() for t in tensors)
-
-
-# The fake kernels check what the C++ kernels check, so that meta tensors and torch.compile
-# reject the same inputs with the same messages.
+# The fake kernels run pycomm._checks, a line-for-line port of csrc/checks.h with the same
+# messages, so that meta tensors and torch.compile refuse the same inputs in the same words.
 @torch.library.register_fake("pycomm::pack")
 def _pack_fake(tensors, scale=1.0, dtype=None):
-    total = _check_list("pycomm.pack", tensors)
-    out = dtype or (tensors[0].dtype if tensors else torch.float32)
-    if out not in _FLOATS:
-        raise RuntimeError(f"pycomm.pack: dtype is {out}, expected Float, Half or BFloat16")
-    return tensors[0].new_empty(total, dtype=out)
-
-
-def _check_flat(op: str, flat, tensors) -> None:
-    total = _check_list(op, tensors)
-    _check_float(op, "flat", flat)
-    if flat.dim() != 1 or flat.numel() != total:
-        raise RuntimeError(
-            f"{op}: flat has shape {tuple(flat.shape)}, expected ({total},) "
-            f"(the total numel of tensors)"
-        )
-    if tensors and tensors[0].device != flat.device:
-        raise RuntimeError(
-            f"{op}: tensors[0] is on {tensors[0].device}, expected {flat.device} like flat"
-        )
+    out, total = _checks.check_pack(tensors, dtype)
+    return tensors[0].new_empty(total, dtype=out) if len(tensors) else torch.empty(0, dtype=out)
 
 
 @torch.library.register_fake("pycomm::pack_into_")
 def _pack_into_fake(flat, tensors, scale=1.0):
-    _check_flat("pycomm.pack_into_", flat, tensors)
+    _checks.check_pack_into("pycomm.pack_into_", flat, tensors)
 
 
 @torch.library.register_fake("pycomm::unpack_")
 def _unpack_fake(flat, tensors, scale=1.0):
-    _check_flat("pycomm.unpack_", flat, tensors)
+    _checks.check_unpack(flat, tensors)
 
 
 @torch.library.register_fake("pycomm::accumulate_")
 def _accumulate_fake(dst, src, alpha=1.0):
-    _check_float("pycomm.accumulate_", "dst", dst)
-    _check_float("pycomm.accumulate_", "src", src)
-    if dst.dtype not in (torch.float32, src.dtype):
-        raise RuntimeError(
-            f"pycomm.accumulate_: dst has dtype {dst.dtype}, expected Float or src's dtype "
-            f"{src.dtype}"
-        )
-    if dst.device != src.device:
-        raise RuntimeError(f"pycomm.accumulate_: src is on {src.device}, expected {dst.device}")
-    if dst.shape != src.shape:
-        raise RuntimeError(
-            f"pycomm.accumulate_: src has shape {tuple(src.shape)}, expected dst's shape "
-            f"{tuple(dst.shape)}"
-        )
+    _checks.check_accumulate(dst, src)
 
 
 @torch.library.register_fake("pycomm::scale_")
 def _scale_fake(t, scale):
-    _check_float("pycomm.scale_", "t", t)
+    _checks.check_scale(t)
+
+
+@torch.library.register_fake("pycomm::encode16")
+def _encode16_fake(x, residual, scale, dtype, numel, residual_out=None):
+    _checks.check_encode16(x, residual, dtype, numel, residual_out)
+    return x.new_empty(numel, dtype=dtype)
+
+
+@torch.library.register_fake("pycomm::quantize_int8")
+def _quantize_int8_fake(x, residual, scale, block, numel, residual_out=None):
+    _checks.check_quantize("pycomm.quantize_int8", x, residual, block, numel, residual_out, 1)
+    return x.new_empty(numel, dtype=torch.int8), x.new_empty(numel // block, dtype=torch.float32)
+
+
+@torch.library.register_fake("pycomm::quantize_onebit")
+def _quantize_onebit_fake(x, residual, scale, block, numel, residual_out=None):
+    _checks.check_quantize("pycomm.quantize_onebit", x, residual, block, numel, residual_out, 8)
+    return (
+        x.new_empty(numel // 8, dtype=torch.uint8),
+        x.new_empty(numel // block, dtype=torch.bfloat16),
+    )
+
+
+@torch.library.register_fake("pycomm::decode16_sum")
+def _decode16_sum_fake(chunks, scale, out):
+    _checks.check_decode16_sum(chunks, out)
+    return out.new_empty(2, dtype=torch.float64)
+
+
+@torch.library.register_fake("pycomm::dequantize_int8_sum")
+def _dequantize_int8_sum_fake(codes, scales, block, scale, out):
+    _checks.check_dequantize_int8_sum(codes, scales, block, out)
+    return out.new_empty(2, dtype=torch.float64)
+
+
+@torch.library.register_fake("pycomm::dequantize_onebit_sum")
+def _dequantize_onebit_sum_fake(bits, scales, block, scale, out):
+    _checks.check_dequantize_onebit_sum(bits, scales, block, out)
+    return out.new_empty(2, dtype=torch.float64)
 
 
 def pack(
@@ -205,161 +194,6 @@ def scale_(t: torch.Tensor, scale: float) -> None:
         >>> pycomm.ops.scale_(bucket, 1 / world_size)
     """
     torch.ops.pycomm.scale_(t, float(scale))
-
-
-# --- compression codecs (arithmetic: pycomm.reference) ------------------------------------
-
-
-def _check_residual(op: str, arg: str, r, x, numel: int) -> None:
-    if r.dtype not in (torch.float32, torch.bfloat16):
-        raise RuntimeError(f"{op}: {arg} has dtype {r.dtype}, expected Float or BFloat16")
-    if r.device != x.device:
-        raise RuntimeError(f"{op}: {arg} is on {r.device}, expected {x.device} like x")
-    if r.numel() != numel:
-        raise RuntimeError(f"{op}: {arg} has {r.numel()} elements, expected numel = {numel}")
-    if not r.is_contiguous():
-        raise RuntimeError(f"{op}: {arg} has strides {r.stride()}, expected a contiguous tensor")
-
-
-def _check_encoder(op: str, x, residual, numel: int, residual_out=None) -> None:
-    _check_float(op, "x", x)
-    if numel < x.numel():
-        raise RuntimeError(f"{op}: numel is {numel}, expected >= x.numel() = {x.numel()}")
-    if residual is not None:
-        _check_residual(op, "residual", residual, x, numel)
-    if residual_out is None:
-        return
-    if residual is None:
-        raise RuntimeError(
-            f"{op}: residual_out is given without residual, expected both or residual alone"
-        )
-    _check_residual(op, "residual_out", residual_out, x, numel)
-    if residual_out.dtype != residual.dtype:
-        raise RuntimeError(
-            f"{op}: residual_out has dtype {residual_out.dtype}, expected {residual.dtype} "
-            "like residual"
-        )
-
-
-def _check_block(op: str, block: int, numel: int, multiple_of: int) -> None:
-    if block < 1:
-        raise RuntimeError(f"{op}: block is {block}, expected >= 1")
-    if block % multiple_of:
-        raise RuntimeError(f"{op}: block is {block}, expected a multiple of {multiple_of}")
-    if numel % block:
-        raise RuntimeError(f"{op}: numel is {numel}, expected a multiple of block = {block}")
-
-
-def _check_rows(op: str, arg: str, t, dtypes, expected: str) -> None:
-    if t.dtype not in dtypes:
-        raise RuntimeError(f"{op}: {arg} has dtype {t.dtype}, expected {expected}")
-    if t.dim() != 2:
-        raise RuntimeError(f"{op}: {arg} has shape {list(t.shape)}, expected a 2-D [R, m] tensor")
-    if t.shape[0] < 1:
-        raise RuntimeError(f"{op}: {arg} has shape {list(t.shape)}, expected R >= 1 rows")
-    _check_row_major(op, arg, t)
-
-
-def _check_row_major(op: str, arg: str, t) -> None:
-    rows, cols = t.shape
-    if (cols > 1 and t.stride(1) != 1) or (rows > 1 and t.stride(0) < cols):
-        raise RuntimeError(
-            f"{op}: {arg} has shape {list(t.shape)} and strides {list(t.stride())}, expected "
-            "contiguous rows (stride 1 within a row, rows apart by >= a row)"
-        )
-
-
-def _check_scales(op: str, scales, dtype, ref_arg: str, ref, rows: int, m: int, block: int):
-    if scales.dtype != dtype:
-        raise RuntimeError(f"{op}: scales has dtype {scales.dtype}, expected {dtype}")
-    if scales.device != ref.device:
-        raise RuntimeError(
-            f"{op}: scales is on {scales.device}, expected {ref.device} like {ref_arg}"
-        )
-    if scales.dim() != 2 or tuple(scales.shape) != (rows, m // block):
-        raise RuntimeError(
-            f"{op}: scales has shape {list(scales.shape)}, expected [{rows}, {m // block}] "
-            f"([R, m / block])"
-        )
-    _check_row_major(op, "scales", scales)
-
-
-def _check_out(op: str, out, ref_arg: str, ref, m: int) -> None:
-    _check_float(op, "out", out)
-    if out.device != ref.device:
-        raise RuntimeError(f"{op}: out is on {out.device}, expected {ref.device} like {ref_arg}")
-    if out.numel() > m:
-        raise RuntimeError(f"{op}: out has {out.numel()} elements, expected <= m = {m}")
-    if not out.is_contiguous():
-        raise RuntimeError(f"{op}: out has strides {out.stride()}, expected a contiguous tensor")
-
-
-@torch.library.register_fake("pycomm::encode16")
-def _encode16_fake(x, residual, scale, dtype, numel, residual_out=None):
-    _check_encoder("pycomm.encode16", x, residual, numel, residual_out)
-    if dtype not in (torch.float16, torch.bfloat16):
-        raise RuntimeError(f"pycomm.encode16: dtype is {dtype}, expected Half or BFloat16")
-    return x.new_empty(numel, dtype=dtype)
-
-
-@torch.library.register_fake("pycomm::quantize_int8")
-def _quantize_int8_fake(x, residual, scale, block, numel, residual_out=None):
-    _check_encoder("pycomm.quantize_int8", x, residual, numel, residual_out)
-    _check_block("pycomm.quantize_int8", block, numel, 1)
-    return x.new_empty(numel, dtype=torch.int8), x.new_empty(numel // block, dtype=torch.float32)
-
-
-@torch.library.register_fake("pycomm::quantize_onebit")
-def _quantize_onebit_fake(x, residual, scale, block, numel, residual_out=None):
-    _check_encoder("pycomm.quantize_onebit", x, residual, numel, residual_out)
-    _check_block("pycomm.quantize_onebit", block, numel, 8)
-    return (
-        x.new_empty(numel // 8, dtype=torch.uint8),
-        x.new_empty(numel // block, dtype=torch.bfloat16),
-    )
-
-
-@torch.library.register_fake("pycomm::decode16_sum")
-def _decode16_sum_fake(chunks, scale, out):
-    op = "pycomm.decode16_sum"
-    _check_rows(op, "chunks", chunks, (torch.float16, torch.bfloat16), "Half or BFloat16")
-    _check_out(op, out, "chunks", chunks, chunks.shape[1])
-    return out.new_empty(2, dtype=torch.float64)
-
-
-@torch.library.register_fake("pycomm::dequantize_int8_sum")
-def _dequantize_int8_sum_fake(codes, scales, block, scale, out):
-    op = "pycomm.dequantize_int8_sum"
-    _check_rows(op, "codes", codes, (torch.int8,), "Char (int8)")
-    rows, m = codes.shape
-    if block < 1:
-        raise RuntimeError(f"{op}: block is {block}, expected >= 1")
-    if m % block:
-        raise RuntimeError(
-            f"{op}: codes has m = {m} columns, expected a multiple of block = {block}"
-        )
-    _check_scales(op, scales, torch.float32, "codes", codes, rows, m, block)
-    _check_out(op, out, "codes", codes, m)
-    return out.new_empty(2, dtype=torch.float64)
-
-
-@torch.library.register_fake("pycomm::dequantize_onebit_sum")
-def _dequantize_onebit_sum_fake(bits, scales, block, scale, out):
-    op = "pycomm.dequantize_onebit_sum"
-    _check_rows(op, "bits", bits, (torch.uint8,), "Byte (uint8)")
-    rows, m = bits.shape[0], bits.shape[1] * 8
-    if block < 1:
-        raise RuntimeError(f"{op}: block is {block}, expected >= 1")
-    if block % 8:
-        raise RuntimeError(f"{op}: block is {block}, expected a multiple of 8")
-    if m % block:
-        raise RuntimeError(
-            f"{op}: bits has m = {m} elements (8 per column), expected a multiple of "
-            f"block = {block}"
-        )
-    _check_scales(op, scales, torch.bfloat16, "bits", bits, rows, m, block)
-    _check_out(op, out, "bits", bits, m)
-    return out.new_empty(2, dtype=torch.float64)
 
 
 def encode16(

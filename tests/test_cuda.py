@@ -808,6 +808,13 @@ _BAD = [
         "dequantize_onebit_sum",
         lambda: (torch.zeros(2, 2).byte(), torch.ones(2, 2), 8, 1.0, torch.empty(16)),
     ),
+    ("pack_into_", lambda: (torch.ones(10)[::2], [torch.ones(5)], 1.0)),  # strided flat
+    ("pack_into_", lambda: (torch.ones(4), [torch.ones(5)], 1.0)),  # short flat
+    ("pack_into_", lambda: (torch.ones(5), [torch.ones(5).long()], 1.0)),
+    (
+        "dequantize_int8_sum",  # columns of a row-major tensor are not rows
+        lambda: (torch.zeros(16, 2).char().t(), torch.ones(2, 2), 8, 1.0, torch.empty(16)),
+    ),
 ]
 
 
@@ -820,6 +827,33 @@ def test_bad_input_same_message_as_cpu(be, name, make):
     first = str(cpu.value).splitlines()[0]
     assert str(dev.value).splitlines()[0] == first
     assert re.match(r"pycomm\.\w+: ", first), first
+
+
+@pytest.mark.parametrize("name, make", _BAD, ids=[f"{n}-{i}" for i, (n, _) in enumerate(_BAD)])
+def test_bad_input_same_message_in_fake_mode(name, make):
+    # the fakes (what FakeTensorMode and torch.compile run) port csrc/checks.h: same messages
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.utils._pytree import tree_map
+
+    op = getattr(torch.ops.pycomm, name)
+    with pytest.raises(RuntimeError) as real:
+        op(*make())
+    mode = FakeTensorMode()
+    args = tree_map(lambda a: mode.from_tensor(a) if isinstance(a, torch.Tensor) else a, make())
+    with mode, pytest.raises(RuntimeError) as fake:
+        op(*args)
+    assert str(fake.value).splitlines()[0] == str(real.value).splitlines()[0]
+
+
+def test_fakes_give_the_kernels_shapes():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    x, r = torch.randn(20, 16), torch.zeros(320)
+    want = ops.quantize_onebit(x, r.clone(), 1.0, 64, 320)
+    with FakeTensorMode() as mode:
+        got = ops.quantize_onebit(mode.from_tensor(x), mode.from_tensor(r), 1.0, 64, 320)
+    for g, w in zip(got, want):
+        assert (g.shape, g.dtype, g.device) == (w.shape, w.dtype, w.device)
 
 
 # --- only on a GPU: devices, streams, opcheck, the hooks ------------------------------------

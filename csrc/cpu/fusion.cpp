@@ -73,9 +73,7 @@ std::vector<char> contiguous_flags(at::TensorList tensors) {
 // dtype, one device, any shapes/strides. flat[offset_i : offset_i + numel_i] = tensors[i] * s.
 void pack_into_impl(const char* op, const at::Tensor& flat, at::TensorList tensors,
                     double scale) {
-  const std::vector<int64_t> offsets = check_list(op, tensors);
-  check_flat(op, flat);
-  check_flat_total(op, flat, tensors, offsets.back());
+  const std::vector<int64_t> offsets = check_pack_into(op, flat, tensors);
   if (tensors.empty()) return;
   const std::vector<char> contiguous = contiguous_flags(tensors);
   const float s = static_cast<float>(scale);
@@ -103,12 +101,7 @@ void pack_into_cpu(const at::Tensor& flat, at::TensorList tensors, double scale)
 
 // tensors: as pack_into_. returns: [sum numel] contiguous, dtype `dtype` or the tensors'.
 at::Tensor pack_cpu(at::TensorList tensors, double scale, std::optional<at::ScalarType> dtype) {
-  const auto in_type = tensors.empty() ? at::kFloat : tensors[0].scalar_type();
-  const auto out_type = dtype.value_or(in_type);
-  TORCH_CHECK(!dtype || is_supported_float(*dtype), "pycomm.pack: dtype is ", out_type,
-              ", expected Float, Half or BFloat16");
-  int64_t total = 0;
-  for (const auto& t : tensors) total += t.numel();
+  const auto [out_type, total] = check_pack(tensors, dtype);
   const auto options = tensors.empty() ? at::TensorOptions(at::kCPU) : tensors[0].options();
   at::Tensor flat = at::empty({total}, options.dtype(out_type));
   pack_into_impl("pycomm.pack", flat, tensors, scale);
@@ -117,10 +110,7 @@ at::Tensor pack_cpu(at::TensorList tensors, double scale, std::optional<at::Scal
 
 // flat: [sum numel] contiguous float. tensors: [N] tensors, one float dtype, flat's device.
 void unpack_cpu(const at::Tensor& flat, at::TensorList tensors, double scale) {
-  constexpr const char* op = "pycomm.unpack_";
-  check_flat(op, flat);
-  const std::vector<int64_t> offsets = check_list(op, tensors);
-  check_flat_total(op, flat, tensors, offsets.back());
+  const std::vector<int64_t> offsets = check_unpack(flat, tensors);
   if (tensors.empty()) return;
   const std::vector<char> contiguous = contiguous_flags(tensors);
   const float s = static_cast<float>(scale);
@@ -143,15 +133,7 @@ void unpack_cpu(const at::Tensor& flat, at::TensorList tensors, double scale) {
 
 // dst: Float or src's dtype. src: float dtype, dst's shape and device.
 void accumulate_cpu(const at::Tensor& dst, const at::Tensor& src, double alpha) {
-  constexpr const char* op = "pycomm.accumulate_";
-  check_float(op, "dst", dst);
-  check_float(op, "src", src);
-  TORCH_CHECK(dst.scalar_type() == at::kFloat || dst.scalar_type() == src.scalar_type(), op,
-              ": dst has dtype ", dst.scalar_type(), ", expected Float or src's dtype ",
-              src.scalar_type());
-  check_same_device(op, "src", src, "dst", dst);
-  TORCH_CHECK(dst.sizes() == src.sizes(), op, ": src has shape ", src.sizes(),
-              ", expected dst's shape ", dst.sizes());
+  check_accumulate(dst, src);
   const float a = static_cast<float>(alpha);
   auto iter = at::TensorIteratorConfig()
                   .add_output(dst)
@@ -185,7 +167,7 @@ void accumulate_cpu(const at::Tensor& dst, const at::Tensor& src, double alpha) 
 
 // t: any float tensor, scaled in place.
 void scale_cpu(const at::Tensor& t, double scale) {
-  check_float("pycomm.scale_", "t", t);
+  check_scale(t);
   if (scale == 1.0 || t.numel() == 0) return;
   const float s = static_cast<float>(scale);
   dispatch_float(t.scalar_type(), [&](auto tag) {

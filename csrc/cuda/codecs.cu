@@ -393,10 +393,7 @@ void with_source(const at::Tensor& x, const std::optional<at::Tensor>& residual,
 at::Tensor encode16_cuda(const at::Tensor& x, const std::optional<at::Tensor>& residual,
                          double scale, at::ScalarType dtype, int64_t numel,
                          const std::optional<at::Tensor>& residual_out) {
-  constexpr const char* op = "pycomm.encode16";
-  check_encoder(op, x, residual, numel, residual_out);
-  TORCH_CHECK(dtype == at::kHalf || dtype == at::kBFloat16, op, ": dtype is ", dtype,
-              ", expected Half or BFloat16");
+  check_encode16(x, residual, dtype, numel, residual_out);
   at::Tensor out = at::empty({numel}, x.options().dtype(dtype));
   if (numel == 0) return out;
   const DeviceGuard guard(x.device());
@@ -422,9 +419,7 @@ at::Tensor encode16_cuda(const at::Tensor& x, const std::optional<at::Tensor>& r
 std::tuple<at::Tensor, at::Tensor> quantize_int8_cuda(
     const at::Tensor& x, const std::optional<at::Tensor>& residual, double scale, int64_t block,
     int64_t numel, const std::optional<at::Tensor>& residual_out) {
-  constexpr const char* op = "pycomm.quantize_int8";
-  check_encoder(op, x, residual, numel, residual_out);
-  check_block(op, block, numel, 1);
+  check_quantize("pycomm.quantize_int8", x, residual, block, numel, residual_out, 1);
   at::Tensor codes = at::empty({numel}, x.options().dtype(at::kChar));
   at::Tensor scales = at::empty({numel / block}, x.options().dtype(at::kFloat));
   if (numel == 0) return {codes, scales};
@@ -443,9 +438,7 @@ std::tuple<at::Tensor, at::Tensor> quantize_int8_cuda(
 std::tuple<at::Tensor, at::Tensor> quantize_onebit_cuda(
     const at::Tensor& x, const std::optional<at::Tensor>& residual, double scale, int64_t block,
     int64_t numel, const std::optional<at::Tensor>& residual_out) {
-  constexpr const char* op = "pycomm.quantize_onebit";
-  check_encoder(op, x, residual, numel, residual_out);
-  check_block(op, block, numel, 8);
+  check_quantize("pycomm.quantize_onebit", x, residual, block, numel, residual_out, 8);
   at::Tensor bits = at::empty({numel / 8}, x.options().dtype(at::kByte));
   at::Tensor scales = at::empty({numel / block}, x.options().dtype(at::kBFloat16));
   if (numel == 0) return {bits, scales};
@@ -636,12 +629,8 @@ at::Tensor sum_rows(const Rows& rows, int64_t nrows, double scale, const at::Ten
 // same device. out = scale * sum_r chunks[r, :out.numel()] (fp32, row order). Returns fp64 [2]
 // (see sum_rows).
 at::Tensor decode16_sum_cuda(const at::Tensor& chunks, double scale, const at::Tensor& out) {
-  constexpr const char* op = "pycomm.decode16_sum";
-  check_rows(op, "chunks", chunks,
-             chunks.scalar_type() == at::kHalf || chunks.scalar_type() == at::kBFloat16,
-             "Half or BFloat16");
-  const int64_t rows = chunks.size(0), m = chunks.size(1);
-  check_out(op, out, "chunks", chunks, m);
+  check_decode16_sum(chunks, out);
+  const int64_t rows = chunks.size(0);
   at::Tensor stats;
   dispatch_float(chunks.scalar_type(), [&](auto tag) {
     using T = decltype(tag);
@@ -656,14 +645,8 @@ at::Tensor decode16_sum_cuda(const at::Tensor& chunks, double scale, const at::T
 // contiguous. out: as decode16_sum. out = scale * sum_r codes[r] * scales[r] (per block).
 at::Tensor dequantize_int8_sum_cuda(const at::Tensor& codes, const at::Tensor& scales,
                                     int64_t block, double scale, const at::Tensor& out) {
-  constexpr const char* op = "pycomm.dequantize_int8_sum";
-  check_rows(op, "codes", codes, codes.scalar_type() == at::kChar, "Char (int8)");
-  const int64_t rows = codes.size(0), m = codes.size(1);
-  TORCH_CHECK(block >= 1, op, ": block is ", block, ", expected >= 1");
-  TORCH_CHECK(m % block == 0, op, ": codes has m = ", m,
-              " columns, expected a multiple of block = ", block);
-  check_scales(op, scales, at::kFloat, "codes", codes, rows, m, block);
-  check_out(op, out, "codes", codes, m);
+  check_dequantize_int8_sum(codes, scales, block, out);
+  const int64_t rows = codes.size(0);
   return sum_rows(RowsInt8{codes.const_data_ptr<int8_t>(), scales.const_data_ptr<float>(),
                            codes.stride(0), scales.stride(0), block},
                   rows, scale, out);
@@ -673,15 +656,8 @@ at::Tensor dequantize_int8_sum_cuda(const at::Tensor& codes, const at::Tensor& s
 // [R, m / block] bf16, rows contiguous. out: as decode16_sum. out = scale * sum_r (bit ? +s : -s).
 at::Tensor dequantize_onebit_sum_cuda(const at::Tensor& bits, const at::Tensor& scales,
                                       int64_t block, double scale, const at::Tensor& out) {
-  constexpr const char* op = "pycomm.dequantize_onebit_sum";
-  check_rows(op, "bits", bits, bits.scalar_type() == at::kByte, "Byte (uint8)");
-  const int64_t rows = bits.size(0), m = bits.size(1) * 8;
-  TORCH_CHECK(block >= 1, op, ": block is ", block, ", expected >= 1");
-  TORCH_CHECK(block % 8 == 0, op, ": block is ", block, ", expected a multiple of 8");
-  TORCH_CHECK(m % block == 0, op, ": bits has m = ", m,
-              " elements (8 per column), expected a multiple of block = ", block);
-  check_scales(op, scales, at::kBFloat16, "bits", bits, rows, m, block);
-  check_out(op, out, "bits", bits, m);
+  check_dequantize_onebit_sum(bits, scales, block, out);
+  const int64_t rows = bits.size(0);
   return sum_rows(RowsOnebit{bits.const_data_ptr<uint8_t>(), scales.const_data_ptr<at::BFloat16>(),
                              bits.stride(0), scales.stride(0), block},
                   rows, scale, out);

@@ -142,9 +142,7 @@ void multi_copy(const std::vector<const void*>& src, const std::vector<void*>& d
 // tensors[i] * scale.
 void pack_into_impl(const char* op, const at::Tensor& flat, at::TensorList tensors,
                     double scale) {
-  const std::vector<int64_t> offsets = check_list(op, tensors);
-  check_flat(op, flat);
-  check_flat_total(op, flat, tensors, offsets.back());
+  const std::vector<int64_t> offsets = check_pack_into(op, flat, tensors);
   if (tensors.empty()) return;
   const DeviceGuard guard(flat.device());
   const Stream stream = current_stream();
@@ -179,12 +177,7 @@ void pack_into_cuda(const at::Tensor& flat, at::TensorList tensors, double scale
 // tensors: as pack_into_. Returns [sum numel] contiguous on tensors[0]'s device, dtype `dtype`
 // or the tensors'.
 at::Tensor pack_cuda(at::TensorList tensors, double scale, std::optional<at::ScalarType> dtype) {
-  const auto in_type = tensors.empty() ? at::kFloat : tensors[0].scalar_type();
-  const auto out_type = dtype.value_or(in_type);
-  TORCH_CHECK(!dtype || is_supported_float(*dtype), "pycomm.pack: dtype is ", out_type,
-              ", expected Float, Half or BFloat16");
-  int64_t total = 0;
-  for (const auto& t : tensors) total += t.numel();
+  const auto [out_type, total] = check_pack(tensors, dtype);
   // the dispatcher chose CUDA from a tensor's device: the list is not empty
   TORCH_INTERNAL_ASSERT(!tensors.empty(), "pycomm.pack: no tensors on the CUDA kernel");
   at::Tensor flat = at::empty({total}, tensors[0].options().dtype(out_type));
@@ -195,10 +188,7 @@ at::Tensor pack_cuda(at::TensorList tensors, double scale, std::optional<at::Sca
 // flat: [sum numel] 1-D contiguous float. tensors: [N] tensors, one float dtype, flat's device,
 // any shapes/strides. tensors[i] = flat[offset_i : offset_i + numel_i] * scale.
 void unpack_cuda(const at::Tensor& flat, at::TensorList tensors, double scale) {
-  constexpr const char* op = "pycomm.unpack_";
-  check_flat(op, flat);
-  const std::vector<int64_t> offsets = check_list(op, tensors);
-  check_flat_total(op, flat, tensors, offsets.back());
+  const std::vector<int64_t> offsets = check_unpack(flat, tensors);
   if (tensors.empty()) return;
   // a target with several elements at one address has no defined result (the CPU's
   // TensorIterator refuses it with this message too)
@@ -258,15 +248,7 @@ __global__ void __launch_bounds__(kThreads)
 // dst: Float or src's dtype. src: float dtype, dst's shape and device. dst += alpha * src in
 // fp32, rounded once to dst's dtype.
 void accumulate_cuda(const at::Tensor& dst, const at::Tensor& src, double alpha) {
-  constexpr const char* op = "pycomm.accumulate_";
-  check_float(op, "dst", dst);
-  check_float(op, "src", src);
-  TORCH_CHECK(dst.scalar_type() == at::kFloat || dst.scalar_type() == src.scalar_type(), op,
-              ": dst has dtype ", dst.scalar_type(), ", expected Float or src's dtype ",
-              src.scalar_type());
-  check_same_device(op, "src", src, "dst", dst);
-  TORCH_CHECK(dst.sizes() == src.sizes(), op, ": src has shape ", src.sizes(),
-              ", expected dst's shape ", dst.sizes());
+  check_accumulate(dst, src);
   at::assert_no_internal_overlap(dst);
   at::assert_no_partial_overlap(dst, src);
   if (dst.numel() == 0) return;
@@ -311,7 +293,7 @@ __global__ void __launch_bounds__(kThreads) scale_kernel(T* t, int64_t n, float 
 
 // t: any float tensor on a CUDA device, scaled in place in fp32.
 void scale_cuda(const at::Tensor& t, double scale) {
-  check_float("pycomm.scale_", "t", t);
+  check_scale(t);
   if (scale == 1.0 || t.numel() == 0) return;
   const bool direct = t.is_non_overlapping_and_dense();
   if (!direct) at::assert_no_internal_overlap(t);
