@@ -7,7 +7,8 @@
 # Environment: PYTHON [.venv/bin/python], PORTABLE_TREE [build-portable], MAX_JOBS [2].
 set -euo pipefail
 cd "$(dirname "$0")/.."
-PY=$(realpath "${PYTHON:-.venv/bin/python}")
+PY=${PYTHON:-.venv/bin/python}
+PY=$(cd "$(dirname "$PY")" && pwd)/$(basename "$PY")  # absolute, the venv's own (no realpath)
 TREE=${PORTABLE_TREE:-build-portable}
 T0=$(date +%s)
 rm -rf "$TREE"
