@@ -4,10 +4,13 @@ meta tensors and torch.library.opcheck."""
 
 import pytest
 import torch
+from kernel_data import DTYPES
+from kernel_data import bits_equal as _bits_equal
+from kernel_data import codec_input as _x
+from kernel_data import residual as _residual
 
 from pycomm import ops, reference
 
-DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 OUT_DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
 
@@ -17,34 +20,6 @@ def _sizes(block):
 
 def _numel(n, block, pad_blocks=0):
     return -(-n // block) * block + pad_blocks * block
-
-
-def _x(n, dtype, block, special=True, seed=0):
-    g = torch.Generator().manual_seed(seed * 7919 + n)
-    t = torch.randn(n, generator=g) * 3
-    if special and n > 2 * block:
-        t[block + 1] = float("nan")  # block 1
-        t[-1] = float("inf")  # the last block x reaches
-        t[n // 2] = -float("inf")
-    return t.to(dtype)
-
-
-def _residual(numel, seed=1, dtype=torch.float32):
-    g = torch.Generator().manual_seed(seed + numel)
-    return (torch.randn(numel, generator=g) * 0.1).to(dtype)
-
-
-def _bits_equal(a, b):
-    assert a.dtype == b.dtype and a.shape == b.shape, (a.dtype, b.dtype, a.shape, b.shape)
-    if not a.is_floating_point():
-        assert torch.equal(a, b), (a != b).nonzero()[:8]
-        return
-    # bit for bit (so -0.0 != 0.0), except that any NaN equals any NaN (payloads may differ)
-    nan = a.isnan()
-    assert torch.equal(nan, b.isnan()), (nan != b.isnan()).nonzero()[:8]
-    ints = torch.int16 if a.element_size() == 2 else torch.int32
-    ia, ib = a.contiguous().view(ints)[~nan], b.contiguous().view(ints)[~nan]
-    assert torch.equal(ia, ib), (ia != ib).nonzero()[:8]
 
 
 def _check_encoder(name, x, scale, arg, numel, with_residual, updates=True):

@@ -29,6 +29,11 @@ import tempfile
 
 import pytest
 import torch
+from kernel_data import DTYPES, NAN
+from kernel_data import bits_equal as _bits_equal
+from kernel_data import codec_input as _x
+from kernel_data import rand as _rand
+from kernel_data import residual as _residual
 
 from pycomm import ops, reference
 
@@ -38,8 +43,6 @@ EMU_SOURCES = [
     os.path.join(CSRC, "cuda", "emu", "fusion_emu.cpp"),
     os.path.join(CSRC, "cuda", "emu", "codecs_emu.cpp"),
 ]
-DTYPES = [torch.float32, torch.float16, torch.bfloat16]
-NAN = float("nan")
 
 
 def _pycomm_ops() -> list[str]:
@@ -64,6 +67,7 @@ def test_build_has_a_cuda_kernel_for_every_op_or_none():
         assert ops.WITH_CUDA == (expect == "1"), (ops.WITH_CUDA, expect)
 
 
+@pytest.mark.timeout(900)  # thousands of checks: minutes where other jobs load the cores
 def test_gpu_validate_script_runs_on_cpu(tmp_path):
     # the GPU script's own logic (sweep, poisoning, comparisons, timing table, JSON), run with
     # the CPU kernels standing in for the CUDA ones, so that it cannot rot between GPU runs
@@ -71,7 +75,7 @@ def test_gpu_validate_script_runs_on_cpu(tmp_path):
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     args = ["--cpu", "--big", "3001", "--reps", "1", "--out", str(tmp_path)]
     out = subprocess.run(
-        [sys.executable, script, *args], capture_output=True, text=True, env=env, timeout=600
+        [sys.executable, script, *args], capture_output=True, text=True, env=env, timeout=850
     )
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     report = json.loads((tmp_path / "gpu_validate.json").read_text())
@@ -195,28 +199,6 @@ def cuda() -> Backend:
     if not torch.cuda.is_available() or not ops.WITH_CUDA:
         pytest.skip("needs a CUDA device and a CUDA build (scripts/gpu_validate.sh)")
     return _backend("cuda")
-
-
-def _bits_equal(got, want):
-    got = got.cpu()
-    assert got.dtype == want.dtype and got.shape == want.shape, (got.dtype, want.dtype, got.shape)
-    if not got.is_floating_point():
-        assert torch.equal(got, want), (got != want).nonzero()[:8]
-        return
-    # bit for bit (so -0.0 != 0.0), except that any NaN equals any NaN (payloads may differ)
-    nan = got.isnan()
-    assert torch.equal(nan, want.isnan()), (nan != want.isnan()).nonzero()[:8]
-    ints = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[got.element_size()]
-    a, b = got.contiguous().view(ints)[~nan], want.contiguous().view(ints)[~nan]
-    assert torch.equal(a, b), (a != b).nonzero()[:8]
-
-
-def _rand(n, dtype, special=True, seed=0):
-    g = torch.Generator().manual_seed(seed * 7919 + n)
-    t = torch.randn(n, generator=g) * 3
-    if special and n >= 3:
-        t[0], t[n // 2], t[-1] = NAN, float("inf"), -float("inf")
-    return t.to(dtype)
 
 
 def _poisoned_like(t):
@@ -359,21 +341,6 @@ def test_scale(be, dtype):
 
 
 # --- codecs ----------------------------------------------------------------------------------
-
-
-def _x(n, dtype, block, special=True, seed=0):
-    g = torch.Generator().manual_seed(seed * 7919 + n)
-    t = torch.randn(n, generator=g) * 3
-    if special and n > 2 * block:
-        t[block + 1] = NAN
-        t[-1] = float("inf")
-        t[n // 2] = -float("inf")
-    return t.to(dtype)
-
-
-def _residual(numel, seed=1):
-    g = torch.Generator().manual_seed(seed + numel)
-    return torch.randn(numel, generator=g) * 0.1
 
 
 def _check_encoder(be, name, x, scale, arg, numel, with_residual):

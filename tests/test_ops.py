@@ -3,20 +3,14 @@ bad input, and torch.library.opcheck."""
 
 import pytest
 import torch
+from kernel_data import DTYPES
+from kernel_data import bits_equal as _bits_equal
+from kernel_data import rand as _rand
 
 from pycomm import ops, reference
 
-DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 # 0, 1, around the vector step (16 or 32 elements), around the parallel grain (32768), large.
 SIZES = [0, 1, 15, 17, 31, 33, 32767, 32769, 100003]
-
-
-def _rand(n, dtype, special=True, seed=0):
-    g = torch.Generator().manual_seed(seed + n)
-    t = torch.randn(n, generator=g) * 3
-    if special and n >= 3:
-        t[0], t[n // 2], t[-1] = float("nan"), float("inf"), float("-inf")
-    return t.to(dtype)
 
 
 def _mixed_list(dtype, count=40, seed=1, special=True):
@@ -34,16 +28,6 @@ def _mixed_list(dtype, count=40, seed=1, special=True):
     if special:
         out[1] = torch.tensor([float("nan"), float("inf"), -float("inf")], dtype=dtype)
     return out
-
-
-def _bits_equal(a, b):
-    assert a.dtype == b.dtype and a.shape == b.shape
-    # bit for bit (so -0.0 != 0.0), except that any NaN equals any NaN (payloads may differ)
-    nan = a.isnan()
-    assert torch.equal(nan, b.isnan()), (a, b)
-    ints = torch.int16 if a.element_size() == 2 else torch.int32
-    ia, ib = a.contiguous().view(ints), b.contiguous().view(ints)
-    assert torch.equal(ia[~nan], ib[~nan]), (a, b)
 
 
 @pytest.mark.parametrize("in_dtype", DTYPES)
