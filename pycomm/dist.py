@@ -642,6 +642,7 @@ def _worker(
     timeout: Optional[float],
     conn: multiprocessing.connection.Connection,
     stack_path: str,
+    setup: Optional[Callable[[int], Any]] = None,
 ) -> None:
     global _stack_file
     os.environ.update(
@@ -660,6 +661,8 @@ def _worker(
         except (OSError, RuntimeError, ValueError):
             _stack_file = None
     try:
+        if setup is not None:
+            setup(rank)
         # backend is already resolved ('tcp' -> 'gloo'): launch() warned once, in the parent.
         init(backend, timeout=timeout)
         result = fn(*args)
@@ -772,6 +775,7 @@ def launch(
     *args: Any,
     backend: str = "gloo",
     timeout: Timeout = None,
+    setup: Optional[Callable[[int], Any]] = None,
 ) -> list:
     """Run ``fn(*args)`` on ``nprocs`` local ranks and return their results in rank order.
 
@@ -784,6 +788,10 @@ def launch(
     seconds pass before every rank finishes, every rank is killed and
     :class:`LaunchTimeoutError` (a LaunchError and a TimeoutError) names the unfinished
     ranks; the same timeout bounds the process group's collectives. No rank outlives the call.
+
+    ``setup`` (picklable), if given, runs as ``setup(rank)`` in each rank before :func:`init`:
+    the place to change a rank's environment (``pycomm.bench`` puts ranks into simulated
+    nodes' network namespaces with torchrun's multi-node variables).
 
     Example:
         >>> def work(x):
@@ -830,6 +838,7 @@ def launch(
                     seconds,
                     writer,
                     os.path.join(stack_dir, f"rank{rank}.txt"),
+                    setup,
                 ),
                 name=f"pycomm-rank{rank}",
             )
