@@ -52,6 +52,7 @@ from pycomm.bench.report import add_ratios, plot, table
 from pycomm.bench.runner import (
     BASELINE,
     COMPUTE,
+    NODE_VARIANTS,
     TEST_HOOKS,
     available_hooks,
     default_hooks_set,
@@ -311,7 +312,7 @@ def _hooks(ap: argparse.ArgumentParser, text: str) -> list[str]:
             names += known
         elif token == "default":
             names += default_hooks_set()
-        elif token in known or token in TEST_HOOKS:
+        elif token in known or token in TEST_HOOKS or token in NODE_VARIANTS:
             names.append(token)
         else:
             ap.error(
@@ -428,7 +429,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap = _parser()
     args = ap.parse_args(argv)
     if args.list_hooks:
-        for name in available_hooks():
+        for name in (*available_hooks(), *NODE_VARIANTS):
             print(f"{name:<17}{describe(name, args.accumulate_steps)}")
         return 0
     hooks = _hooks(ap, args.hooks)

@@ -83,12 +83,14 @@ PYCOMM_OPTIONS: dict[str, dict[str, Any]] = {
 VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     "int8-bf16res": ("int8", {"residual_dtype": "bfloat16"}),
     "onebit-bf16res": ("onebit", {"residual_dtype": "bfloat16"}),
-    # hierarchy="node" and "flat" side by side (with --nodes; the plain names run "auto")
-    **{
-        f"{hook}-{h}": (hook, {"hierarchy": h})
-        for hook in ("allreduce", "bf16", "int8", "onebit")
-        for h in ("node", "flat")
-    },
+}
+
+# hierarchy="node" and "flat" side by side, for --nodes (the plain names run "auto"); not in
+# --hooks all, since "node" is refused on one node
+NODE_VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
+    f"{hook}-{h}": (hook, {"hierarchy": h})
+    for hook in ("allreduce", "bf16", "int8", "onebit")
+    for h in ("node", "flat")
 }
 
 
@@ -96,6 +98,8 @@ def _hook_and_options(name: str) -> tuple[str, Optional[dict[str, Any]]]:
     """The pycomm.wrap hook and options that bench hook ``name`` stands for."""
     if name in VARIANTS:
         return VARIANTS[name]
+    if name in NODE_VARIANTS:
+        return NODE_VARIANTS[name]
     return name, PYCOMM_OPTIONS.get(name)
 
 
