@@ -8,6 +8,7 @@ Example:
 
 from pycomm import checkpoint, hooks, ops
 from pycomm.dist import DistInfo, LaunchError, init, launch, shutdown
+from pycomm.topology import Topology, topology
 from pycomm.train import TrainLoop
 from pycomm.wrap import hook_state, register, wrap
 
@@ -16,6 +17,7 @@ __version__ = "0.1.0"
 __all__ = [
     "DistInfo",
     "LaunchError",
+    "Topology",
     "TrainLoop",
     "checkpoint",
     "hook_state",
@@ -25,5 +27,6 @@ __all__ = [
     "ops",
     "register",
     "shutdown",
+    "topology",
     "wrap",
 ]

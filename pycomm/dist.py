@@ -33,6 +33,8 @@ from typing import Any, Callable, Optional, Union
 import torch
 import torch.distributed as dist
 
+from pycomm.topology import set_nodes
+
 __all__ = ["DistInfo", "LaunchError", "LaunchTimeoutError", "init", "launch", "shutdown"]
 
 logger = logging.getLogger(__name__)
@@ -395,6 +397,7 @@ def init(
     rank: Optional[int] = None,
     world_size: Optional[int] = None,
     timeout: Timeout = None,
+    nodes: Optional[int] = None,
 ) -> DistInfo:
     """Initialize the default process group from the launcher's environment.
 
@@ -411,6 +414,9 @@ def init(
             ``tcp://MASTER_ADDR:MASTER_PORT``.
         rank, world_size: override the environment, value by value.
         timeout: seconds or a timedelta for the rendezvous and collectives; None: torch's.
+        nodes: the node count where no launcher variable names it (ranks packed onto equal
+            nodes in rank order): what ``pycomm.topology()`` and the hooks' ``hierarchy``
+            see. Also accepted on an initialized group; ``pycomm.shutdown()`` forgets it.
 
     Returns:
         DistInfo of this process. If the group is already initialized and compatible, its info.
@@ -428,7 +434,12 @@ def init(
     if not dist.is_available():
         raise RuntimeError("torch.distributed is not available in this torch build")
     if dist.is_initialized():
-        return _existing_info(backend, rank, world_size)
+        info = _existing_info(backend, rank, world_size)
+        if nodes is not None:
+            _set_nodes(nodes, info.world_size)
+        return info
+    if nodes is not None:  # checked before any socket opens
+        _set_nodes(nodes, world_size or int(_env("WORLD_SIZE") or _env("SLURM_NTASKS") or 1))
 
     name, _ = _resolve_backend(backend)
     td = _to_timedelta(timeout)
@@ -602,9 +613,20 @@ def shutdown() -> None:
         >>> pycomm.shutdown()
         >>> pycomm.shutdown()  # no-op
     """
+    set_nodes(None)
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
         logger.debug("process group destroyed")
+
+
+def _set_nodes(nodes: Any, world_size: int) -> None:
+    set_nodes(nodes)  # checks the type
+    if world_size % nodes:
+        set_nodes(None)
+        raise ValueError(
+            f"pycomm.init: nodes={nodes} (argument) cannot split world_size={world_size} into "
+            f"equal nodes; expected a divisor of {world_size}"
+        )
 
 
 # --------------------------------------------------------------------------------- launch
@@ -620,6 +642,7 @@ def _worker(
     timeout: Optional[float],
     conn: multiprocessing.connection.Connection,
     stack_path: str,
+    setup: Optional[Callable[[int], Any]] = None,
 ) -> None:
     global _stack_file
     os.environ.update(
@@ -638,6 +661,8 @@ def _worker(
         except (OSError, RuntimeError, ValueError):
             _stack_file = None
     try:
+        if setup is not None:
+            setup(rank)
         # backend is already resolved ('tcp' -> 'gloo'): launch() warned once, in the parent.
         init(backend, timeout=timeout)
         result = fn(*args)
@@ -750,6 +775,7 @@ def launch(
     *args: Any,
     backend: str = "gloo",
     timeout: Timeout = None,
+    setup: Optional[Callable[[int], Any]] = None,
 ) -> list:
     """Run ``fn(*args)`` on ``nprocs`` local ranks and return their results in rank order.
 
@@ -762,6 +788,10 @@ def launch(
     seconds pass before every rank finishes, every rank is killed and
     :class:`LaunchTimeoutError` (a LaunchError and a TimeoutError) names the unfinished
     ranks; the same timeout bounds the process group's collectives. No rank outlives the call.
+
+    ``setup`` (picklable), if given, runs as ``setup(rank)`` in each rank before :func:`init`:
+    the place to change a rank's environment (``pycomm.bench`` puts ranks into simulated
+    nodes' network namespaces with torchrun's multi-node variables).
 
     Example:
         >>> def work(x):
@@ -808,6 +838,7 @@ def launch(
                     seconds,
                     writer,
                     os.path.join(stack_dir, f"rank{rank}.txt"),
+                    setup,
                 ),
                 name=f"pycomm-rank{rank}",
             )

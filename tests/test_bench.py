@@ -26,7 +26,7 @@ FLAGS = [
     "--nprocs", "--hooks", "--list-hooks", "--accumulate-steps", "--threads", "--bucket-cap-mb",
     "--model", "--layers", "--width", "--d-model", "--heads", "--seq-len", "--vocab", "--batch",
     "--steps", "--warmup", "--error-steps", "--link", "--step-timeout", "--rerun-budget",
-    "--timeout", "--json", "--plot", "--quiet", "--device", "--backend",
+    "--timeout", "--json", "--plot", "--quiet", "--device", "--backend", "--nodes",
 ]  # fmt: skip
 
 
@@ -81,6 +81,8 @@ def test_help_lists_every_flag(capsys):
         (("--backend", "mpi"), "--backend: invalid choice: 'mpi'"),
         (("--backend", "nccl"), "--backend nccl needs --device cuda"),
         (("--device", "cuda"), "--device cuda: torch"),  # (no GPU: see below)
+        (("--nodes", "3", "--nprocs", "4", "--link", "1gbit"), "--nodes 3: expected a divisor"),
+        (("--nodes", "2", "--nprocs", "4"), "and a --link RATE"),
     ],
 )
 def test_bad_flags_rejected_before_any_rank_starts(monkeypatch, capsys, args, words):
@@ -318,6 +320,30 @@ def test_shaped_link(tmp_path):
     # measured on the namespace's own lo: the model's bytes plus TCP/IP headers
     assert ddp["lo_bytes_per_step"] >= ddp["bytes_per_step"] > 0
     assert "1 Gbit/s per rank" in out.stdout
+
+
+@pytest.mark.skipif(link.cannot_shape() is not None, reason=f"cannot shape: {link.cannot_shape()}")
+def test_simulated_nodes(tmp_path):
+    """2 nodes x 2 ranks: the ranks see the nodes (auto resolves to node), and the node
+    hierarchy sends about half of flat's bytes across each node's uplink (bytes, not time)."""
+    path = tmp_path / "out.json"
+    tiny = ("--width", "64", "--layers", "2", "--steps", "2", "--warmup", "2", "--nprocs", "4")
+    hooks = "ddp,int8,int8-node,int8-flat,allreduce-node"
+    out = _run(*tiny, "--nodes", "2", "--hooks", hooks, "--link", "1gbit", "--json", str(path))
+    assert out.returncode == 0, out.stderr
+    doc = json.loads(path.read_text())
+    assert doc["link"]["nodes"] == 2 and doc["link"]["shaped"] is True
+    assert doc["link"]["qdisc"].count("tbf") == 2, doc["link"]
+    h = doc["hooks"]
+    assert all(v["status"] == "ok" for v in h.values()), h
+    up = {name: v["uplink_bytes_per_step"] for name, v in h.items()}
+    assert all(b > 0 for b in up.values()), up
+    assert up["int8-node"] < 0.7 * up["int8-flat"], up
+    assert up["allreduce-node"] < 0.8 * up["ddp"], up
+    # auto is node here: the same bytes as int8-node by the hook's own count
+    assert h["int8"]["bytes_per_step"] == h["int8-node"]["bytes_per_step"]
+    assert h["allreduce-node"]["rel_err"] < 1e-6
+    assert "uplink MB/step" in out.stdout and "2 simulated nodes of 2 ranks" in out.stdout
 
 
 def _fake_measure(cfg, hooks, nprocs, timeout, **kwargs):

@@ -5,6 +5,7 @@ of the reduced gradient against the exact fp32 mean.
 
     python -m pycomm.bench                        # 8.4M-param MLP, unshaped loopback
     python -m pycomm.bench --link 2.5gbit         # each rank gets about 2.5 Gbit/s
+    python -m pycomm.bench --nodes 2 --nprocs 4 --link 2.5gbit   # 2 nodes, 2.5 Gbit/s uplinks
     python -m pycomm.bench --model transformer --d-model 512 --layers 12 --hooks ddp,int8
     python -m pycomm.bench --accumulate-steps 4 --json out.json --plot out.png
     python -m pycomm.bench --device cuda --model transformer --layers 12 --d-model 768 \
@@ -21,13 +22,18 @@ memory per rank.
 
 --link re-runs the benchmark in a private network namespace (unshare -n) whose loopback is
 shaped with tc (tbf, rate = ranks x RATE); it needs root, unshare (util-linux) and tc
-(iproute2), and runs unshaped, saying so, without them. A hook that fails or hangs (torch's
+(iproute2), and runs unshaped, saying so, without them. With --nodes M (M > 1) the ranks are
+split into M simulated nodes, each a network namespace of its own joined to the others by a
+bridge: traffic inside a node is unshaped, each node's uplink (and downlink) is shaped to RATE,
+and the table adds the bytes each node sends across its uplink per step (pycomm.bench.nodes).
+A hook that fails or hangs (torch's
 PowerSGD on gloo with several buckets) is reported as failed; the others are still measured.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -41,10 +47,12 @@ import torch
 import pycomm
 from pycomm.bench import link as _link
 from pycomm.bench.models import MODELS, ModelSpec, count_params
+from pycomm.bench.nodes import Nodes
 from pycomm.bench.report import add_ratios, plot, table
 from pycomm.bench.runner import (
     BASELINE,
     COMPUTE,
+    NODE_VARIANTS,
     TEST_HOOKS,
     available_hooks,
     default_hooks_set,
@@ -239,6 +247,15 @@ def _parser() -> argparse.ArgumentParser:
         "(2.5gbit, 500mbit, 100mbps); needs root, unshare and tc",
     )
     timing.add_argument(
+        "--nodes",
+        type=_positive,
+        default=1,
+        metavar="M",
+        help="split the ranks into M simulated nodes (network namespaces joined by a bridge, "
+        "each node's uplink shaped to --link RATE; ranks see torchrun's GROUP_RANK, LOCAL_RANK, "
+        "LOCAL_WORLD_SIZE); M must divide --nprocs and needs --link; default 1 (one node)",
+    )
+    timing.add_argument(
         "--step-timeout",
         type=_positive_float("seconds"),
         default=10.0,
@@ -295,7 +312,7 @@ def _hooks(ap: argparse.ArgumentParser, text: str) -> list[str]:
             names += known
         elif token == "default":
             names += default_hooks_set()
-        elif token in known or token in TEST_HOOKS:
+        elif token in known or token in TEST_HOOKS or token in NODE_VARIANTS:
             names.append(token)
         else:
             ap.error(
@@ -412,7 +429,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap = _parser()
     args = ap.parse_args(argv)
     if args.list_hooks:
-        for name in available_hooks():
+        for name in (*available_hooks(), *NODE_VARIANTS):
             print(f"{name:<17}{describe(name, args.accumulate_steps)}")
         return 0
     hooks = _hooks(ap, args.hooks)
@@ -444,6 +461,11 @@ def main(argv: Optional[list[str]] = None) -> int:
             f"{have / 1e9:.1f} GB is {where}; pick fewer --hooks or --nprocs or a smaller model"
         )
 
+    if args.nodes > 1 and (args.nprocs % args.nodes or not args.link):
+        ap.error(
+            f"--nodes {args.nodes}: expected a divisor of --nprocs {args.nprocs} and a --link "
+            "RATE for the nodes' uplinks"
+        )
     per_rank = _link.parse_rate(args.link) if args.link else None
     total = per_rank * args.nprocs if per_rank else None
     link: dict[str, Any] = {
@@ -464,6 +486,8 @@ def main(argv: Optional[list[str]] = None) -> int:
             file=sys.stderr,
         )
         link["reason"] = reason
+    elif total and args.nodes > 1:
+        link.update(shaped=True, nodes=args.nodes, per_node_bits=per_rank)
     elif total:
         link["qdisc"] = _link.shape_loopback(total)
         link["shaped"] = True
@@ -473,6 +497,7 @@ def main(argv: Optional[list[str]] = None) -> int:
 
     # the fp32 gradient over the shaped link: hooks may take that long without hanging
     comm_s = ring_bytes(4 * params, args.nprocs) * 8 / per_rank if link["shaped"] else 0.0
+    comm_s *= args.nprocs // args.nodes  # a node's ranks share its uplink
     cfg = {
         "model": spec.config(),
         "steps": args.steps,
@@ -483,20 +508,25 @@ def main(argv: Optional[list[str]] = None) -> int:
         "error_steps": args.error_steps,
         "step_timeout": args.step_timeout,
         "comm_s": comm_s,
-        "measure_lo": link["shaped"] and _link.in_private_netns(),
+        "measure_lo": link["shaped"] and args.nodes == 1 and _link.in_private_netns(),
+        "nodes": args.nodes,
         "device": placed["device"],
         "backend": placed["backend"],
     }
     t0 = time.monotonic()
-    result = measure(
-        cfg,
-        hooks,
-        args.nprocs,
-        args.timeout,
-        log=_quiet if args.quiet else _say,
-        progress=not args.quiet and sys.stderr.isatty(),
-        rerun_budget_s=args.rerun_budget,
-    )
+    with Nodes(args.nodes, per_rank) if args.nodes > 1 else contextlib.nullcontext() as nodes:
+        if nodes is not None:
+            cfg["setup"] = nodes.setup(args.nprocs)
+            link["qdisc"] = "; ".join(f"{k}: {v}" for k, v in nodes.qdiscs.items())
+        result = measure(
+            cfg,
+            hooks,
+            args.nprocs,
+            args.timeout,
+            log=_quiet if args.quiet else _say,
+            progress=not args.quiet and sys.stderr.isatty(),
+            rerun_budget_s=args.rerun_budget,
+        )
     numbers = result["hooks"]
     ordered = {
         name: {"description": describe(name, args.accumulate_steps), **numbers[name]}
@@ -510,7 +540,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             "hooks": hooks,
             "gpus": placed["gpus"],
             "gpu_name": placed.get("gpu_name"),
-            **{k: v for k, v in cfg.items() if k != "measure_lo"},
+            **{k: v for k, v in cfg.items() if k not in ("measure_lo", "setup")},
             "rerun_budget_s": args.rerun_budget,
             "pycomm_hooks": [h for h in hooks if is_pycomm(h)],
             "timeout_s": args.timeout,

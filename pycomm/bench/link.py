@@ -138,7 +138,12 @@ def in_private_netns() -> bool:
 
 
 def lo_tx_bytes() -> int:
-    """Bytes sent on this namespace's ``lo`` so far (-1 when unreadable).
+    """Bytes sent on this namespace's ``lo`` so far (-1 when unreadable)."""
+    return tx_bytes("lo")
+
+
+def tx_bytes(dev: str) -> int:
+    """Bytes ``dev`` sent so far, in this process's network namespace (-1 when unreadable).
 
     /proc/net/dev is per network namespace, unlike /sys/class/net (the namespace that mounted
     sysfs).
@@ -147,7 +152,7 @@ def lo_tx_bytes() -> int:
         with open("/proc/net/dev") as f:
             for line in f:
                 name, _, rest = line.partition(":")
-                if name.strip() == "lo":
+                if name.strip() == dev:
                     return int(rest.split()[8])
     except (OSError, ValueError, IndexError):
         pass

@@ -75,7 +75,13 @@ def header(doc: dict[str, Any]) -> list[str]:
         cap = c.get("bucket_cap_mb")
         which = "default bucket_cap_mb" if cap is None else f"bucket_cap_mb={cap:g}"
         lines.append(f"plain DDP's buckets ({which}, after DDP's rebuild): {sizes} MB")
-    if link["shaped"]:
+    if link.get("nodes"):
+        lines.append(
+            f"link: {link['nodes']} simulated nodes of {c['nprocs'] // link['nodes']} ranks, "
+            f"each node's uplink and downlink {format_rate(link['per_node_bits'])} (tc tbf on "
+            "its veth, network namespaces joined by a bridge); inside a node unshaped"
+        )
+    elif link["shaped"]:
         lines.append(
             f"link: {format_rate(link['per_rank_bits'])} per rank (tc tbf "
             f"{format_rate(link['total_bits'])} on lo, in a private network namespace)"
@@ -100,12 +106,14 @@ def table(doc: dict[str, Any]) -> str:
     lines = header(doc)
     hooks = doc["hooks"]
     measured_lo = any(h.get("lo_bytes_per_step") is not None for h in hooks.values())
+    measured_up = any(h.get("uplink_bytes_per_step") is not None for h in hooks.values())
     errors = any(h.get("rel_err") is not None for h in hooks.values())
     cols = f"{'hook':<17}{'median ms':>10}{'min ms':>9}{'max ms':>9}{'/compute':>10}{'vs ddp':>8}"
     cpu = any(h.get("cpu_median_s") is not None for h in hooks.values())
     cols += f"{'cpu ms':>8}" if cpu else ""
     gpu = any(h.get("gpu_peak_bytes") for h in hooks.values())
     cols += f"{'MB/step':>9}" + (f"{'lo MB/step':>12}" if measured_lo else "")
+    cols += f"{'uplink MB/step':>16}" if measured_up else ""
     cols += f"{'GPU GB':>8}" if gpu else ""
     cols += (f"{'rel err':>9}" if errors else "") + "  status"
     lines.append(cols)
@@ -122,6 +130,8 @@ def table(doc: dict[str, Any]) -> str:
         row += _num(h.get("bytes_per_step") if ok else None, 9, 2, 1e-6)
         if measured_lo:
             row += _num(h.get("lo_bytes_per_step") if ok else None, 12, 2, 1e-6)
+        if measured_up:
+            row += _num(h.get("uplink_bytes_per_step") if ok else None, 16, 2, 1e-6)
         if gpu:
             row += _num(h.get("gpu_peak_bytes") if ok else None, 8, 2, 1e-9)
         if errors:
@@ -165,6 +175,12 @@ def table(doc: dict[str, Any]) -> str:
     if measured_lo:
         lines.append(
             "lo MB/step: measured on the private lo (all ranks' packets, headers included) / ranks"
+        )
+    if measured_up:
+        lines.append(
+            "uplink MB/step: bytes one node sends across its shaped uplink per step (its veth's "
+            "counter, headers included), mean over nodes; MB/step beside it is per rank, intra- "
+            "and inter-node together"
         )
     if doc["failures"]:
         lines.append("failures: the whole messages, and the ranks' stderr, are in --json")

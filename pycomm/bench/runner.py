@@ -29,8 +29,9 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import pycomm
 from pycomm.bench.hooks import FailState, compute_hook, fail_hook, hang_hook, wire_state
-from pycomm.bench.link import lo_tx_bytes
+from pycomm.bench.link import lo_tx_bytes, tx_bytes
 from pycomm.bench.models import ModelSpec, batches, build, count_params, loss_fn
+from pycomm.bench.nodes import uplink
 from pycomm.hooks.state import ring_bytes
 
 COMPUTE = "compute"  # the bucket comes back untouched: no communication at all
@@ -84,11 +85,21 @@ VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     "onebit-bf16res": ("onebit", {"residual_dtype": "bfloat16"}),
 }
 
+# hierarchy="node" and "flat" side by side, for --nodes (the plain names run "auto"); not in
+# --hooks all, since "node" is refused on one node
+NODE_VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
+    f"{hook}-{h}": (hook, {"hierarchy": h})
+    for hook in ("allreduce", "bf16", "int8", "onebit")
+    for h in ("node", "flat")
+}
+
 
 def _hook_and_options(name: str) -> tuple[str, Optional[dict[str, Any]]]:
     """The pycomm.wrap hook and options that bench hook ``name`` stands for."""
     if name in VARIANTS:
         return VARIANTS[name]
+    if name in NODE_VARIANTS:
+        return NODE_VARIANTS[name]
     return name, PYCOMM_OPTIONS.get(name)
 
 
@@ -418,6 +429,9 @@ def run_rank(cfg: dict[str, Any]) -> dict[str, Any]:
     # every rank takes the same barriers; rank 0 reads the counters
     measure_lo = bool(cfg.get("measure_lo"))
     measure = measure_lo and rank == 0
+    nodes = cfg.get("nodes", 1) > 1  # every rank takes the barriers; nodes' first ranks read
+    up = uplink() if nodes else None
+    uplink_bytes: dict[str, list[int]] = {name: [] for name in hooks}
     times: dict[str, list[float]] = {name: [] for name in hooks}
     cpu: dict[str, list[float]] = {name: [] for name in hooks}
     wire: dict[str, list[int]] = {name: [] for name in hooks}
@@ -446,6 +460,7 @@ def run_rank(cfg: dict[str, Any]) -> dict[str, Any]:
                 progress(f"barrier before {name}")
                 dist.barrier()
                 lo0 = lo_tx_bytes() if measure and timed else 0
+                up0 = tx_bytes(up) if up and timed else 0
                 progress(f"step {name} {step}")
                 if on_gpu:
                     torch.cuda.synchronize(device)
@@ -459,11 +474,13 @@ def run_rank(cfg: dict[str, Any]) -> dict[str, Any]:
                 # CPU time of the whole process (gloo's threads and the hooks' callbacks too):
                 # where ranks share cores, what a hook costs beyond the wire
                 dc = time.process_time() - c0
-                if timed and (measure_lo or check):
+                if timed and (measure_lo or nodes or check):
                     progress(f"barrier after {name}")
                     dist.barrier()  # the step's traffic ends when every rank is done
                     if measure:
                         wire[name].append(lo_tx_bytes() - lo0)
+                    if up:
+                        uplink_bytes[name].append(tx_bytes(up) - up0)
                 if check:
                     progress(f"error of {name}")
                     errors[name].append(rel_error(name))
@@ -497,6 +514,7 @@ def run_rank(cfg: dict[str, Any]) -> dict[str, Any]:
             "bytes_per_step": sent,
             "bytes_source": source,
             "lo_bytes": wire[name] if measure else None,
+            "uplink_bytes": uplink_bytes[name] if up else None,
             "rel_errors": errors[name],
             "bucket_sizes": [int(b) for b in buckets.split(",") if b.strip().isdigit()],
             # on a GPU: the most memory allocated during this hook's steps (every hook's model

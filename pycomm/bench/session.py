@@ -164,6 +164,7 @@ def _launch(
             {**cfg, "hooks": list(hooks), "workdir": workdir},
             backend=cfg.get("backend", "gloo"),
             timeout=timeout,
+            setup=cfg.get("setup"),
         )
         record.update(ok=True, results=results)
     except pycomm.LaunchError as error:
@@ -253,6 +254,8 @@ def _per_hook(
             "bytes_source": r0["bytes_source"],
             # every rank's packets cross the one lo once: the share of one rank
             "lo_bytes_per_step": statistics.median(lo) / nprocs if lo else None,
+            # simulated nodes: what each node's first rank read on its uplink, mean over nodes
+            "uplink_bytes_per_step": _uplink(results, name),
             "bucket_sizes": r0["bucket_sizes"],
             "gpu_peak_bytes": max((r["hooks"][name].get("gpu_peak_bytes") or 0) for r in results)
             or None,
@@ -266,6 +269,13 @@ def _per_hook(
             "salvaged_steps": salvaged_steps,
         }
     return out
+
+
+def _uplink(results: list[dict[str, Any]], name: str) -> Optional[float]:
+    """Bytes one node sends across its uplink per step (median over steps, mean over nodes)."""
+    per_node = [r["hooks"][name].get("uplink_bytes") for r in results]
+    per_node = [statistics.median(b) for b in per_node if b]
+    return statistics.fmean(per_node) if per_node else None
 
 
 def measure(

@@ -1,20 +1,44 @@
 """The exact all-reduce hook: DDP's own reduction, with byte accounting."""
 
+from typing import Any, Optional
+
 import torch
 import torch.distributed as dist
 
+from pycomm.hooks import hierarchy as hier
 from pycomm.hooks.state import HookState, check_bucket, completed, ring_bytes
 
 
 class AllreduceState(HookState):
     """State of :func:`allreduce_hook`: the process group and the stats.
 
+    ``hierarchy``: ``"auto"`` (default: ``"node"`` when the ranks span several nodes with
+    several ranks on each, else ``"flat"``), ``"flat"`` (one all-reduce over the group) or
+    ``"node"`` (fp32 reduce-scatter inside each node, all-reduce across nodes on 1/L of the
+    bucket, all-gather inside the node; see :mod:`pycomm.hooks.hierarchy`).
+
     Example:
-        >>> state = AllreduceState(process_group=None)
+        >>> state = AllreduceState(process_group=None, hierarchy="node")
         >>> ddp.register_comm_hook(state, allreduce_hook)
     """
 
     hook_name = "allreduce"
+    _hier: Optional[hier.NodePlan] = None
+
+    def __init__(
+        self, process_group: Optional[dist.ProcessGroup] = None, hierarchy: str = "auto"
+    ) -> None:
+        self.hierarchy = hier.check_hierarchy(self.hook_name, hierarchy)
+        super().__init__(process_group)
+
+    def _bound(self) -> None:
+        self._hier = hier.resolve(self.hook_name, self.process_group, self.hierarchy)
+
+    def options(self) -> dict[str, Any]:
+        return {"hierarchy": self.hierarchy}
+
+    def fingerprint(self) -> dict[str, Any]:
+        return {**super().fingerprint(), "topology": hier.fingerprint(self._hier)}
 
 
 def allreduce_hook(
@@ -34,6 +58,20 @@ def allreduce_hook(
     if state.world_size == 1:
         state.count(bucket, 0, collectives=0)
         return completed(tensor)
+    plan = state._hier
+    if plan is not None:
+        n = tensor.numel()
+        return hier.node_reduce(
+            state,
+            plan,
+            bucket,
+            tensor,
+            bucket.index(),
+            hier.exact_cross(plan),
+            hier.exact_bytes(plan, n),
+            1,
+            prescale=1.0 / state.world_size,
+        )
     return exact_allreduce(state, bucket, tensor, state.process_group)
 
 

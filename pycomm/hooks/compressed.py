@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from pycomm import ops
+from pycomm.hooks import hierarchy as hier
 from pycomm.hooks.allreduce import exact_allreduce
 from pycomm.hooks.state import HookState, check_bucket, completed, ring_bytes
 
@@ -220,10 +221,9 @@ class CompressedState(HookState):
     """
 
     default_error_feedback = True
-    option_names: tuple = ("start_iter", "error_feedback", "residual_dtype")
+    option_names: tuple = ("start_iter", "error_feedback", "residual_dtype", "hierarchy")
 
     def __init__(self, process_group: Optional[dist.ProcessGroup] = None, **options: Any):
-        super().__init__(process_group)
         hook = self.hook_name
         unknown = sorted(set(options) - set(self.option_names))
         if unknown:
@@ -231,6 +231,9 @@ class CompressedState(HookState):
                 f"pycomm {hook} hook: unknown option {unknown[0]!r}; valid options: "
                 f"{', '.join(self.option_names)}"
             )
+        # before binding, which resolves it
+        self.hierarchy = hier.check_hierarchy(hook, options.get("hierarchy", "auto"))
+        super().__init__(process_group)
         self.start_iter = _check_int(hook, "start_iter", options.get("start_iter", 2), 2)
         self.error_feedback = _check_bool(
             hook, "error_feedback", options.get("error_feedback", self.default_error_feedback)
@@ -271,10 +274,24 @@ class CompressedState(HookState):
         self._rebucket: Optional[_Rebucket] = None
 
     _phases: Optional[_PhaseGroups] = None  # set when the state binds to its group
+    _hier: Optional[hier.NodePlan] = None  # the node hierarchy, when hierarchy resolves to it
 
     def _bound(self) -> None:
         if self.world_size > 1:
-            self._phases = _phase_groups(self.process_group)
+            self._hier = hier.resolve(self.hook_name, self.process_group, self.hierarchy)
+            # with the node hierarchy the exchange runs across nodes only, on its own groups
+            self._phases = _phase_groups(self.process_group) if self._hier is None else None
+            if self._hier is not None:
+                self._phases = self._hier.cross
+
+    @property
+    def exchange_size(self) -> int:
+        """Ranks in the compressed exchange: the group's, or the nodes' with the hierarchy."""
+        return self.world_size if self._hier is None else self._hier.nodes
+
+    def _count_exchange(self, bucket: dist.GradBucket, nbytes: int, collectives: int) -> None:
+        if self._hier is None:  # the node hierarchy counts all its stages itself
+            self.count(bucket, nbytes, collectives=collectives)
 
     def bind_parameters(self, params: list[torch.Tensor]) -> None:
         """The model's trainable parameters in ``module.parameters()`` order: names buckets
@@ -288,6 +305,7 @@ class CompressedState(HookState):
 
     def fingerprint(self) -> dict[str, Any]:
         fp = super().fingerprint()
+        fp["topology"] = hier.fingerprint(self._hier)
         if self._params is not None:
             fp["parameters"] = [list(p.shape) for p in self._params]
         return fp
@@ -313,13 +331,14 @@ class CompressedState(HookState):
             "start_iter": self.start_iter,
             "error_feedback": self.error_feedback,
             "residual_dtype": _RESIDUAL_DTYPES[self.residual_dtype],
+            "hierarchy": self.hierarchy,
         }
 
     # --- layout ------------------------------------------------------------------------
 
     def chunk(self, n: int) -> int:
         """Elements per rank's chunk for a bucket of ``n``: a whole number of blocks."""
-        b, w = self.codec.block, self.world_size
+        b, w = self.codec.block, self.exchange_size
         return max(1, math.ceil(n / (w * b))) * b
 
     def residual_sizes(self, n: int) -> dict[str, int]:
@@ -328,7 +347,7 @@ class CompressedState(HookState):
         if not getattr(self, "two_phase", True):
             return {"r1": n}
         c = self.chunk(n)
-        return {"r1": self.world_size * c, "r2": c}
+        return {"r1": self.exchange_size * c, "r2": c}
 
     def _residual(self, key: tuple, n: int) -> tuple:
         """(r1, r2, r1_out, r2_out): the committed residuals of bucket ``key`` to read and the
@@ -458,10 +477,11 @@ class CompressedState(HookState):
 
     def reduced_sqnorm(self) -> Optional[float]:
         """The squared norm of the latest step's reduced gradients, summed over its buckets'
-        decode passes; None after a warm-up (exact all-reduce) step or on one rank."""
+        decode passes; None after a warm-up (exact all-reduce) step, on one rank, or with the
+        node hierarchy (each rank decodes only its shard)."""
         self.fold()
         last = self.iter - 1
-        if self.world_size == 1 or last < self.start_iter:
+        if self.world_size == 1 or last < self.start_iter or self._hier is not None:
             return None
         return self._sqnorm.get(last)
 
@@ -523,7 +543,7 @@ def _two_phase(
     state: CompressedState, bucket: dist.GradBucket, x: torch.Tensor, index: Optional[int] = None
 ):
     """The two-phase exchange of ``x`` as the hook's bucket ``index`` (default DDP's)."""
-    codec, w = state.codec, state.world_size
+    codec, w = state.codec, state.exchange_size
     index = bucket.index() if index is None else index
     n, step = x.numel(), state.iter
     c = state.chunk(n)
@@ -537,7 +557,7 @@ def _two_phase(
     send, recv = ws["send"], ws["recv"]
     gathered = recv
     codec.pack(codes, scales, w, out=send)
-    state.count(bucket, 2 * (w - 1) * row_bytes, collectives=2)
+    state._count_exchange(bucket, 2 * (w - 1) * row_bytes, collectives=2)
     phases = state._phases
     g1, g2 = phases.groups
     phase1 = dist.all_to_all_single(recv, send, group=g1, async_op=True).get_future()
@@ -716,12 +736,12 @@ def _plain16(
     state: CompressedState, bucket: dist.GradBucket, x: torch.Tensor, index: Optional[int] = None
 ):
     """16-bit all-reduce: encode (pre-scaled, optional residual), sum in 16 bits, decode."""
-    n, w, step = x.numel(), state.world_size, state.iter
+    n, w, step = x.numel(), state.exchange_size, state.iter
     index = bucket.index() if index is None else index
     state.device = x.device
     r1, _, r1_out, _ = state._residual((index, n, str(x.dtype)), n)
     enc = ops.encode16(x, r1, 1.0 / w, state.codec.code_dtype, n, r1_out)
-    state.count(bucket, ring_bytes(2 * n, w))
+    state._count_exchange(bucket, ring_bytes(2 * n, w), collectives=1)
     work = dist.all_reduce(enc, group=state._phases.groups[0], async_op=True)
 
     def decode(fut: torch.futures.Future) -> torch.Tensor:
@@ -756,6 +776,8 @@ def compressed_hook(
         if state.world_size == 1:
             state.count(bucket, 0, collectives=0)
             return completed(x)
+        if state._hier is not None:
+            return _node(state, bucket, x)
         if state.iter < state.start_iter:
             return exact_allreduce(state, bucket, x, state._phases.groups[0])
         reduce = _two_phase if getattr(state, "two_phase", True) else _plain16
@@ -766,3 +788,44 @@ def compressed_hook(
         if bucket.is_last():
             state.iter += 1
             state._fold_next = True
+
+
+def _node(state: CompressedState, bucket: dist.GradBucket, x: torch.Tensor):
+    """The hook on the node hierarchy (pycomm.hooks.hierarchy): exact inside the node, this
+    hook's exchange across nodes on the rank's shard; the exact one while warming up."""
+    plan = state._hier
+    L, m = plan.local_size, plan.nodes
+    if state.iter < state.start_iter:
+        n = x.numel()
+        cross = hier.exact_cross(plan, 1.0 / m)
+        return hier.node_reduce(
+            state,
+            plan,
+            bucket,
+            x,
+            bucket.index(),
+            cross,
+            hier.exact_bytes(plan, n),
+            1,
+            None,
+            1.0 / L,
+        )
+
+    def reduce(state: CompressedState, bucket, x: torch.Tensor, index: int):
+        s = hier.shard_size(x.numel(), L)
+        if getattr(state, "two_phase", True):
+            c = state.chunk(s)
+            row = state.codec.code_bytes(c) + state.codec.scale_bytes(c)
+            nbytes, calls = 2 * (m - 1) * row, 2
+            path = _two_phase
+        else:
+            nbytes, calls, path = ring_bytes(2 * s, m), 1, _plain16
+
+        def cross(shard_bucket, shard: torch.Tensor):
+            return path(state, shard_bucket, shard, index)
+
+        return hier.node_reduce(state, plan, bucket, x, index, cross, nbytes, calls, None, 1.0 / L)
+
+    if state._params is not None:
+        return _laid_out(state, bucket, x, reduce)
+    return reduce(state, bucket, x, bucket.index())

@@ -33,14 +33,24 @@ class PowerSGDHookState(HookState):
 
     def __init__(self, process_group: Optional[dist.ProcessGroup] = None, **options: Any):
         super().__init__(process_group)
+        # torch's PowerSGD reduces over one group: flat only ("auto" resolves to it)
+        hierarchy = options.pop("hierarchy", "auto")
+        if hierarchy not in ("auto", "flat"):
+            raise ValueError(
+                f"pycomm powersgd hook: hierarchy={hierarchy!r}, expected 'auto' or 'flat' "
+                "(torch's PowerSGD runs over one process group; the node hierarchy is for "
+                "pycomm's own hooks)"
+            )
         unknown = sorted(set(options) - set(_OPTIONS))
         if unknown:
             raise ValueError(
                 f"pycomm powersgd hook: unknown option {unknown[0]!r}; valid options: "
-                f"{', '.join(_OPTIONS)}"
+                f"{', '.join(_OPTIONS)}, hierarchy"
             )
         self.torch_state = _psgd.PowerSGDState(process_group=process_group, **options)
         self._options = {**_OPTIONS, **options}
+        if hierarchy != "auto":
+            self._options["hierarchy"] = hierarchy
 
     def options(self) -> dict[str, Any]:
         return dict(self._options)

@@ -1,0 +1,265 @@
+"""hierarchy="node": 4 gloo ranks seen as 2 nodes x 2 ranks through torchrun's variables
+(GROUP_RANK, GROUP_WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE), set inside each rank for one
+job and restored after it. Every hook with node, flat and auto side by side on the same data."""
+
+import contextlib
+import math
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+from harness import run_ranks
+from test_resume import _model
+
+import pycomm
+from pycomm.hooks.compressed import _group_timeout
+from pycomm.topology import set_nodes
+
+HOOKS = ["allreduce", "fp16", "bf16", "int8", "onebit"]
+
+
+@contextlib.contextmanager
+def _nodes(layout):
+    """This rank's torchrun variables for ``layout``, a node id per rank, e.g. [0, 0, 1, 1]."""
+    rank = dist.get_rank()
+    node = layout[rank]
+    members = [r for r, n in enumerate(layout) if n == node]
+    env = {
+        "GROUP_RANK": str(node),
+        "GROUP_WORLD_SIZE": str(len(set(layout))),
+        "LOCAL_RANK": str(members.index(rank)),
+        "LOCAL_WORLD_SIZE": str(len(members)),
+    }
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def _grads(module):
+    return torch.cat([p.grad.reshape(-1) for p in module.parameters()])
+
+
+def _rank_compare(hook, steps):
+    """Per step and hierarchy: the reduced gradient, its relative error against the exact
+    fp32 mean of the ranks' gradients, and the state's stats."""
+    with _nodes([0, 0, 1, 1]):
+        g = torch.Generator().manual_seed(dist.get_rank())
+        data = [
+            (torch.randn(16, 40, generator=g), torch.randn(16, 3, generator=g))
+            for _ in range(steps)
+        ]
+        plain = _model()
+        models = {
+            h: pycomm.wrap(_model(), hook=hook, hook_options={"hierarchy": h}, bucket_cap_mb=0.003)
+            for h in ("node", "flat", "auto")
+        }
+        ddp_ref = torch.nn.parallel.DistributedDataParallel(_model())
+        out = {h: [] for h in (*models, "ddp")}
+        for x, y in data:
+            plain.zero_grad()
+            torch.nn.functional.mse_loss(plain(x), y).backward()
+            local = _grads(plain).double()
+            everyone = [torch.empty_like(local) for _ in range(dist.get_world_size())]
+            dist.all_gather(everyone, local)
+            exact = torch.stack(everyone).mean(0)
+            for h, m in [*models.items(), ("ddp", ddp_ref)]:
+                m.zero_grad()
+                torch.nn.functional.mse_loss(m(x), y).backward()
+                got = _grads(m.module)
+                err = float((got.double() - exact).norm() / exact.norm())
+                out[h].append((got, err))
+        states = {h: pycomm.hook_state(m) for h, m in models.items()}
+        return (
+            out,
+            {h: dict(s.stats) for h, s in states.items()},
+            {h: s._hier is not None for h, s in states.items()},
+            {h: s.fingerprint()["topology"] for h, s in states.items()},
+        )
+
+
+@pytest.mark.parametrize("hook", HOOKS)
+def test_node_flat_auto(hook):
+    steps = 5
+    results = run_ranks(_rank_compare, 4, hook, steps, timeout=180)
+    out, stats, resolved, topo = results[0]
+    assert resolved == {"node": True, "flat": False, "auto": True}
+    assert topo["node"] == topo["auto"] == "node: 2 nodes x 2 ranks" and topo["flat"] == "flat"
+    for r in results[1:]:  # every rank holds the same bits
+        for h in out:
+            for (a, _), (b, _) in zip(out[h], r[0][h]):
+                assert torch.equal(a, b), (h, r)
+    for (node, _), (auto, _) in zip(out["node"], out["auto"]):
+        assert torch.equal(node, auto)
+    ddp = [got for got, _ in out["ddp"]]
+    if hook == "allreduce":
+        for h in ("node", "flat"):
+            for (got, _), ref in zip(out[h], ddp):
+                torch.testing.assert_close(got, ref, rtol=1e-6, atol=1e-7)
+        return
+    # Compressed steps (after the 2 exact warm-up steps). Across 2 nodes the exchange averages
+    # 2 node means instead of 4 gradients, each quantized once: the expected error is the
+    # same; on 40-wide layers it lands within a few % either way (onebit's is large by nature).
+    node_err = [e for _, e in out["node"][2:]]
+    flat_err = [e for _, e in out["flat"][2:]]
+    assert all(0 < e < 1.5 * f for e, f in zip(node_err, flat_err)), (node_err, flat_err)
+    # warm-up steps are exact up to fp32 rounding
+    for (got, _), ref in zip(out["node"][:2], ddp[:2]):
+        torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-6)
+    s_node, s_flat = stats["node"], stats["flat"]
+    assert s_node["bytes_intra"] + s_node["bytes_inter"] == s_node["bytes_sent"]
+    assert s_node["bytes_fp32"] == s_flat["bytes_fp32"]
+    assert s_node["steps"] == s_flat["steps"] == steps
+
+
+def _rank_resume(hook, k, m, accumulate, path):
+    with _nodes([0, 0, 1, 1]):
+        g = torch.Generator().manual_seed(dist.get_rank())
+        data = [
+            (torch.randn(8, 40, generator=g), torch.randn(8, 3, generator=g)) for _ in range(k + m)
+        ]
+
+        def build(hierarchy="auto"):  # auto: node on 2 nodes x 2 ranks
+            ddp = pycomm.wrap(
+                _model(), hook=hook, hook_options={"hierarchy": hierarchy},
+                accumulate_steps=accumulate, bucket_cap_mb=0.004,
+            )  # fmt: skip
+            opt = torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9)
+            return ddp, opt, pycomm.TrainLoop(ddp, opt, max_grad_norm=0.5)
+
+        def train(loop, ddp, batches):
+            for x, y in batches:
+                for _ in range(accumulate):
+                    loop.step(lambda x=x, y=y: torch.nn.functional.mse_loss(ddp(x), y))
+
+        ddp, opt, loop = build()
+        train(loop, ddp, data)
+        straight = torch.cat([p.detach().reshape(-1) for p in ddp.module.parameters()])
+        norm = loop.last_grad_norm
+
+        ddp, opt, loop = build()
+        train(loop, ddp, data[:k])
+        pycomm.checkpoint.save(path, ddp, opt)  # every rank's hook state, rank 0 writes
+        ddp, opt, loop = build()
+        pycomm.checkpoint.load(path, ddp, opt)
+        train(loop, ddp, data[k:])
+        resumed = torch.cat([p.detach().reshape(-1) for p in ddp.module.parameters()])
+        saved = pycomm.checkpoint.gather_hook_state(ddp)
+
+        with _nodes([0, 0, 0, 0]):  # the same job seen as one node: auto runs flat
+            flat, _, _ = build()
+        try:
+            pycomm.checkpoint.load_hook_state(flat, saved)
+            refused = None
+        except ValueError as e:
+            refused = str(e)
+        return straight, resumed, norm, loop.last_grad_norm, refused
+
+
+@pytest.mark.parametrize("hook, accumulate", [("int8", 1), ("onebit", 2), ("allreduce", 1)])
+def test_resume_bitwise(hook, accumulate, tmp_path):
+    path = str(tmp_path / "ckpt.pt")
+    results = run_ranks(_rank_resume, 4, hook, 4, 3, accumulate, path, timeout=180)
+    for straight, resumed, norm, norm2, refused in results:
+        assert torch.equal(straight, resumed)
+        assert torch.equal(straight, results[0][0])
+        assert math.isfinite(norm) and norm == norm2 == results[0][2]
+        assert (
+            "topology" in refused and "node: 2 nodes x 2 ranks" in refused and "'flat'" in refused
+        )
+
+
+def _rank_errors(layout, hierarchy, hook, nodes=None):
+    with _nodes(layout):
+        try:
+            if nodes is not None:
+                pycomm.init(nodes=nodes)
+            ddp = pycomm.wrap(_model(), hook=hook, hook_options={"hierarchy": hierarchy})
+        except ValueError as e:
+            return "error: " + str(e)
+        finally:
+            set_nodes(None)
+        state = pycomm.hook_state(ddp)
+        x = torch.randn(4, 40)
+        for _ in range(3):
+            ddp.zero_grad()
+            ddp(x).square().mean().backward()
+        return state._hier is not None, _grads(ddp.module)
+
+
+@pytest.mark.parametrize(
+    "layout, hierarchy, hook, nodes, message",
+    [
+        ([0, 0, 0, 1], "node", "int8", None, "hierarchy='node' needs the same number of ranks"),
+        ([0, 0, 0, 0], "node", "allreduce", None, "more than one node"),
+        ([0, 1, 2, 3], "node", "bf16", None, "1 rank(s)"),
+        ([0, 0, 1, 1], "tree", "int8", None, "hierarchy='tree', expected one of"),
+        ([0, 0, 1, 1], "node", "powersgd", None, "hierarchy='node', expected 'auto' or 'flat'"),
+        ([0, 0, 1, 1], "auto", "int8", 3, "nodes=3 (argument) cannot split world_size=4"),
+    ],
+    ids=["uneven", "one-node", "one-rank-per-node", "bad-value", "powersgd", "bad-nodes"],
+)
+def test_clear_errors_on_every_rank(layout, hierarchy, hook, nodes, message):
+    results = run_ranks(_rank_errors, 4, layout, hierarchy, hook, nodes, timeout=120)
+    for r in results:
+        assert isinstance(r, str) and message in r, results
+
+
+def _rank_bad_env():
+    env = {"GROUP_RANK": "0", "GROUP_WORLD_SIZE": "2", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "2"}
+    if dist.get_rank() >= 2:
+        env["GROUP_RANK"] = "1"
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)  # every rank claims local rank 0: impossible
+    try:
+        pycomm.wrap(_model(), hook="int8", hook_options={"hierarchy": "auto"})
+        return "no error"
+    except ValueError as e:
+        return str(e)
+    finally:
+        for k, v in saved.items():
+            os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
+
+
+def test_impossible_launcher_topology():
+    for r in run_ranks(_rank_bad_env, 4, timeout=120):
+        assert "impossible topology" in r and "local ranks [0, 0]" in r, r
+
+
+def test_uneven_auto_runs_flat():
+    results = run_ranks(_rank_errors, 4, [0, 0, 0, 1], "auto", "int8", None, timeout=120)
+    for hier, grads in results:
+        assert hier is False
+        assert torch.equal(grads, results[0][1])
+
+
+def _rank_init_nodes():
+    try:
+        pycomm.init(nodes=2)
+        topo = pycomm.topology()
+        ddp = pycomm.wrap(_model(), hook="allreduce")
+        state = pycomm.hook_state(ddp)
+        plan = state._hier
+        timeouts = {_group_timeout(g) for g in (*plan.intra.groups, *plan.cross.groups)}
+        return topo, timeouts, _group_timeout(dist.group.WORLD)
+    finally:
+        set_nodes(None)
+
+
+def test_init_nodes_topology_and_group_timeouts():
+    results = run_ranks(_rank_init_nodes, 4, timeout=120)
+    for rank, (topo, timeouts, parent) in enumerate(results):
+        assert (topo.nodes, topo.node_rank, topo.local_rank, topo.local_world_size) == (
+            2,
+            rank // 2,
+            rank % 2,
+            2,
+        )
+        assert timeouts == {parent} and parent is not None
