@@ -1,0 +1,65 @@
+"""The quality suite in small: one task of ``python -m pycomm.bench.quality`` (digits, the wide
+MLP in several buckets, SGD with momentum), a few hooks, fixed seeds, 4 gloo ranks. A hook
+whose accuracy falls further behind the exact all-reduce than its limit fails the test."""
+
+import pytest
+from harness import run_ranks
+
+from pycomm.bench import quality
+from pycomm.bench.quality_tasks import LIMITS, run_rank
+
+pytest.importorskip("sklearn.datasets")
+
+HOOKS = ["allreduce", "bf16", "int8", "onebit"]
+
+
+def test_hooks_hold_their_accuracy_limits():
+    plan = {
+        "tasks": ["digits-wide-split"],
+        "optimizers": ["sgd"],
+        "hooks": HOOKS,
+        "seeds": [0],
+        "quick": True,
+    }
+    results = run_ranks(run_rank, 4, plan, timeout=240)
+    checksums = [[r["checksum"] for r in recs] for recs in results]
+    assert all(c == checksums[0] for c in checksums)  # every rank ends with the same model
+    rows = {r["hook"]: r for r in quality.summarize(results[0])}
+    assert rows["allreduce"]["mean"] > 90.0, rows["allreduce"]
+    for hook in HOOKS[1:]:
+        row = rows[hook]
+        assert row["limit"] == LIMITS[hook][0]
+        assert row["ok"], f"{hook}: {row['delta']:+.2f} points, limit {row['limit']}"
+        assert row["compression"] > 1.5, row
+
+
+@pytest.mark.parametrize(
+    "flag, value, message",
+    [
+        ("--tasks", "digits,charlm", "unknown task 'digits'; valid: digits-small"),
+        ("--hooks", "int8,int4", "unknown hook 'int4'; valid: allreduce, fp16"),
+        ("--optimizers", "adam", "unknown optimizer 'adam'; valid: sgd, adamw"),
+    ],
+)
+def test_unknown_names_are_refused_before_any_rank_starts(flag, value, message, capsys):
+    with pytest.raises(SystemExit) as info:
+        quality.main([flag, value])
+    assert info.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_summary_holds_and_breaks_limits():
+    def rec(hook, seed, value, task="charlm"):
+        return {"task": task, "optimizer": "adamw", "hook": hook, "seed": seed,
+                "value": value, "compression": 2.0}  # fmt: skip
+
+    rows = quality.summarize(
+        [rec("allreduce", s, 2.0) for s in (0, 1)]
+        + [rec("int8", 0, 2.01), rec("int8", 1, 2.01)]  # +0.5%: within 1%
+        + [rec("onebit", 0, 2.0), rec("onebit", 1, 2.2)]  # +5% on average: beyond 3%
+    )
+    by = {r["hook"]: r for r in rows}
+    assert by["int8"]["ok"] is True and by["onebit"]["ok"] is False
+    assert by["onebit"]["delta"] == pytest.approx(0.05)
+    assert by["allreduce"]["ok"] is None
+    assert "**NO**" in quality.table(rows)
