@@ -63,3 +63,45 @@ def test_summary_holds_and_breaks_limits():
     assert by["onebit"]["delta"] == pytest.approx(0.05)
     assert by["allreduce"]["ok"] is None
     assert "**NO**" in quality.table(rows)
+
+
+def _advice_rank():
+    import warnings
+
+    import torch
+
+    import pycomm
+
+    def warned(hook, options, make_opt):
+        model = torch.nn.Linear(64, 64)
+        ddp = pycomm.wrap(model, hook=hook, hook_options=options)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            loop = pycomm.TrainLoop(ddp, make_opt(ddp.parameters()))
+        for _ in range(4):
+            loop.step(lambda: ddp(torch.randn(8, 64)).square().mean())
+        state = pycomm.hook_state(ddp)
+        names = sorted({n for r in getattr(state, "residuals", {}).values() for n in r})
+        return [str(w.message) for w in caught], names
+
+    sgd_m = lambda p: torch.optim.SGD(p, lr=0.01, momentum=0.9)  # noqa: E731
+    return {
+        "onebit sgd momentum": warned("onebit", {}, sgd_m),
+        "onebit adamw": warned("onebit", {}, lambda p: torch.optim.AdamW(p)),
+        "onebit plain sgd": warned("onebit", {}, lambda p: torch.optim.SGD(p, lr=0.01)),
+        "onebit reduced": warned("onebit", {"local_feedback": False}, sgd_m),
+        "int8": warned("int8", {}, sgd_m),
+    }
+
+
+def test_onebit_warns_with_the_optimizers_it_falls_behind_with():
+    got = run_ranks(_advice_rank, 2, timeout=60)[0]
+    (msg,), names = got["onebit sgd momentum"]
+    assert "SGD with momentum (SGD)" in msg and "'local_feedback': False" in msg
+    assert names == ["r1", "r2"]
+    (msg,), _ = got["onebit adamw"]
+    assert "Adam-family optimizer (AdamW)" in msg and "int8" in msg
+    assert got["onebit plain sgd"][0] == []
+    # without local feedback: no warning, and only the reduced chunk keeps a residual
+    assert got["onebit reduced"] == ([], ["r2"])
+    assert got["int8"][0] == []
