@@ -2,8 +2,8 @@
 ranks (gloo) and report each hook's final metric against the exact all-reduce, over several
 seeds (mean and spread), with SGD with momentum and with AdamW.
 
-    python -m pycomm.bench.quality                      # the full suite (about 12 minutes)
-    python -m pycomm.bench.quality --quick              # two tasks, shorter (about 3 minutes)
+    python -m pycomm.bench.quality                      # the full suite (three tasks)
+    python -m pycomm.bench.quality --quick              # two tasks, shorter runs
     python -m pycomm.bench.quality --tasks charlm --hooks allreduce,onebit --seeds 5
     python -m pycomm.bench.quality --json out.json --plot out.png
 
