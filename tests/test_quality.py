@@ -10,7 +10,7 @@ from pycomm.bench.quality_tasks import LIMITS, run_rank
 
 pytest.importorskip("sklearn.datasets")
 
-HOOKS = ["allreduce", "bf16", "int8", "onebit-reduced"]  # onebit at its defaults warns
+HOOKS = ["allreduce", "bf16", "int8", "onebit"]
 
 
 def test_hooks_hold_their_accuracy_limits():
@@ -85,23 +85,26 @@ def _advice_rank():
         return [str(w.message) for w in caught], names
 
     sgd_m = lambda p: torch.optim.SGD(p, lr=0.01, momentum=0.9)  # noqa: E731
+    local = {"local_feedback": True, "start_iter": 2}  # compressed from the third step
     return {
-        "onebit sgd momentum": warned("onebit", {}, sgd_m),
-        "onebit adamw": warned("onebit", {}, lambda p: torch.optim.AdamW(p)),
-        "onebit plain sgd": warned("onebit", {}, lambda p: torch.optim.SGD(p, lr=0.01)),
-        "onebit reduced": warned("onebit", {"local_feedback": False}, sgd_m),
+        "onebit local sgd momentum": warned("onebit", local, sgd_m),
+        "onebit local adamw": warned("onebit", local, lambda p: torch.optim.AdamW(p)),
+        "onebit local plain sgd": warned("onebit", local, lambda p: torch.optim.SGD(p, lr=0.01)),
+        "onebit": warned("onebit", {"start_iter": 2}, sgd_m),
+        "onebit adamw": warned("onebit", {"start_iter": 2}, lambda p: torch.optim.AdamW(p)),
         "int8": warned("int8", {}, sgd_m),
     }
 
 
 def test_onebit_warns_with_the_optimizers_it_falls_behind_with():
     got = run_ranks(_advice_rank, 2, timeout=60)[0]
-    (msg,), names = got["onebit sgd momentum"]
-    assert "SGD with momentum (SGD)" in msg and "'local_feedback': False" in msg
+    (msg,), names = got["onebit local sgd momentum"]
+    assert "SGD with momentum (SGD)" in msg and "local_feedback=False" in msg
     assert names == ["r1", "r2"]
-    (msg,), _ = got["onebit adamw"]
+    (msg,), _ = got["onebit local adamw"]
     assert "Adam-family optimizer (AdamW)" in msg and "int8" in msg
-    assert got["onebit plain sgd"][0] == []
-    # without local feedback: no warning, and only the reduced chunk keeps a residual
-    assert got["onebit reduced"] == ([], ["r2"])
+    assert got["onebit local plain sgd"][0] == []
+    # onebit's default local_feedback=False: no warning, only the reduced chunk's residual
+    assert got["onebit"] == ([], ["r2"])
+    assert got["onebit adamw"] == ([], ["r2"])
     assert got["int8"][0] == []

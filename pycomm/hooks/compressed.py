@@ -212,11 +212,12 @@ def _check_bool(hook: str, name: str, value: Any) -> bool:
 class CompressedState(HookState):
     """State of a compression hook: config, the two process groups, residuals, counters.
 
-    Options (all hooks): ``start_iter`` (default 2, >= 2: the first iterations use the exact
-    fp32 all-reduce, because DDP rebuilds its buckets after the first one),
-    ``error_feedback``, ``local_feedback`` (default True; two-phase exchange only: False keeps
-    no residual for the encoding of each rank's own gradient in phase 1, only for the
-    re-encoded reduced chunk of phase 2; see the README's "Which hook with which optimizer"),
+    Options (all hooks): ``start_iter`` (default 2, onebit 20; >= 2: the first iterations use
+    the exact fp32 all-reduce, because DDP rebuilds its buckets after the first one),
+    ``error_feedback``, ``local_feedback`` (default True, onebit False; two-phase exchange
+    only: False keeps no residual for the encoding of each rank's own gradient in phase 1, only
+    for the re-encoded reduced chunk of phase 2; see the README's "Which hook with which
+    optimizer"),
     and ``residual_dtype``: ``"float32"`` (default) or ``"bfloat16"``, the error-feedback
     residuals' storage. bf16 halves their memory (the hooks keep two copies, a step's new
     residuals apart until it is known finite: 8 bytes per parameter in fp32) and the memory
@@ -225,6 +226,8 @@ class CompressedState(HookState):
     """
 
     default_error_feedback = True
+    default_local_feedback = True
+    default_start_iter = 2
     option_names: tuple = ("start_iter", "error_feedback", "local_feedback", "residual_dtype")
 
     def __init__(self, process_group: Optional[dist.ProcessGroup] = None, **options: Any):
@@ -236,12 +239,14 @@ class CompressedState(HookState):
                 f"pycomm {hook} hook: unknown option {unknown[0]!r}; valid options: "
                 f"{', '.join(self.option_names)}"
             )
-        self.start_iter = _check_int(hook, "start_iter", options.get("start_iter", 2), 2)
+        self.start_iter = _check_int(
+            hook, "start_iter", options.get("start_iter", self.default_start_iter), 2
+        )
         self.error_feedback = _check_bool(
             hook, "error_feedback", options.get("error_feedback", self.default_error_feedback)
         )
         self.local_feedback = _check_bool(
-            hook, "local_feedback", options.get("local_feedback", True)
+            hook, "local_feedback", options.get("local_feedback", self.default_local_feedback)
         )
         self.residual_dtype = _check_residual_dtype(hook, options.get("residual_dtype", "float32"))
         self.codec = self.make_codec(options)
