@@ -108,3 +108,22 @@ def test_onebit_warns_with_the_optimizers_it_falls_behind_with():
     assert got["onebit"] == ([], ["r2"])
     assert got["onebit adamw"] == ([], ["r2"])
     assert got["int8"][0] == []
+
+
+def test_ranks_that_end_with_other_parameters_fail_the_run_but_keep_the_table(monkeypatch, capsys):
+    def rec(hook, checksum):
+        return {"task": "charlm", "optimizer": "sgd", "hook": hook, "seed": 0, "value": 2.0,
+                "compression": 1.0, "checksum": checksum, "curve": [2.0],
+                "warning": None}  # fmt: skip
+
+    def launch(fn, nprocs, plan, **kwargs):
+        rank0 = [rec("allreduce", 1.0), rec("int8", 5.0)]
+        return [rank0] + [[rec("allreduce", 1.0), rec("int8", 5.0 + r)] for r in (0, 1)]
+
+    monkeypatch.setattr(quality.pycomm, "launch", launch)
+    code = quality.main(["--tasks", "charlm", "--hooks", "int8", "--seeds", "1", "--nprocs", "3"])
+    out = capsys.readouterr().out
+    assert code == 1
+    assert "| charlm | sgd | int8 |" in out  # every run is still reported
+    assert "FAILED: rank 2 ended charlm sgd seed 0 int8 with other parameters" in out
+    assert "rank 1 ended" not in out
