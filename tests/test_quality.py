@@ -92,6 +92,7 @@ def _advice_rank():
         "onebit local plain sgd": warned("onebit", local, lambda p: torch.optim.SGD(p, lr=0.01)),
         "onebit": warned("onebit", {"start_iter": 2}, sgd_m),
         "onebit adamw": warned("onebit", {"start_iter": 2}, lambda p: torch.optim.AdamW(p)),
+        "onebit plain sgd": warned("onebit", {"start_iter": 2}, lambda p: torch.optim.SGD(p, 0.1)),
         "int8": warned("int8", {}, sgd_m),
     }
 
@@ -100,13 +101,20 @@ def test_onebit_warns_with_the_optimizers_it_falls_behind_with():
     got = run_ranks(_advice_rank, 2, timeout=60)[0]
     (msg,), names = got["onebit local sgd momentum"]
     assert "SGD with momentum (SGD)" in msg and "local_feedback=False" in msg
+    assert "Use the int8 hook" in msg
     assert names == ["r1", "r2"]
     (msg,), _ = got["onebit local adamw"]
     assert "Adam-family optimizer (AdamW)" in msg and "int8" in msg
     assert got["onebit local plain sgd"][0] == []
-    # onebit's default local_feedback=False: no warning, only the reduced chunk's residual
-    assert got["onebit"] == ([], ["r2"])
-    assert got["onebit adamw"] == ([], ["r2"])
+    # onebit's default local_feedback=False: only the reduced chunk keeps a residual, and the
+    # warning names the family, its measured gap and int8
+    (msg,), names = got["onebit"]
+    assert names == ["r2"]
+    assert "with SGD with momentum (SGD), onebit fell behind" in msg and "+3.9%" in msg
+    assert "Use the int8 hook" in msg
+    (msg,), _ = got["onebit adamw"]
+    assert "Adam-family optimizer (AdamW)" in msg and "+5.3%" in msg and "int8" in msg
+    assert got["onebit plain sgd"] == ([], ["r2"])
     assert got["int8"][0] == []
 
 
