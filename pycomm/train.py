@@ -128,6 +128,11 @@ class TrainLoop:
         if batch_size is not None:
             _check_positive_int("batch_size", batch_size)
         self.ddp, self.optimizer, self.scaler = ddp, optimizer, scaler
+        hook = stage.inner if self._stage is not None else stage
+        advice = getattr(hook, "optimizer_advice", None)
+        why = advice(optimizer) if advice is not None else None
+        if why is not None:
+            warnings.warn(why, UserWarning, stacklevel=2)
         self.accumulate_steps = k
         self.max_grad_norm = None if max_grad_norm is None else float(max_grad_norm)
         self.batch_size = batch_size

@@ -133,7 +133,13 @@ def _rank_compressed_stage(hook):
     # error feedback sees one step per window.
     rank = dist.get_rank()
     batches = _batches(rank, K * 4)
-    ddp = pycomm.wrap(_model(), hook=hook, accumulate_steps=K, bucket_cap_mb=0.004)
+    ddp = pycomm.wrap(
+        _model(),
+        hook=hook,
+        accumulate_steps=K,
+        bucket_cap_mb=0.004,
+        hook_options={"start_iter": 2},  # onebit's default is 20: compress steps 2 and 3
+    )
     opt = RecordingSGD(ddp.parameters(), lr=0.05)
     _loop(ddp, opt, batches)
     ref = DDP(_model(), bucket_cap_mb=0.004)
@@ -465,7 +471,13 @@ def test_bad_input_names_the_argument():
 def _rank_nan_residuals(hook, k):
     rank = dist.get_rank()
     batches = _batches(rank, k * 6, seed=17)
-    ddp = pycomm.wrap(_model(), hook=hook, accumulate_steps=k, bucket_cap_mb=0.004)
+    ddp = pycomm.wrap(
+        _model(),
+        hook=hook,
+        accumulate_steps=k,
+        bucket_cap_mb=0.004,
+        hook_options={"start_iter": 2},
+    )
     opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
     loop = pycomm.TrainLoop(ddp, opt)
     state = pycomm.hook_state(ddp)

@@ -8,6 +8,7 @@ from harness import run_ranks
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import pycomm
+from pycomm.wrap import HOOKS
 
 # hook, options, bound on the relative L2 error of one step's gradient vs the exact mean
 CASES = [
@@ -65,12 +66,13 @@ RUNS = [(2, *case) for case in CASES] + [(4, *case) for case in CASES if not cas
 
 @pytest.mark.parametrize("nprocs, hook, options, bound", RUNS, ids=lambda v: str(v))
 def test_ranks_agree_and_stay_close(nprocs, hook, options, bound):
-    steps = 5
+    start = options.get("start_iter", HOOKS[hook][0].default_start_iter)
+    steps = start + 3
     results = run_ranks(_rank_against_ddp, nprocs, hook, options, steps, timeout=120)
     errors, grads, stats = results[0]
     assert stats["buckets"] >= 1 + 8 * (steps - 1)  # many buckets per step
-    assert errors[0] == 0.0 and errors[1] == 0.0  # warm-up: the exact all-reduce
-    assert 0 < max(errors[2:]) <= bound, errors
+    assert errors[:start] == [0.0] * start  # warm-up: the exact all-reduce
+    assert 0 < max(errors[start:]) <= bound, errors
     for _, other, _ in results[1:]:  # every rank holds the same reduced gradients
         for a, b in zip(grads, other):
             assert torch.equal(a, b)
@@ -174,7 +176,8 @@ def test_nan_stays_nonfinite_on_every_rank_and_does_not_poison():
 
 
 @pytest.mark.parametrize(
-    "hook, options, target", [("bf16", {}, 1.99), ("int8", {}, 3.9), ("onebit", {}, 25.0)]
+    "hook, options, target",
+    [("bf16", {}, 1.99), ("int8", {}, 3.9), ("onebit", {"start_iter": 2}, 25.0)],
 )
 def test_bytes_per_step_and_compression(hook, options, target):
     n = 1 << 20  # one 4 MB bucket
@@ -186,18 +189,36 @@ def test_bytes_per_step_and_compression(hook, options, target):
         assert fp32_ring / sent[2] >= target, fp32_ring / sent[2]
 
 
+def test_onebit_defaults_warm_up_20_steps_and_keep_only_the_reduced_residual():
+    n = 4096
+    results = run_ranks(_rank_bucket, 2, "onebit", {}, n, 22, -1, timeout=90)
+    for _, sent, _, res, _ in results:
+        fp32_ring = 2 * (2 - 1) * n * 4 // 2
+        assert sent[:20] == [fp32_ring] * 20  # exact all-reduce for start_iter=20 steps
+        assert sent[20] == sent[21] and fp32_ring / sent[20] >= 25.0
+        # local_feedback=False: no residual for each rank's own gradient (phase 1)
+        assert [sorted(r) for r in res.values()] == [["r2"]]
+
+
 def _rank_feedback(hook, options, n, steps):
     outs, _, _, res, c = _rank_bucket(hook, options, n, steps, -1)
     return torch.stack(outs), res, c
 
 
 @pytest.mark.parametrize("hook", ["int8", "onebit"])
-@pytest.mark.parametrize("feedback", [True, False, "bfloat16"])
+@pytest.mark.parametrize("feedback", [True, False, "bfloat16", "phase2"])
 def test_error_feedback_bounds_the_cumulative_error(hook, feedback):
     # "bfloat16": error feedback with bf16 residuals, each new residual rounded: the identity
-    # below then holds up to those roundings (2^-9 of the residual, a random walk over T steps)
+    # below then holds up to those roundings (2^-9 of the residual, a random walk over T steps).
+    # "phase2": local_feedback=False (onebit's default), feedback on the reduced chunk only:
+    # each rank's own encoding error (phase 1) is never fed back, so with fixed gradients
+    # the cumulative error grows as without feedback.
     n, w, steps = 3000, 2, 200
-    options = {"error_feedback": bool(feedback)}
+    options = {
+        "error_feedback": bool(feedback),
+        "local_feedback": feedback != "phase2",
+        "start_iter": 2,  # 198 compressed steps (onebit's default warm-up is 20)
+    }
     if feedback == "bfloat16":
         options["residual_dtype"] = "bfloat16"
     results = run_ranks(_rank_feedback, w, hook, options, n, steps, timeout=120)
@@ -205,7 +226,10 @@ def test_error_feedback_bounds_the_cumulative_error(hook, feedback):
     outs = results[0][0]
     cumulative = outs.cumsum(0) - torch.arange(1, steps + 1)[:, None] * mean
     err = cumulative.abs().max(1).values  # err[t]: max |sum of results - sum of means| at t+1
-    if feedback:
+    if feedback == "phase2":
+        assert all(sorted(r) == ["r2"] for _, res, _ in results for r in res.values())
+        assert err[-1] > 1.8 * err[steps // 2 - 1]  # grows linearly with T
+    elif feedback:
         # sum of results = sum of true means - (phase-1 residuals of all ranks + the phase-2
         # residuals of every chunk), so the final residual bounds the cumulative error
         res = [next(iter(r.values())) for _, r, _ in results]

@@ -71,11 +71,12 @@ def _rank_resume(hook, options, k, m, accumulate):
     "hook, options, accumulate",
     [
         ("int8", {}, 1),
-        ("onebit", {}, 1),
+        ("onebit", {"start_iter": 2}, 1),  # compressed on both sides of the checkpoint
         ("bf16", {"error_feedback": True}, 1),
         ("fp16", {"two_phase": True, "error_feedback": True}, 1),
         ("int8", {}, 2),
-        ("onebit", {"residual_dtype": "bfloat16"}, 1),
+        ("onebit", {"residual_dtype": "bfloat16", "start_iter": 2}, 1),
+        ("onebit", {"local_feedback": True, "start_iter": 2}, 1),
     ],
     ids=lambda v: str(v),
 )

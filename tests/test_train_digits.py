@@ -7,26 +7,15 @@ import torch.distributed as dist
 from harness import run_ranks
 
 import pycomm
+from pycomm.bench.quality_tasks import digits_data
 
 sklearn_datasets = pytest.importorskip("sklearn.datasets")
 
 HOOKS = [("allreduce", {}), ("bf16", {}), ("int8", {}), ("onebit", {})]
 
 
-def _data():
-    digits = sklearn_datasets.load_digits()
-    x = torch.tensor(digits.data, dtype=torch.float32)
-    y = torch.tensor(digits.target)
-    perm = torch.randperm(len(x), generator=torch.Generator().manual_seed(0))
-    x, y = x[perm], y[perm]
-    train, test = slice(0, 1437), slice(1437, None)
-    mu, sd = x[train].mean(0), x[train].std(0) + 1e-3
-    x = (x - mu) / sd
-    return x[train], y[train], x[test], y[test]
-
-
 def _rank_train(epochs, batch):
-    xtr, ytr, xte, yte = _data()
+    xtr, ytr, xte, yte = digits_data()
     rank, world = dist.get_rank(), dist.get_world_size()
     xtr, ytr = xtr[rank::world], ytr[rank::world]
     steps = len(xtr) // batch

@@ -226,8 +226,8 @@ def _parser() -> argparse.ArgumentParser:
         "--warmup",
         type=_non_negative,
         default=3,
-        help="untimed steps per hook first; default 3 (PowerSGD and pycomm's compressed hooks "
-        "compress from step 2)",
+        help="untimed steps per hook first; default 3 (the bench runs PowerSGD and pycomm's "
+        "compressed hooks compressing from step 2)",
     )
     timing.add_argument(
         "--error-steps",

@@ -74,15 +74,16 @@ TORCH_HOOKS: dict[str, tuple[str, Callable[[], tuple[Any, Callable]]]] = {
 WIRE_HOOKS: dict[str, str] = {"int8-wire": "int8", "onebit-wire": "onebit"}
 
 # Options for pycomm hooks whose defaults would not show them working within a benchmark's
-# few steps (torch's PowerSGD only compresses from iteration 1000 by default).
+# few steps (torch's PowerSGD only compresses from iteration 1000 by default, onebit from 20).
 PYCOMM_OPTIONS: dict[str, dict[str, Any]] = {
     "powersgd": {"matrix_approximation_rank": 1, "start_powerSGD_iter": 2},
+    "onebit": {"start_iter": 2},
 }
 
 # pycomm hooks with a non-default option, side by side with the defaults: name -> (hook, options)
 VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     "int8-bf16res": ("int8", {"residual_dtype": "bfloat16"}),
-    "onebit-bf16res": ("onebit", {"residual_dtype": "bfloat16"}),
+    "onebit-bf16res": ("onebit", {"residual_dtype": "bfloat16", "start_iter": 2}),
 }
 
 # hierarchy="node" and "flat" side by side, for --nodes (the plain names run "auto"); not in
@@ -199,7 +200,7 @@ def _build(
         if cap is None and cls.default_bucket_cap_mb is not None:
             kw["bucket_cap_mb"] = cls.default_bucket_cap_mb  # as pycomm.wrap builds the hook's
         ddp = DDP(module, gradient_as_bucket_view=True, **kw)
-        state = wire_state(cls(None, error_feedback=False))
+        state = wire_state(cls(None, error_feedback=False, start_iter=2))
         ddp.register_comm_hook(state, compressed_hook)
         return ddp, state
     if not is_pycomm(name):

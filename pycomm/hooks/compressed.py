@@ -211,17 +211,25 @@ def _check_bool(hook: str, name: str, value: Any) -> bool:
 class CompressedState(HookState):
     """State of a compression hook: config, the two process groups, residuals, counters.
 
-    Options (all hooks): ``start_iter`` (default 2, >= 2: the first iterations use the exact
-    fp32 all-reduce, because DDP rebuilds its buckets after the first one),
-    ``error_feedback``, and ``residual_dtype``: ``"float32"`` (default) or ``"bfloat16"``, the
-    error-feedback residuals' storage. bf16 halves their memory (the hooks keep two copies, a
-    step's new residuals apart until it is known finite: 8 bytes per parameter in fp32) and
-    the memory traffic of encoding; y is still computed in fp32, and each new residual is
-    rounded to bf16 (a relative 2^-9 of the error it carries).
+    Options (all hooks): ``start_iter`` (default 2, onebit 20; >= 2: the first iterations use
+    the exact fp32 all-reduce, because DDP rebuilds its buckets after the first one),
+    ``error_feedback``, ``local_feedback`` (default True, onebit False; two-phase exchange
+    only: False keeps no residual for the encoding of each rank's own gradient in phase 1, only
+    for the re-encoded reduced chunk of phase 2; see the README's "Which hook with which
+    optimizer"),
+    and ``residual_dtype``: ``"float32"`` (default) or ``"bfloat16"``, the error-feedback
+    residuals' storage. bf16 halves their memory (the hooks keep two copies, a step's new
+    residuals apart until it is known finite: 8 bytes per parameter in fp32) and the memory
+    traffic of encoding; y is still computed in fp32, and each new residual is rounded to bf16
+    (a relative 2^-9 of the error it carries).
     """
 
     default_error_feedback = True
-    option_names: tuple = ("start_iter", "error_feedback", "residual_dtype", "hierarchy")
+    default_local_feedback = True
+    default_start_iter = 2
+    option_names: tuple = (
+        "start_iter", "error_feedback", "local_feedback", "residual_dtype", "hierarchy",
+    )  # fmt: skip
 
     def __init__(self, process_group: Optional[dist.ProcessGroup] = None, **options: Any):
         hook = self.hook_name
@@ -234,9 +242,14 @@ class CompressedState(HookState):
         # before binding, which resolves it
         self.hierarchy = hier.check_hierarchy(hook, options.get("hierarchy", "auto"))
         super().__init__(process_group)
-        self.start_iter = _check_int(hook, "start_iter", options.get("start_iter", 2), 2)
+        self.start_iter = _check_int(
+            hook, "start_iter", options.get("start_iter", self.default_start_iter), 2
+        )
         self.error_feedback = _check_bool(
             hook, "error_feedback", options.get("error_feedback", self.default_error_feedback)
+        )
+        self.local_feedback = _check_bool(
+            hook, "local_feedback", options.get("local_feedback", self.default_local_feedback)
         )
         self.residual_dtype = _check_residual_dtype(hook, options.get("residual_dtype", "float32"))
         self.codec = self.make_codec(options)
@@ -330,6 +343,7 @@ class CompressedState(HookState):
         return {
             "start_iter": self.start_iter,
             "error_feedback": self.error_feedback,
+            "local_feedback": self.local_feedback,
             "residual_dtype": _RESIDUAL_DTYPES[self.residual_dtype],
             "hierarchy": self.hierarchy,
         }
@@ -342,11 +356,13 @@ class CompressedState(HookState):
         return max(1, math.ceil(n / (w * b))) * b
 
     def residual_sizes(self, n: int) -> dict[str, int]:
-        """Residual elements kept for a bucket of ``n``: r1 on the whole padded bucket (phase 1),
-        r2 on this rank's chunk (phase 2)."""
+        """Residual elements kept for a bucket of ``n``: r1 on the whole padded bucket (phase 1;
+        none with ``local_feedback=False``), r2 on this rank's chunk (phase 2)."""
         if not getattr(self, "two_phase", True):
             return {"r1": n}
         c = self.chunk(n)
+        if not self.local_feedback:
+            return {"r2": c}
         return {"r1": self.exchange_size * c, "r2": c}
 
     def _residual(self, key: tuple, n: int) -> tuple:
@@ -376,7 +392,7 @@ class CompressedState(HookState):
             )
         nxt = self._next[key]
         self._touched.add(key)
-        return res["r1"], res.get("r2"), nxt["r1"], nxt.get("r2")
+        return res.get("r1"), res.get("r2"), nxt.get("r1"), nxt.get("r2")
 
     def commit(self) -> None:
         """End of a step (all its buckets decoded): keep its new residuals, unless some bucket

@@ -97,6 +97,11 @@ class HookState:
         """The hook's configuration: compared across ranks and stored in the fingerprint."""
         return {}
 
+    def optimizer_advice(self, optimizer: Any) -> Optional[str]:
+        """Why this hook, as configured, is known to train worse with ``optimizer`` and what to
+        use instead (``pycomm.TrainLoop`` warns with it), or None."""
+        return None
+
     def fingerprint(self) -> dict[str, Any]:
         """What must be equal for state to be shared across ranks or loaded from a checkpoint."""
         return {"hook": self.hook_name, "options": self.options(), "world_size": self.world_size}
