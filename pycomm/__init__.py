@@ -7,7 +7,8 @@ Example:
 """
 
 from pycomm import checkpoint, hooks, ops
-from pycomm.dist import DistInfo, LaunchError, init, launch, shutdown
+from pycomm.dist import DistInfo, init, shutdown
+from pycomm.launcher import LaunchError, launch
 from pycomm.topology import Topology, topology
 from pycomm.train import TrainLoop
 from pycomm.wrap import hook_state, register, wrap

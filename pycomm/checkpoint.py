@@ -44,7 +44,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from pycomm.hooks import HookState
-from pycomm.wrap import _ATTR, _params_signature
+from pycomm.wrap import STATE_ATTR, params_signature
 
 __all__ = ["gather_hook_state", "load", "load_hook_state", "save"]
 
@@ -57,7 +57,7 @@ PathLike = Union[str, "os.PathLike[str]"]
 
 
 def _hook(ddp: DDP) -> Optional[HookState]:
-    return getattr(ddp, _ATTR, None)
+    return getattr(ddp, STATE_ATTR, None)
 
 
 def _group(ddp: DDP) -> tuple[Any, int, int]:
@@ -124,7 +124,7 @@ def save(
             {
                 "format": FORMAT,
                 "world_size": world,
-                "parameters": _params_signature(ddp.module),
+                "parameters": params_signature(ddp.module),
                 "hook": None if state is None else state.fingerprint(),
                 "id": save_id,
                 "model": ddp.module.state_dict(),
@@ -207,7 +207,7 @@ def load(path: PathLike, ddp: DDP, optimizer: Optional[torch.optim.Optimizer]) -
             f"{ckpt.get('format') if isinstance(ckpt, dict) else type(ckpt).__name__!r}, "
             f"expected {FORMAT!r})"
         )
-    _check_parameters(path, ckpt["parameters"], _params_signature(ddp.module))
+    _check_parameters(path, ckpt["parameters"], params_signature(ddp.module))
     state, saved_hook = _hook(ddp), ckpt["hook"]
     if saved_hook is None and state is not None:
         raise ValueError(

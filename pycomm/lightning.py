@@ -32,7 +32,7 @@ except ImportError:  # the standalone package
         raise ImportError("pycomm.lightning needs PyTorch Lightning: pip install lightning") from e
 
 from pycomm.checkpoint import gather_hook_state, load_hook_state
-from pycomm.wrap import _ATTR, _check_args, register
+from pycomm.wrap import STATE_ATTR, check_args, register
 
 __all__ = ["CHECKPOINT_KEY", "DDPStrategy"]
 
@@ -69,7 +69,7 @@ class DDPStrategy(_LightningDDPStrategy):
                     f"pycomm.lightning.DDPStrategy: {name}={kwargs[name]!r}, expected None: this "
                     "strategy registers pycomm's hook itself; pass hook= and hook_options="
                 )
-        _check_args(hook, accumulate_steps)
+        check_args(hook, accumulate_steps)
         if accumulate_steps != 1:
             raise ValueError(
                 f"pycomm.lightning.DDPStrategy: accumulate_steps={accumulate_steps}, expected "
@@ -91,7 +91,7 @@ class DDPStrategy(_LightningDDPStrategy):
         self.pycomm_state = register(self.model, hook=self.pycomm_hook, **self.pycomm_hook_options)
 
     def _hook_state(self) -> Any:
-        return getattr(self.model, _ATTR, None) or self.pycomm_state
+        return getattr(self.model, STATE_ATTR, None) or self.pycomm_state
 
     def save_checkpoint(
         self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None

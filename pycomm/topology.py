@@ -17,6 +17,8 @@ from typing import Optional
 
 import torch.distributed as dist
 
+from pycomm._validate import check_int
+
 _explicit_nodes: Optional[int] = None
 
 
@@ -42,8 +44,8 @@ class Topology:
 def set_nodes(nodes: Optional[int]) -> None:
     """Name the node count (``pycomm.init(nodes=...)``); None forgets it."""
     global _explicit_nodes
-    if nodes is not None and (isinstance(nodes, bool) or not isinstance(nodes, int) or nodes < 1):
-        raise ValueError(f"pycomm.init: nodes={nodes!r} (argument), expected an int >= 1")
+    if nodes is not None:
+        check_int("pycomm.init", "nodes", nodes, source="argument")
     _explicit_nodes = nodes
 
 

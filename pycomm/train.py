@@ -14,18 +14,11 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from pycomm._validate import check_int
 from pycomm.hooks.accumulate import AccumulateState
-from pycomm.wrap import ddp_parameters
+from pycomm.wrap import STATE_ATTR, ddp_parameters
 
 logger = logging.getLogger(__name__)
-
-_ATTR = "_pycomm_hook_state"  # as pycomm.wrap sets it
-
-
-def _check_positive_int(name: str, value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"pycomm.TrainLoop: {name}={value!r}, expected an int >= 1")
-    return value
 
 
 class TrainLoop:
@@ -84,7 +77,7 @@ class TrainLoop:
                 f"pycomm.TrainLoop: optimizer is a {type(optimizer).__name__}, expected a "
                 "torch.optim.Optimizer"
             )
-        stage = getattr(ddp, _ATTR, None)
+        stage = getattr(ddp, STATE_ATTR, None)
         self._stage = stage if isinstance(stage, AccumulateState) else None
         if self._stage is not None:
             k = self._stage.accumulate_steps
@@ -97,7 +90,7 @@ class TrainLoop:
             k = (
                 1
                 if accumulate_steps is None
-                else _check_positive_int("accumulate_steps", accumulate_steps)
+                else check_int("pycomm.TrainLoop", "accumulate_steps", accumulate_steps)
             )
         if k > 1 and self._stage is None and getattr(ddp, "static_graph", False):
             raise ValueError(
@@ -126,7 +119,7 @@ class TrainLoop:
                 "torch.amp.GradScaler or None"
             )
         if batch_size is not None:
-            _check_positive_int("batch_size", batch_size)
+            check_int("pycomm.TrainLoop", "batch_size", batch_size)
         self.ddp, self.optimizer, self.scaler = ddp, optimizer, scaler
         hook = stage.inner if self._stage is not None else stage
         advice = getattr(hook, "optimizer_advice", None)
@@ -218,7 +211,7 @@ class TrainLoop:
         stepped = {id(p) for p in params if p.grad is not None}
         if not (stepped <= self._reduced <= {id(p) for p in params}):
             return None
-        state = self._stage if self._stage is not None else getattr(self.ddp, _ATTR, None)
+        state = self._stage if self._stage is not None else getattr(self.ddp, STATE_ATTR, None)
         get = getattr(state, "reduced_sqnorm", None)
         return get() if get is not None else None
 

@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from pycomm._validate import check_int
 from pycomm.hooks import (
     AccumulateState,
     AllreduceState,
@@ -36,19 +37,16 @@ HOOKS: dict[str, tuple[type[HookState], Callable]] = {
     "powersgd": (PowerSGDHookState, powersgd_hook),
 }
 
-_ATTR = "_pycomm_hook_state"
+STATE_ATTR = "_pycomm_hook_state"
 
 
-def _check_args(hook: Any, accumulate_steps: Any) -> None:
+def check_args(hook: Any, accumulate_steps: Any) -> None:
     if not isinstance(hook, str) or hook not in HOOKS:
         raise ValueError(f"pycomm: hook={hook!r} is not one of {', '.join(sorted(HOOKS))}")
-    if isinstance(accumulate_steps, bool) or not isinstance(accumulate_steps, int):
-        raise ValueError(f"pycomm: accumulate_steps={accumulate_steps!r}, expected an int >= 1")
-    if accumulate_steps < 1:
-        raise ValueError(f"pycomm: accumulate_steps={accumulate_steps}, expected an int >= 1")
+    check_int("pycomm", "accumulate_steps", accumulate_steps)
 
 
-def _params_signature(module: torch.nn.Module) -> list[tuple[str, tuple[int, ...], str]]:
+def params_signature(module: torch.nn.Module) -> list[tuple[str, tuple[int, ...], str]]:
     return [
         (name, tuple(p.shape), str(p.dtype).replace("torch.", ""))
         for name, p in module.named_parameters()
@@ -110,7 +108,7 @@ def _attach(ddp: DDP, hook: str, hook_options: dict[str, Any], accumulate_steps:
         )
         fn = accumulate_hook
     ddp.register_comm_hook(state, fn)
-    setattr(ddp, _ATTR, state)
+    setattr(ddp, STATE_ATTR, state)
     ddp.register_forward_pre_hook(_forward_guard)
     logger.info("pycomm: registered the %s hook with options %s", hook, state.options())
     return state
@@ -129,7 +127,7 @@ def register(
         >>> state = pycomm.register(ddp, hook="allreduce")
         >>> state.stats["bytes_sent"]
     """
-    _check_args(hook, accumulate_steps)
+    check_args(hook, accumulate_steps)
     if not isinstance(ddp, DDP):
         raise TypeError(f"pycomm.register: expected a DistributedDataParallel, got {type(ddp)}")
     # Compared across ranks with the rest, so that every rank raises the same error instead
@@ -141,7 +139,7 @@ def register(
             "hook": hook,
             "hook_options": sorted(hook_options.items()),
             "accumulate_steps": accumulate_steps,
-            "parameters": _params_signature(ddp.module),
+            "parameters": params_signature(ddp.module),
             "state of the DDP model": problem,
         },
         ddp.process_group,
@@ -157,7 +155,7 @@ def _forward_guard(ddp: DDP, args: Any) -> None:
     (``no_sync()``) while pycomm's accumulate stage counts the micro-steps too. Every rank runs
     the same forward, so every rank raises."""
     outer = getattr(DDP, "_active_ddp_module", None)
-    state = getattr(ddp, _ATTR, None)
+    state = getattr(ddp, STATE_ATTR, None)
     name = getattr(state, "hook_name", "?")
     if outer is not None and outer is not ddp:
         raise RuntimeError(
@@ -186,7 +184,7 @@ def _registration_problem(ddp: DDP) -> Optional[str]:
             "this DDP model wraps another DistributedDataParallel: every gradient would be "
             "all-reduced twice; build one DDP around the plain module"
         )
-    state = getattr(ddp, _ATTR, None)
+    state = getattr(ddp, STATE_ATTR, None)
     if state is not None:
         return (
             f"this DDP model already has a pycomm hook ({state.hook_name}); a DDP model takes "
@@ -252,7 +250,7 @@ def wrap(
         >>> pycomm.hook_state(ddp).stats
     """
     hook_options = dict(hook_options or {})
-    _check_args(hook, accumulate_steps)
+    check_args(hook, accumulate_steps)
     if isinstance(module, DDP):
         raise TypeError(
             "pycomm.wrap: module is already a DistributedDataParallel; wrapping it again "
@@ -266,7 +264,7 @@ def wrap(
             "hook": hook,
             "hook_options": sorted(hook_options.items()),
             "accumulate_steps": accumulate_steps,
-            "parameters": _params_signature(module),
+            "parameters": params_signature(module),
         },
         process_group,
     )
@@ -289,7 +287,7 @@ def hook_state(ddp: DDP) -> HookState:
     Example:
         >>> pycomm.hook_state(ddp).stats["compression"]
     """
-    state = getattr(ddp, _ATTR, None)
+    state = getattr(ddp, STATE_ATTR, None)
     if state is None:
         raise ValueError("pycomm.hook_state: this model has no pycomm hook; use pycomm.wrap")
     return state

@@ -5,6 +5,7 @@ Tiny models and few steps; nothing here asserts on speed."""
 
 import json
 import os
+import pathlib
 import re
 import subprocess
 import sys
@@ -30,9 +31,14 @@ FLAGS = [
 ]  # fmt: skip
 
 
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+BAD = "tests.bench_hooks:badsetup"  # a hook of the caller's own (module:factory) that raises
+
+
 def _run(*args, timeout=120):
     return subprocess.run(
         [sys.executable, "-m", "pycomm.bench", *args],
+        cwd=ROOT,  # where tests.bench_hooks imports from
         capture_output=True,
         text=True,
         timeout=timeout,
@@ -53,6 +59,9 @@ def test_help_lists_every_flag(capsys):
     "args, words",
     [
         (("--hooks", "ddp,zstd"), "--hooks: unknown hook 'zstd'"),
+        (("--hooks", "no_such_mod:make"), "cannot import module 'no_such_mod'"),
+        (("--hooks", "tests.bench_hooks:nothing"), "has no callable 'nothing'"),
+        (("--hooks", "tests.bench_hooks:"), "expected module:factory (both parts)"),
         (("--nprocs", "0"), "--nprocs: '0' is not a positive integer"),
         (("--nprocs", "-2"), "--nprocs: '-2' is not a positive integer"),
         (("--steps", "x"), "--steps: 'x' is not a positive integer"),
@@ -129,12 +138,12 @@ def test_default_set_has_every_torch_and_pycomm_hook():
 
 @pytest.fixture(scope="module")
 def tiny_all(tmp_path_factory):
-    """One run of every hook plus the test-only ``_badsetup`` (raises while being set up): it
-    is dropped inside the launch, never relaunched."""
+    """One run of every hook plus ``tests.bench_hooks:badsetup``, a hook of our own that raises
+    while being set up: it is dropped inside the launch, never relaunched."""
     folder = tmp_path_factory.mktemp("bench")
     out = _run(
         *TINY,
-        "--hooks", "all,_badsetup",
+        "--hooks", "all,tests.bench_hooks:badsetup",
         "--json", str(folder / "out.json"),
         "--plot", str(folder / "out.png"),
     )  # fmt: skip
@@ -145,13 +154,13 @@ def tiny_all(tmp_path_factory):
 def test_json_has_every_requested_hook(tiny_all):
     out, doc, _ = tiny_all
     hooks = doc["hooks"]
-    assert list(hooks) == [*available_hooks(), "_badsetup"]
+    assert list(hooks) == [*available_hooks(), BAD]
     assert doc["config"]["hooks"] == list(hooks)
     assert doc["config"]["model"] == {"kind": "mlp", "layers": 2, "batch": 64, "width": 16}
     assert doc["params"] == 2 * (16 * 16 + 16)
     assert doc["link"]["shaped"] is False and doc["link"]["requested"] is None
     for name, h in hooks.items():
-        if name.startswith("_"):
+        if name == BAD:
             continue
         assert h["status"] == "ok", (name, h)
         assert len(h["step_times_s"]) == 2 and len(h["rank_step_times_s"]) == 2
@@ -202,10 +211,20 @@ def doc_table_header(doc):
 
 
 def test_failing_hook_is_reported_and_the_others_measured(tmp_path):
-    """``_fail`` raises in its second step (the second timed one, without warm-up): the
-    others' first step is kept, the launch without it runs the other 3, then _fail alone."""
+    """``tests.bench_hooks:fail`` raises in its second step (the second timed one, without
+    warm-up): the others' first step is kept, the launch without it runs the other 3, then the
+    failing hook alone."""
     path = tmp_path / "out.json"
-    args = ("--warmup", "0", "--steps", "4", "--hooks", "int8,_fail", "--json", str(path))
+    args = (
+        "--warmup",
+        "0",
+        "--steps",
+        "4",
+        "--hooks",
+        "int8,tests.bench_hooks:fail",
+        "--json",
+        str(path),
+    )
     out = _run(*TINY, *args)
     assert out.returncode == 0, out.stderr
     doc = json.loads(path.read_text())
@@ -217,23 +236,25 @@ def test_failing_hook_is_reported_and_the_others_measured(tmp_path):
     assert [launch["steps"] for launch in doc["launches"]] == [4, 3, 4]
     assert doc["launches"][0]["rounds_completed"] == 1
     assert "the first 1 timed steps" in out.stdout
-    fail = doc["hooks"]["_fail"]
+    fail = doc["hooks"]["tests.bench_hooks:fail"]
     assert fail["status"] == "failed" and fail["phase"] == "step"
     assert "deliberate failure" in fail["error"]
     assert fail["alone"]["status"] == "failed"
-    assert "_fail failed: RuntimeError: _fail hook: deliberate failure" in out.stdout
+    assert (
+        "tests.bench_hooks:fail failed: RuntimeError: fail hook: deliberate failure" in out.stdout
+    )
     # interleaved (fails), the others without it, then the failed hook alone
     assert [launch["ok"] for launch in doc["launches"]] == [False, True, False]
 
 
 def test_hook_failing_in_setup_is_reported_without_a_relaunch(tiny_all):
     out, doc, _ = tiny_all
-    bad = doc["hooks"]["_badsetup"]
+    bad = doc["hooks"][BAD]
     assert bad["status"] == "failed" and bad["phase"] == "setup"
-    assert bad["error"] == "RuntimeError: _badsetup hook: deliberate failure while setting up"
-    assert "_badsetup failed while setting up: RuntimeError" in out.stdout
+    assert bad["error"] == "RuntimeError: badsetup hook: deliberate failure while setting up"
+    assert f"{BAD} failed while setting up: RuntimeError" in out.stdout
     assert [launch["ok"] for launch in doc["launches"]] == [True]
-    assert [f["hook"] for f in doc["failures"]] == ["_badsetup"]
+    assert [f["hook"] for f in doc["failures"]] == [BAD]
 
 
 def test_plot_is_a_png(tiny_all):
@@ -242,16 +263,16 @@ def test_plot_is_a_png(tiny_all):
 
 
 def test_hanging_hook_costs_its_step_deadline_not_the_launch_timeout(tmp_path):
-    """``_hang`` never completes its second step: the deadline stops the ranks; with
-    --rerun-budget 0 it is not rerun alone."""
+    """``tests.bench_hooks:hang`` never completes its second step: the deadline stops the
+    ranks; with --rerun-budget 0 it is not rerun alone."""
     path = tmp_path / "out.json"
     out = _run(
-        *TINY, "--hooks", "_hang", "--step-timeout", "3", "--rerun-budget", "0",
+        *TINY, "--hooks", "tests.bench_hooks:hang", "--step-timeout", "3", "--rerun-budget", "0",
         "--json", str(path),
     )  # fmt: skip
     assert out.returncode == 0, out.stderr
     doc = json.loads(path.read_text())
-    hang = doc["hooks"]["_hang"]
+    hang = doc["hooks"]["tests.bench_hooks:hang"]
     assert hang["status"] == "failed" and hang["phase"] == "hung", hang
     # the deadline: max(--step-timeout, 5x the slowest step so far), seconds either way
     assert re.match(r"hung: a step made no progress for 0:00:\d\d", hang["error"]), hang

@@ -13,7 +13,7 @@ from harness import run_ranks
 from test_resume import _model
 
 import pycomm
-from pycomm.hooks.compressed import _group_timeout
+from pycomm.hooks.compressed import group_timeout
 from pycomm.topology import set_nodes
 
 HOOKS = ["allreduce", "fp16", "bf16", "int8", "onebit"]
@@ -247,8 +247,8 @@ def _rank_init_nodes():
         ddp = pycomm.wrap(_model(), hook="allreduce")
         state = pycomm.hook_state(ddp)
         plan = state._hier
-        timeouts = {_group_timeout(g) for g in (*plan.intra.groups, *plan.cross.groups)}
-        return topo, timeouts, _group_timeout(dist.group.WORLD)
+        timeouts = {group_timeout(g) for g in (*plan.intra.groups, *plan.cross.groups)}
+        return topo, timeouts, group_timeout(dist.group.WORLD)
     finally:
         set_nodes(None)
 

@@ -52,3 +52,19 @@ def test_real_extension_matches_torch():
 
     assert ops._C.TORCH_VERSION == torch.__version__
     assert hasattr(torch.ops.pycomm, "pack")
+
+
+def test_version_is_written_once():
+    """The installed metadata reads its version from pycomm/__init__.py (pyproject's dynamic
+    version), so the two cannot disagree; and pyproject.toml itself names no version."""
+    import importlib.metadata
+    import pathlib
+    import re
+
+    import pycomm
+
+    assert importlib.metadata.version("pycomm") == pycomm.__version__
+    root = pathlib.Path(__file__).resolve().parent.parent
+    text = (root / "pyproject.toml").read_text()
+    assert re.search(r"^dynamic = \[\"version\"\]$", text, re.M)
+    assert not re.search(r"^version\s*=", text.split("[project]")[1].split("\n[")[0], re.M)

@@ -13,6 +13,7 @@ from harness import launched_children, run_ranks
 
 import pycomm
 import pycomm.dist as pdist
+import pycomm.launcher as plaunch
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -197,7 +198,7 @@ def test_launch_errors_survive_pickling():
         "t",
         "m",
     )
-    t = pdist.LaunchTimeoutError("late", rank=1, traceback="stack", unfinished=(1, 3))
+    t = plaunch.LaunchTimeoutError("late", rank=1, traceback="stack", unfinished=(1, 3))
     t = pickle.loads(pickle.dumps(t))
     assert isinstance(t, TimeoutError) and isinstance(t, pycomm.LaunchError)
     assert (t.rank, t.unfinished, t.traceback, str(t)) == (1, (1, 3), "stack", "late")
@@ -214,12 +215,12 @@ def test_failure_blames_the_root_cause():
         (10.0, 2, "tb2", "ValueError('the real bug')"),
         (30.0, 1, "tb1", "RuntimeError('Connection reset')"),
     ]
-    e = pdist._failure(list(errors), [])
+    e = plaunch._failure(list(errors), [])
     assert (e.rank, e.traceback, e.exitcode) == (2, "tb2", None)
     assert str(e).startswith("rank 2 raised ValueError('the real bug')")
     assert "rank 0: RuntimeError('Connection closed by peer')" in str(e)
     # a rank that died takes the others' collectives down with it
-    e = pdist._failure(list(errors), [(3, -9, False)])
+    e = plaunch._failure(list(errors), [(3, -9, False)])
     assert (e.rank, e.exitcode) == (3, -9)
     assert "signal 9" in str(e) and "without reporting" in str(e)
     assert "rank 2: ValueError('the real bug')" in str(e)

@@ -53,11 +53,12 @@ from pycomm.bench.runner import (
     BASELINE,
     COMPUTE,
     NODE_VARIANTS,
-    TEST_HOOKS,
     available_hooks,
     default_hooks_set,
     describe,
     is_pycomm,
+    is_user_hook,
+    user_hook_factory,
 )
 from pycomm.bench.session import measure
 from pycomm.hooks.state import ring_bytes
@@ -76,7 +77,7 @@ _DEFAULTS = {"width": 1024, "d_model": 256, "heads": 4, "seq_len": 64, "vocab": 
 _DEFAULT_BATCH = {"mlp": 64, "transformer": 4}
 
 
-def _positive(text: str) -> int:
+def positive_int(text: str) -> int:
     try:
         value = int(text)
     except ValueError:
@@ -134,19 +135,21 @@ def _parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     run = ap.add_argument_group("what runs")
-    run.add_argument("--nprocs", type=_positive, default=2, help="local ranks (gloo); default 2")
+    run.add_argument("--nprocs", type=positive_int, default=2, help="local ranks (gloo); default 2")
     run.add_argument(
         "--hooks",
         default="default",
-        help="comma-separated hook names, 'default' or 'all' (see --list-hooks); compute and "
-        f"ddp are always run, as references. default: {','.join(default_hooks_set())}",
+        help="comma-separated hook names, 'default' or 'all' (see --list-hooks), or "
+        "module:factory for a hook of your own (factory() returns the (state, hook) pair to "
+        "register); compute and ddp are always run, as references. default: "
+        f"{','.join(default_hooks_set())}",
     )
     run.add_argument(
         "--list-hooks", action="store_true", help="list the hooks with what each one runs; exit"
     )
     run.add_argument(
         "--accumulate-steps",
-        type=_positive,
+        type=positive_int,
         default=1,
         metavar="K",
         help="micro-steps per optimizer step, each on its own micro-batch with the loss scaled "
@@ -155,7 +158,7 @@ def _parser() -> argparse.ArgumentParser:
         "default 1",
     )
     run.add_argument(
-        "--threads", type=_positive, default=1, help="torch threads per rank; default 1"
+        "--threads", type=positive_int, default=1, help="torch threads per rank; default 1"
     )
     run.add_argument(
         "--device",
@@ -185,34 +188,37 @@ def _parser() -> argparse.ArgumentParser:
     )
     model.add_argument(
         "--layers",
-        type=_positive,
+        type=positive_int,
         default=8,
         help="Linear layers of the MLP, or transformer blocks; default 8",
     )
     model.add_argument(
-        "--width", type=_positive, default=None, help="MLP: width of every layer; default 1024"
+        "--width", type=positive_int, default=None, help="MLP: width of every layer; default 1024"
     )
     model.add_argument(
-        "--d-model", type=_positive, default=None, help="transformer: model width; default 256"
+        "--d-model", type=positive_int, default=None, help="transformer: model width; default 256"
     )
     model.add_argument(
         "--heads",
-        type=_positive,
+        type=positive_int,
         default=None,
         help="transformer: attention heads (must divide --d-model); default 4",
     )
     model.add_argument(
         "--seq-len",
-        type=_positive,
+        type=positive_int,
         default=None,
         help="transformer: tokens per sequence; default 64",
     )
     model.add_argument(
-        "--vocab", type=_positive, default=None, help="transformer: vocabulary size; default 8192"
+        "--vocab",
+        type=positive_int,
+        default=None,
+        help="transformer: vocabulary size; default 8192",
     )
     model.add_argument(
         "--batch",
-        type=_positive,
+        type=positive_int,
         default=None,
         help="micro-batch per rank: rows for the MLP (default 64), sequences for the "
         "transformer (default 4)",
@@ -220,7 +226,7 @@ def _parser() -> argparse.ArgumentParser:
 
     timing = ap.add_argument_group("timing")
     timing.add_argument(
-        "--steps", type=_positive, default=20, help="timed optimizer steps per hook; default 20"
+        "--steps", type=positive_int, default=20, help="timed optimizer steps per hook; default 20"
     )
     timing.add_argument(
         "--warmup",
@@ -248,7 +254,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     timing.add_argument(
         "--nodes",
-        type=_positive,
+        type=positive_int,
         default=1,
         metavar="M",
         help="split the ranks into M simulated nodes (network namespaces joined by a bridge, "
@@ -312,11 +318,18 @@ def _hooks(ap: argparse.ArgumentParser, text: str) -> list[str]:
             names += known
         elif token == "default":
             names += default_hooks_set()
-        elif token in known or token in TEST_HOOKS or token in NODE_VARIANTS:
+        elif token in known or token in NODE_VARIANTS:
+            names.append(token)
+        elif is_user_hook(token):
+            try:
+                user_hook_factory(token)  # importable and callable, before any rank starts
+            except ValueError as exc:
+                ap.error(str(exc))
             names.append(token)
         else:
             ap.error(
-                f"--hooks: unknown hook {token!r}; choose from all, default, {', '.join(known)}"
+                f"--hooks: unknown hook {token!r}; choose from all, default, {', '.join(known)}, "
+                "or module:factory for a hook of your own"
             )
     for ref in (BASELINE, COMPUTE):
         if ref not in names:

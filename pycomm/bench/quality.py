@@ -33,7 +33,7 @@ from typing import Any, Optional
 import torch
 
 import pycomm
-from pycomm.bench.__main__ import _positive
+from pycomm.bench.__main__ import positive_int
 from pycomm.bench.quality_tasks import (
     DEFAULT_HOOKS,
     DEFAULT_TASKS,
@@ -88,10 +88,10 @@ def _parser() -> argparse.ArgumentParser:
         default=list(OPTIMIZERS),
         help="comma-separated: sgd (momentum 0.9), adamw (weight decay 0.01); default: both",
     )
-    ap.add_argument("--seeds", type=_positive, default=3, help="seeds 0..N-1; default 3")
+    ap.add_argument("--seeds", type=positive_int, default=3, help="seeds 0..N-1; default 3")
     ap.add_argument("--quick", action="store_true", help="shorter training, two tasks")
-    ap.add_argument("--nprocs", type=_positive, default=4, help="local ranks (gloo); default 4")
-    ap.add_argument("--threads", type=_positive, default=1, help="torch threads per rank; 1")
+    ap.add_argument("--nprocs", type=positive_int, default=4, help="local ranks (gloo); default 4")
+    ap.add_argument("--threads", type=positive_int, default=1, help="torch threads per rank; 1")
     ap.add_argument("--json", metavar="PATH", help="write every run and the summary here")
     ap.add_argument("--plot", metavar="PATH", help="PNG of the training-loss curves per hook")
     ap.add_argument("--timeout", type=float, default=3600.0, help="seconds; default 3600")

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import faulthandler
+import importlib
 import json
 import os
 import sys
@@ -28,7 +29,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as torch_p
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import pycomm
-from pycomm.bench.hooks import FailState, compute_hook, fail_hook, hang_hook, wire_state
+from pycomm.bench.hooks import compute_hook, wire_state
 from pycomm.bench.link import lo_tx_bytes, tx_bytes
 from pycomm.bench.models import ModelSpec, batches, build, count_params, loss_fn
 from pycomm.bench.nodes import uplink
@@ -36,10 +37,41 @@ from pycomm.hooks.state import ring_bytes
 
 COMPUTE = "compute"  # the bucket comes back untouched: no communication at all
 BASELINE = "ddp"  # plain DDP, no hook: torch's own reduction
-FAIL = "_fail"  # test-only: a hook that raises; not listed, not in "all"
-HANG = "_hang"  # test-only: a hook whose future never completes
-BAD_SETUP = "_badsetup"  # test-only: a hook whose setup raises
-TEST_HOOKS = (FAIL, HANG, BAD_SETUP)
+
+
+def is_user_hook(name: str) -> bool:
+    """Whether ``name`` is ``module:factory``, a hook of the caller's own (see
+    :func:`user_hook_factory`)."""
+    return ":" in name
+
+
+def user_hook_factory(name: str) -> Callable[[], tuple[Any, Callable]]:
+    """The factory that ``module:factory`` names: called with no arguments on every rank, it
+    returns the ``(state, hook)`` pair to register on the bench's DDP model, as
+    ``ddp.register_comm_hook(state, hook)`` takes them. Raises ValueError naming what is wrong.
+
+    Example:
+        >>> state, hook = user_hook_factory("mypkg.hooks:make_topk")()
+    """
+    module_name, _, attr = name.partition(":")
+    if not module_name or not attr:
+        raise ValueError(f"--hooks: {name!r}, expected module:factory (both parts)")
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as exc:  # noqa: BLE001 - any import failure is the user's to see
+        raise ValueError(
+            f"--hooks: {name!r}: cannot import module {module_name!r} ({type(exc).__name__}: "
+            f"{exc}); expected an importable module (run from where it imports, or set "
+            "PYTHONPATH)"
+        ) from exc
+    factory = getattr(module, attr, None)
+    if not callable(factory):
+        raise ValueError(
+            f"--hooks: {name!r}: module {module_name!r} has no callable {attr!r}; expected a "
+            "function that returns (state, hook)"
+        )
+    return factory
+
 
 # torch's own hooks, registered the way a user would: name -> (description, factory of
 # (state, hook)); PowerSGD from iteration 2 so that the warm-up steps reach compression.
@@ -148,7 +180,7 @@ def default_hooks_set() -> list[str]:
 
 def is_pycomm(name: str) -> bool:
     """Whether ``name`` runs through :func:`pycomm.wrap` (and its accumulate stage)."""
-    return name not in (COMPUTE, BASELINE, *TEST_HOOKS, *TORCH_HOOKS, *WIRE_HOOKS)
+    return not is_user_hook(name) and name not in (COMPUTE, BASELINE, *TORCH_HOOKS, *WIRE_HOOKS)
 
 
 def reduces(name: str) -> bool:
@@ -169,8 +201,9 @@ def describe(name: str, accumulate_steps: int = 1) -> str:
         text = "plain DDP, no hook"
     elif name in TORCH_HOOKS:
         text = TORCH_HOOKS[name][0]
-    elif name in TEST_HOOKS:
-        return f"test-only hook ({name[1:]})"
+    elif is_user_hook(name):
+        doc = (user_hook_factory(name).__doc__ or "").strip().splitlines()
+        return f"your hook {name}" + (f": {doc[0]}" if doc else "")
     elif name in WIRE_HOOKS:
         return (
             f"pycomm {WIRE_HOOKS[name]} hook's exchange without its codecs: the wire and gloo "
@@ -204,15 +237,15 @@ def _build(
         ddp.register_comm_hook(state, compressed_hook)
         return ddp, state
     if not is_pycomm(name):
-        if name == BAD_SETUP:
-            raise RuntimeError("_badsetup hook: deliberate failure while setting up")
+        factory = user_hook_factory(name) if is_user_hook(name) else None
+        pair = factory() if factory is not None else None  # may raise: a failed setup
         ddp = DDP(module, **kw)
         state: Any = None
         if name == COMPUTE:
             ddp.register_comm_hook(None, compute_hook)
-        elif name in (FAIL, HANG):
-            state = FailState()
-            ddp.register_comm_hook(state, fail_hook if name == FAIL else hang_hook)
+        elif pair is not None:
+            state, hook = pair
+            ddp.register_comm_hook(state, hook)
         elif name in TORCH_HOOKS:
             state, hook = TORCH_HOOKS[name][1]()
             ddp.register_comm_hook(state, hook)
@@ -241,7 +274,7 @@ def _bytes_per_step(
     name: str, params: int, world: int, before: dict, after: dict, steps: int
 ) -> tuple[Optional[float], str]:
     """Bytes one rank puts on the wire per optimizer step, and where that number comes from."""
-    if name in (COMPUTE, *TEST_HOOKS) or world == 1:
+    if name == COMPUTE or world == 1:
         return 0.0, "no communication"
     if name in (BASELINE, "torch-allreduce"):
         return float(ring_bytes(params * 4, world)), "fp32 ring all-reduce of every parameter"

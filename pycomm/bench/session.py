@@ -30,7 +30,7 @@ from typing import Any, Callable, Optional
 import pycomm
 from pycomm.bench.report import short_error
 from pycomm.bench.runner import BASELINE, COMPUTE, run_rank
-from pycomm.dist import LaunchTimeoutError
+from pycomm.launcher import LaunchTimeoutError
 
 Log = Callable[[str], None]
 

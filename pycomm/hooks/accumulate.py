@@ -22,6 +22,7 @@ import torch.distributed as dist
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from pycomm import ops
+from pycomm._validate import check_int
 from pycomm.hooks.state import HookState, check_bucket, completed
 
 
@@ -138,14 +139,7 @@ class AccumulateState(HookState):
     ) -> None:
         group = getattr(inner_state, "process_group", None)
         super().__init__(group)
-        if isinstance(accumulate_steps, bool) or not isinstance(accumulate_steps, int):
-            raise ValueError(
-                f"pycomm accumulate: accumulate_steps={accumulate_steps!r}, expected an int >= 1"
-            )
-        if accumulate_steps < 1:
-            raise ValueError(
-                f"pycomm accumulate: accumulate_steps={accumulate_steps}, expected an int >= 1"
-            )
+        check_int("pycomm accumulate", "accumulate_steps", accumulate_steps)
         self.inner = inner_state
         self.inner_hook = inner_hook
         self.accumulate_steps = accumulate_steps

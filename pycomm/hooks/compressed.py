@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from pycomm import ops
+from pycomm._validate import check_bool, check_int
 from pycomm.hooks import hierarchy as hier
 from pycomm.hooks.allreduce import exact_allreduce
 from pycomm.hooks.state import HookState, check_bucket, completed, ring_bytes
@@ -152,7 +153,7 @@ class _PhaseGroups:
         # new_group() would give them torch's default timeout (30 minutes), not the one the
         # user set on the group the hook reduces over: a stalled peer must fail phase 1 or 2
         # within that group's timeout, as it fails DDP's own all-reduce.
-        timeout = _group_timeout(world)
+        timeout = group_timeout(world)
         self.groups = tuple(
             dist.new_group(ranks, timeout=timeout, use_local_synchronization=True) for _ in range(2)
         )
@@ -160,7 +161,7 @@ class _PhaseGroups:
         self.issued: torch.futures.Future = completed(torch.empty(0))
 
 
-def _group_timeout(group: dist.ProcessGroup) -> Optional[datetime.timedelta]:
+def group_timeout(group: dist.ProcessGroup) -> Optional[datetime.timedelta]:
     """The timeout ``group`` was created with (None: unknown, torch's default applies)."""
     device = torch.device("cuda" if dist.get_backend(group) == "nccl" else "cpu")
     try:  # torch keeps it only in the backend's options (private, checked by a test)
@@ -184,12 +185,6 @@ def _phase_groups(parent: Optional[dist.ProcessGroup]) -> _PhaseGroups:
     return entry
 
 
-def _check_int(hook: str, name: str, value: Any, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"pycomm {hook} hook: {name}={value!r}, expected an int >= {minimum}")
-    return value
-
-
 _RESIDUAL_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16"}
 
 
@@ -200,12 +195,6 @@ def _check_residual_dtype(hook: str, value: Any) -> torch.dtype:
     raise ValueError(
         f"pycomm {hook} hook: residual_dtype={value!r}, expected 'float32' or 'bfloat16'"
     )
-
-
-def _check_bool(hook: str, name: str, value: Any) -> bool:
-    if not isinstance(value, bool):
-        raise ValueError(f"pycomm {hook} hook: {name}={value!r}, expected True or False")
-    return value
 
 
 class CompressedState(HookState):
@@ -242,14 +231,14 @@ class CompressedState(HookState):
         # before binding, which resolves it
         self.hierarchy = hier.check_hierarchy(hook, options.get("hierarchy", "auto"))
         super().__init__(process_group)
-        self.start_iter = _check_int(
-            hook, "start_iter", options.get("start_iter", self.default_start_iter), 2
+        self.start_iter = check_int(
+            self.where, "start_iter", options.get("start_iter", self.default_start_iter), 2
         )
-        self.error_feedback = _check_bool(
-            hook, "error_feedback", options.get("error_feedback", self.default_error_feedback)
+        self.error_feedback = check_bool(
+            self.where, "error_feedback", options.get("error_feedback", self.default_error_feedback)
         )
-        self.local_feedback = _check_bool(
-            hook, "local_feedback", options.get("local_feedback", self.default_local_feedback)
+        self.local_feedback = check_bool(
+            self.where, "local_feedback", options.get("local_feedback", self.default_local_feedback)
         )
         self.residual_dtype = _check_residual_dtype(hook, options.get("residual_dtype", "float32"))
         self.codec = self.make_codec(options)

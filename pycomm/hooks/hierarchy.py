@@ -151,7 +151,7 @@ def resolve(hook: str, parent: Optional[dist.ProcessGroup], hierarchy: str) -> O
 
 
 def _make_plan(world, everyone: list[Topology], nodes: dict) -> NodePlan:
-    from pycomm.hooks.compressed import _group_timeout
+    from pycomm.hooks.compressed import group_timeout
 
     me = dist.get_rank(world)
     global_ranks = dist.get_process_group_ranks(world)
@@ -161,7 +161,7 @@ def _make_plan(world, everyone: list[Topology], nodes: dict) -> NodePlan:
     mine = members[order[node_index]]
     position = mine.index(me)
     cross = [members[n][position] for n in order]
-    timeout = _group_timeout(world)
+    timeout = group_timeout(world)
 
     def groups(ranks: list[int]) -> tuple:
         ranks = [global_ranks[r] for r in ranks]

@@ -4,7 +4,8 @@ from typing import Any
 
 import torch
 
-from pycomm.hooks.compressed import Codec, CompressedState, Float16Codec, _check_bool
+from pycomm._validate import check_bool
+from pycomm.hooks.compressed import Codec, CompressedState, Float16Codec
 
 
 class _Float16State(CompressedState):
@@ -19,7 +20,7 @@ class _Float16State(CompressedState):
     option_names = (*CompressedState.option_names, "two_phase")
 
     def make_codec(self, options: dict[str, Any]) -> Codec:
-        self.two_phase = _check_bool(self.hook_name, "two_phase", options.get("two_phase", False))
+        self.two_phase = check_bool(self.where, "two_phase", options.get("two_phase", False))
         return Float16Codec(self.dtype)
 
     def options(self) -> dict[str, Any]:

@@ -2,7 +2,8 @@
 
 from typing import Any, Optional
 
-from pycomm.hooks.compressed import Codec, CompressedState, Int8Codec, OneBitCodec, _check_int
+from pycomm._validate import check_int
+from pycomm.hooks.compressed import Codec, CompressedState, Int8Codec, OneBitCodec
 
 
 class Int8State(CompressedState):
@@ -18,7 +19,7 @@ class Int8State(CompressedState):
     default_bucket_cap_mb = 8.0  # as the 16-bit hooks; onebit keeps DDP's 25 MB (faster)
 
     def make_codec(self, options: dict[str, Any]) -> Codec:
-        return Int8Codec(_check_int(self.hook_name, "block", options.get("block", 256), 1))
+        return Int8Codec(check_int(self.where, "block", options.get("block", 256)))
 
     def options(self) -> dict[str, Any]:
         return {**super().options(), "block": self.codec.block}
@@ -43,7 +44,7 @@ class OneBitState(CompressedState):
     default_start_iter = 20
 
     def make_codec(self, options: dict[str, Any]) -> Codec:
-        block = _check_int(self.hook_name, "block", options.get("block", 64), 8)
+        block = check_int(self.where, "block", options.get("block", 64), 8)
         if block % 8:
             raise ValueError(
                 f"pycomm onebit hook: block={block}, expected a multiple of 8 (8 bits a byte)"

@@ -51,6 +51,11 @@ class HookState:
             "compression": 1.0,
         }
 
+    @property
+    def where(self) -> str:
+        """How this hook's messages start: ``pycomm <hook> hook``."""
+        return f"pycomm {self.hook_name} hook"
+
     def bind(self) -> None:
         """Bind the state to its process group (world size, rank, and what a subclass needs,
         such as the compressed hooks' phase groups). Idempotent; every rank must bind at the
