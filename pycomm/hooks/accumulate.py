@@ -293,6 +293,16 @@ def accumulate_hook(
     The gradient the optimizer sees after k micro-steps is what one step on the k times larger
     batch gives, when each micro-batch's loss is scaled by 1/k (``pycomm.TrainLoop`` does).
 
+    Args:
+        state: an :class:`AccumulateState` holding the inner hook and its state, the fp32
+            sums and the micro-step count.
+        bucket: the DDP bucket that is ready.
+
+    Returns:
+        On a window's last micro-step, the inner hook's future of the reduced sum; on the
+        others, a completed future of zeros (or of the running sum held in the gradients when
+        they are views of the bucket).
+
     Example:
         >>> ddp = pycomm.wrap(model, hook="int8", accumulate_steps=4)
         >>> pycomm.hook_state(ddp).stats["accumulate_bytes"]

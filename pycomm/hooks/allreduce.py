@@ -51,6 +51,14 @@ def allreduce_hook(
     dtype) before summing, so this hook scales the same way before the same all-reduce: a
     division by N would round differently whenever N is not a power of two.
 
+    Args:
+        state: the hook's :class:`AllreduceState` (process group, counters, hierarchy).
+        bucket: the DDP bucket that is ready: its flat buffer and the parameters it holds.
+
+    Returns:
+        A future of the reduced bucket buffer (same shape and dtype), which DDP copies into
+        the parameters' gradients.
+
     Example:
         >>> ddp.register_comm_hook(AllreduceState(None), allreduce_hook)
     """

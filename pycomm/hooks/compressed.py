@@ -763,6 +763,16 @@ def compressed_hook(
     """Average the bucket over the group in a compressed format (fp16, bf16, int8, onebit:
     the state's). The first ``state.start_iter`` iterations use the exact fp32 all-reduce.
 
+    Args:
+        state: a :class:`CompressedState` subclass (Fp16State, Bf16State, Int8State,
+            OneBitState): codec, options, residuals, counters.
+        bucket: the DDP bucket that is ready: its flat buffer and the parameters it holds.
+
+    Returns:
+        A future of the reduced bucket buffer (same shape and dtype), which DDP copies into
+        the parameters' gradients;
+        identical on every rank.
+
     Example:
         >>> state = pycomm.hooks.Int8State(process_group=None, block=256)
         >>> ddp.register_comm_hook(state, pycomm.hooks.compressed_hook)

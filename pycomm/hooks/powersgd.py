@@ -86,6 +86,14 @@ def powersgd_hook(
 ) -> torch.futures.Future[torch.Tensor]:
     """torch's ``powerSGD_hook`` on ``state.torch_state``, counted in ``state.stats``.
 
+    Args:
+        state: a :class:`PowerSGDHookState` (torch's PowerSGDState inside, and counters).
+        bucket: the DDP bucket that is ready: its flat buffer and the parameters it holds.
+
+    Returns:
+        A future of the reduced bucket buffer (same shape and dtype), which DDP copies into
+        the parameters' gradients.
+
     Example:
         >>> ddp.register_comm_hook(PowerSGDHookState(None), powersgd_hook)
     """
