@@ -19,20 +19,43 @@ from pycomm.topology import set_nodes
 HOOKS = ["allreduce", "fp16", "bf16", "int8", "onebit"]
 
 
+_TORCHRUN = ("GROUP_RANK", "GROUP_WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
+
+
 @contextlib.contextmanager
-def _nodes(layout):
-    """This rank's torchrun variables for ``layout``, a node id per rank, e.g. [0, 0, 1, 1]."""
+def _nodes(layout, launcher="torchrun"):
+    """This rank's launcher variables for ``layout``, a node id per rank, e.g. [0, 0, 1, 1]:
+    torchrun's, or SLURM's (``launcher="slurm"``, torchrun's then unset)."""
     rank = dist.get_rank()
     node = layout[rank]
     members = [r for r, n in enumerate(layout) if n == node]
-    env = {
-        "GROUP_RANK": str(node),
-        "GROUP_WORLD_SIZE": str(len(set(layout))),
-        "LOCAL_RANK": str(members.index(rank)),
-        "LOCAL_WORLD_SIZE": str(len(members)),
-    }
+    if launcher == "torchrun":
+        env = dict(
+            zip(
+                _TORCHRUN,
+                (str(node), str(len(set(layout))), str(members.index(rank)), str(len(members))),
+            )
+        )
+    else:
+        counts = [layout.count(n) for n in sorted(set(layout))]
+        env = {
+            "SLURM_NODEID": str(node),
+            "SLURM_NNODES": str(len(counts)),
+            "SLURM_LOCALID": str(members.index(rank)),
+            # SLURM's compressed form: '2(x2)' for two nodes of 2, '3,1' when uneven
+            "SLURM_TASKS_PER_NODE": (
+                f"{counts[0]}(x{len(counts)})"
+                if len(set(counts)) == 1
+                else ",".join(map(str, counts))
+            ),
+            **{k: None for k in _TORCHRUN},
+        }
     saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
+    for k, v in env.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
     try:
         yield
     finally:
@@ -176,8 +199,8 @@ def test_resume_bitwise(hook, accumulate, tmp_path):
         )
 
 
-def _rank_errors(layout, hierarchy, hook, nodes=None):
-    with _nodes(layout):
+def _rank_errors(layout, hierarchy, hook, nodes=None, launcher="torchrun"):
+    with _nodes(layout, launcher):
         try:
             if nodes is not None:
                 pycomm.init(nodes=nodes)
@@ -238,6 +261,35 @@ def test_uneven_auto_runs_flat():
     for hier, grads in results:
         assert hier is False
         assert torch.equal(grads, results[0][1])
+
+
+def _rank_slurm_topology(layout):
+    with _nodes(layout, "slurm"):
+        return pycomm.topology()
+
+
+@pytest.mark.parametrize("layout", [[0, 0, 1, 1], [0, 0, 0, 1]], ids=["2x2", "3+1"])
+def test_slurm_variables_give_the_topology_and_auto_follows_it(layout):
+    """Under SLURM alone (no torchrun variable) the topology comes from SLURM_NODEID,
+    SLURM_NNODES, SLURM_LOCALID and SLURM_TASKS_PER_NODE, and hierarchy='auto' runs node on
+    even nodes (the same gradients as under torchrun's variables, bit for bit) and flat on
+    uneven ones."""
+    topos = run_ranks(_rank_slurm_topology, 4, layout, timeout=120)
+    for rank, t in enumerate(topos):
+        members = [r for r, n in enumerate(layout) if n == layout[rank]]
+        assert (t.nodes, t.node_rank, t.local_rank, t.local_world_size, t.source) == (
+            2,
+            layout[rank],
+            members.index(rank),
+            len(members),
+            "SLURM",
+        ), (rank, t)
+    slurm = run_ranks(_rank_errors, 4, layout, "auto", "int8", None, "slurm", timeout=120)
+    torchrun = run_ranks(_rank_errors, 4, layout, "auto", "int8", None, "torchrun", timeout=120)
+    even = layout == [0, 0, 1, 1]
+    for (hier_s, grads_s), (hier_t, grads_t) in zip(slurm, torchrun):
+        assert hier_s is even and hier_t is even
+        assert torch.equal(grads_s, slurm[0][1]) and torch.equal(grads_s, grads_t)
 
 
 def _rank_init_nodes():
