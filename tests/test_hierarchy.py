@@ -3,8 +3,10 @@
 job and restored after it. Every hook with node, flat and auto side by side on the same data."""
 
 import contextlib
+import copy
 import math
 import os
+import warnings
 
 import pytest
 import torch
@@ -315,3 +317,53 @@ def test_init_nodes_topology_and_group_timeouts():
             2,
         )
         assert timeouts == {parent} and parent is not None
+
+
+def _rank_nan_in_one_shard(hook):
+    """A NaN in one element of rank 0's gradient lands in one local rank's shard: only that
+    rank (and its peers across nodes) decodes it. The step must still be skipped on every rank
+    and leave every rank's residuals bitwise as they were."""
+    rank = dist.get_rank()
+    with _nodes([0, 0, 1, 1]):
+        ddp = pycomm.wrap(_model(), hook=hook, hook_options={"hierarchy": "node", "start_iter": 2})
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
+        loop = pycomm.TrainLoop(ddp, opt)
+        state = pycomm.hook_state(ddp)
+        poison = {"on": False}
+        first = next(ddp.module.parameters())
+
+        def inject(g):
+            if not (poison["on"] and rank == 0):
+                return g
+            g = g.clone()
+            g.view(-1)[0] = float("nan")
+            return g
+
+        first.register_hook(inject)
+        gen = torch.Generator().manual_seed(rank)
+        snaps, nan_step = [], 4
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)
+            for i in range(nan_step + 2):
+                snaps.append(copy.deepcopy(state.state_dict()["residuals"]))
+                poison["on"] = i == nan_step
+                x, y = torch.randn(8, 40, generator=gen), torch.randn(8, 3, generator=gen)
+                loop.step(lambda x=x, y=y: torch.nn.functional.mse_loss(ddp(x), y))
+        before, after = snaps[nan_step], snaps[nan_step + 1]
+        return {
+            "skipped": loop.skipped_steps,
+            "residuals": bool(before) and before.keys() == after.keys(),
+            "same": all(torch.equal(before[k][n], after[k][n]) for k in before for n in before[k]),
+            "moved": any(
+                not torch.equal(snaps[nan_step - 1][k][n], before[k][n])
+                for k in before
+                for n in before[k]
+            ),
+        }
+
+
+@pytest.mark.parametrize("hook", ["int8", "onebit"])
+def test_nan_in_one_shard_keeps_every_ranks_residuals(hook):
+    for rank, r in enumerate(run_ranks(_rank_nan_in_one_shard, 4, hook, timeout=120)):
+        assert r["skipped"] == 1 and r["residuals"] and r["moved"], (rank, r)
+        assert r["same"], (rank, r)

@@ -545,12 +545,18 @@ class CompressedState(HookState):
 
 
 def _two_phase(
-    state: CompressedState, bucket: dist.GradBucket, x: torch.Tensor, index: Optional[int] = None
+    state: CompressedState,
+    bucket: dist.GradBucket,
+    x: torch.Tensor,
+    index: Optional[int] = None,
+    step: Optional[int] = None,
 ):
-    """The two-phase exchange of ``x`` as the hook's bucket ``index`` (default DDP's)."""
+    """The two-phase exchange of ``x`` as the hook's bucket ``index`` (default DDP's), for
+    the hook's ``step`` (default: the current one; the node hierarchy issues it from a
+    callback, possibly once the hook has moved on to the next step, so it passes the step)."""
     codec, w = state.codec, state.exchange_size
     index = bucket.index() if index is None else index
-    n, step = x.numel(), state.iter
+    n, step = x.numel(), state.iter if step is None else step
     c = state.chunk(n)
     state.device = x.device
     r1, r2, r1_out, r2_out = state._residual((index, n, str(x.dtype)), n)
@@ -738,10 +744,15 @@ def _scatter(rb: _Rebucket, state: CompressedState, r: int, f: torch.futures.Fut
 
 
 def _plain16(
-    state: CompressedState, bucket: dist.GradBucket, x: torch.Tensor, index: Optional[int] = None
+    state: CompressedState,
+    bucket: dist.GradBucket,
+    x: torch.Tensor,
+    index: Optional[int] = None,
+    step: Optional[int] = None,
 ):
     """16-bit all-reduce: encode (pre-scaled, optional residual), sum in 16 bits, decode."""
-    n, w, step = x.numel(), state.exchange_size, state.iter
+    n, w = x.numel(), state.exchange_size
+    step = state.iter if step is None else step
     index = bucket.index() if index is None else index
     state.device = x.device
     r1, _, r1_out, _ = state._residual((index, n, str(x.dtype)), n)
@@ -836,10 +847,14 @@ def _node(state: CompressedState, bucket: dist.GradBucket, x: torch.Tensor):
         else:
             nbytes, calls, path = ring_bytes(2 * s, m), 1, _plain16
 
-        def cross(shard_bucket, shard: torch.Tensor):
-            return path(state, shard_bucket, shard, index)
+        step = state.iter  # now, in the hook: stage 2 runs later, from a callback
 
-        return hier.node_reduce(state, plan, bucket, x, index, cross, nbytes, calls, None, 1.0 / L)
+        def cross(shard_bucket, shard: torch.Tensor):
+            return path(state, shard_bucket, shard, index, step)
+
+        return hier.node_reduce(
+            state, plan, bucket, x, index, cross, nbytes, calls, None, 1.0 / L, step
+        )
 
     if state._params is not None:
         return _laid_out(state, bucket, x, reduce)

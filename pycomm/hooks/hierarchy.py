@@ -212,6 +212,7 @@ def node_reduce(
     cross_collectives: int,
     prescale: Optional[float] = None,
     postscale: Optional[float] = None,
+    finite_step: Optional[int] = None,
 ) -> torch.futures.Future[torch.Tensor]:
     """Reduce ``x`` in the three stages of the module's docstring.
 
@@ -219,6 +220,11 @@ def node_reduce(
     and returns a future completing once ``shard`` holds the reduced values. ``prescale``
     multiplies ``x`` before stage 1 (the exact all-reduce scales by 1/N as DDP does),
     ``postscale`` the node's summed shard.
+
+    ``finite_step``: a compressing state's step. Its decode (stage 2) sees only this rank's
+    shard, so once stage 3 has gathered the others, their non-finite values are counted too
+    (``state.note_decode``, on the device, no host read): a NaN or Inf anywhere in the bucket
+    then keeps every rank's residuals as they were, as in the flat exchange.
     """
     L, n = plan.local_size, x.numel()
     s = shard_size(n, L)
@@ -269,6 +275,11 @@ def node_reduce(
             fut.value()
             if ws["send"] is not None:
                 x.copy_(ws["send"].view(-1)[:n])
+            if finite_step is not None:
+                flat = x.view(-1)
+                lo, hi = min(plan.position * s, n), min((plan.position + 1) * s, n)
+                bad = (~torch.isfinite(flat[:lo])).sum() + (~torch.isfinite(flat[hi:])).sum()
+                state.note_decode(torch.stack([bad.new_zeros(()), bad]).double(), finite_step)
             result.set_result(x)
         except BaseException as e:  # noqa: BLE001 - handed to DDP through the future
             fail(e)
