@@ -337,7 +337,7 @@ def _rank_ddp(tmp):
     pycomm.checkpoint.load_hook_state(fresh, blob)
     out["gathered"] = fresh.state_dict()["rank"] == rank and all(
         torch.equal(a["r1"], b["r1"])
-        for a, b in zip(fresh._pending.values(), early.residuals.values())
+        for a, b in zip(fresh.store.pending.values(), early.residuals.values())
     )
 
     # static_graph: no no_sync accumulation; pycomm's stage accumulates there, bit for bit

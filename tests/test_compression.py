@@ -113,7 +113,7 @@ def _rank_bucket(hook, options, n, steps, nan_step, commit_on_device=None, kept=
     torch.manual_seed(0)
     ddp = pycomm.wrap(_Fixed(n), hook=hook, hook_options=options)
     state = pycomm.hook_state(ddp)
-    state._commit_on_device = commit_on_device
+    state.store.on_device = commit_on_device
     c = torch.randn(n, generator=torch.Generator().manual_seed(dist.get_rank()))
     outs, sent = [], []
     for step in range(steps):

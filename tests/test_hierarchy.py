@@ -105,7 +105,7 @@ def _rank_compare(hook, steps):
         return (
             out,
             {h: dict(s.stats) for h, s in states.items()},
-            {h: s._hier is not None for h, s in states.items()},
+            {h: s.node_plan is not None for h, s in states.items()},
             {h: s.fingerprint()["topology"] for h, s in states.items()},
         )
 
@@ -216,7 +216,7 @@ def _rank_errors(layout, hierarchy, hook, nodes=None, launcher="torchrun"):
         for _ in range(3):
             ddp.zero_grad()
             ddp(x).square().mean().backward()
-        return state._hier is not None, _grads(ddp.module)
+        return state.node_plan is not None, _grads(ddp.module)
 
 
 @pytest.mark.parametrize(
@@ -300,7 +300,7 @@ def _rank_init_nodes():
         topo = pycomm.topology()
         ddp = pycomm.wrap(_model(), hook="allreduce")
         state = pycomm.hook_state(ddp)
-        plan = state._hier
+        plan = state.node_plan
         timeouts = {group_timeout(g) for g in (*plan.intra.groups, *plan.cross.groups)}
         return topo, timeouts, group_timeout(dist.group.WORLD)
     finally:

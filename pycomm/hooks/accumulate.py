@@ -187,7 +187,7 @@ class AccumulateState(HookState):
 
     # --- layout ---------------------------------------------------------------------------
 
-    def _segment(self, bucket: dist.GradBucket, x: torch.Tensor) -> _Segment:
+    def segment(self, bucket: dist.GradBucket, x: torch.Tensor) -> _Segment:
         params = bucket.parameters()
         try:
             key = tuple(self._index[id(p)] for p in params)
@@ -223,10 +223,27 @@ class AccumulateState(HookState):
         self._segments[key] = seg
         return seg
 
-    def _in_place(self, dtype: torch.dtype) -> bool:
+    def in_place(self, dtype: torch.dtype) -> bool:
         return self.bucket_view and dtype == torch.float32
 
-    def _add_pending(self, bucket: dist.GradBucket, x: torch.Tensor) -> None:
+    def loaded(self) -> bool:
+        """Whether sums loaded from a checkpoint are still to be placed or were placed this
+        micro-step (the buffers then hold them, not a fresh window)."""
+        return self._pending is not None
+
+    def loading(self) -> bool:
+        """Whether loaded sums are still waiting to be placed into their buckets."""
+        return bool(self._pending)
+
+    def end_micro_step(self, bucket: dist.GradBucket) -> None:
+        """After each bucket: at DDP's last one, count the micro-step; loaded sums, all
+        placed, are forgotten."""
+        if bucket.is_last():
+            self.micro_step += 1
+            if self._pending is not None and not self._pending:
+                self._pending = None
+
+    def place_loaded(self, bucket: dist.GradBucket, x: torch.Tensor) -> None:
         """After a resume mid-window: add the loaded sums of this bucket's parameters."""
         off = 0
         for p in bucket.parameters():
@@ -256,7 +273,7 @@ class AccumulateState(HookState):
                 o = seg.offsets[seg.key.index(i)]
                 sums[i] = seg.buffer[o : o + self.params[i].numel()].clone()
             for i, p in enumerate(self.params):  # sums kept in the gradients themselves
-                if i not in sums and self._in_place(p.dtype) and p.grad is not None:
+                if i not in sums and self.in_place(p.dtype) and p.grad is not None:
                     sums[i] = p.grad.detach().reshape(-1).float().clone()
             if self._pending:
                 sums.update({i: t.clone() for i, t in self._pending.items()})
@@ -311,21 +328,18 @@ def accumulate_hook(
     k = state.accumulate_steps
     first = state.micro_step % k == 0
     final = state.boundary()
-    if state._in_place(x.dtype):
+    if state.in_place(x.dtype):
         try:
-            if state._pending:
-                state._add_pending(bucket, x)
+            if state.loading():
+                state.place_loaded(bucket, x)
             if not final:  # the gradients (views of x) hold the sum so far: leave them
                 return completed(x)
             return state.inner_hook(state.inner, bucket)
         finally:
-            if bucket.is_last():
-                state.micro_step += 1
-                if state._pending is not None and not state._pending:
-                    state._pending = None
+            state.end_micro_step(bucket)
     try:
-        seg = state._segment(bucket, x)
-        if first and state._pending is None:
+        seg = state.segment(bucket, x)
+        if first and not state.loaded():
             seg.buffer.copy_(x)
         else:
             ops.accumulate_(seg.buffer, x)
@@ -334,10 +348,7 @@ def accumulate_hook(
             return completed(x)
         fut = state.inner_hook(state.inner, _Fp32Bucket(bucket, seg.buffer))
     finally:
-        if bucket.is_last():
-            state.micro_step += 1
-            if state._pending is not None and not state._pending:
-                state._pending = None
+        state.end_micro_step(bucket)
 
     def write_back(f: torch.futures.Future) -> torch.Tensor:
         out = f.value()

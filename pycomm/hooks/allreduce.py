@@ -23,7 +23,7 @@ class AllreduceState(HookState):
     """
 
     hook_name = "allreduce"
-    _hier: Optional[hier.NodePlan] = None
+    node_plan: Optional[hier.NodePlan] = None
 
     def __init__(
         self, process_group: Optional[dist.ProcessGroup] = None, hierarchy: str = "auto"
@@ -32,13 +32,13 @@ class AllreduceState(HookState):
         super().__init__(process_group)
 
     def _bound(self) -> None:
-        self._hier = hier.resolve(self.hook_name, self.process_group, self.hierarchy)
+        self.node_plan = hier.resolve(self.hook_name, self.process_group, self.hierarchy)
 
     def options(self) -> dict[str, Any]:
         return {"hierarchy": self.hierarchy}
 
     def fingerprint(self) -> dict[str, Any]:
-        return {**super().fingerprint(), "topology": hier.fingerprint(self._hier)}
+        return {**super().fingerprint(), "topology": hier.fingerprint(self.node_plan)}
 
 
 def allreduce_hook(
@@ -66,7 +66,7 @@ def allreduce_hook(
     if state.world_size == 1:
         state.count(bucket, 0, collectives=0)
         return completed(tensor)
-    plan = state._hier
+    plan = state.node_plan
     if plan is not None:
         n = tensor.numel()
         return hier.node_reduce(

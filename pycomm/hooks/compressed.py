@@ -15,7 +15,6 @@ however its phase 1s happen to complete (the trap that aborts torch's PowerSGD o
 import datetime
 import logging
 import math
-import threading
 from typing import Any, Optional
 
 import torch
@@ -25,6 +24,8 @@ from pycomm import ops
 from pycomm._validate import check_bool, check_int
 from pycomm.hooks import hierarchy as hier
 from pycomm.hooks.allreduce import exact_allreduce
+from pycomm.hooks.layout import BucketLayout
+from pycomm.hooks.residuals import ResidualStore
 from pycomm.hooks.state import HookState, check_bucket, completed, ring_bytes
 
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
@@ -197,6 +198,39 @@ def _check_residual_dtype(hook: str, value: Any) -> torch.dtype:
     )
 
 
+class Workspace:
+    """The buffers of each bucket's exchange, allocated once: fresh ones every step cost more
+    in page faults than the codecs themselves."""
+
+    def __init__(self) -> None:
+        self.buffers: dict[tuple, Any] = {}
+
+    def exchange(self, key: tuple, w: int, row_bytes: int, device) -> dict:
+        """The send and receive buffers of bucket ``key``: ``w`` rows of ``row_bytes``. Phase 2
+        reuses them (it runs once phase 1 has completed and its rows are decoded), which keeps
+        the step's memory, and so its cache misses, down: gradients, residuals and buffers of
+        both ranks already exceed this kind of machine's share of the last-level cache."""
+        ws = self.buffers.get(key)
+        if ws is None:
+            u8 = dict(dtype=torch.uint8, device=device)
+            ws = self.buffers[key] = {
+                "send": torch.empty(w, row_bytes, **u8),
+                "recv": torch.empty(w, row_bytes, **u8),
+            }
+        return ws
+
+    def chunk_sum(self, key: tuple, c: int, device) -> torch.Tensor:
+        """The fp32 buffer phase 2 sums this rank's chunk into. On the CPU one serves every
+        bucket: phase 2 of a bucket starts only once the previous bucket's phase 2 has issued
+        its gather (the order chain of _two_phase), so no two use it at once. On an
+        accelerator, where work is only enqueued, each bucket keeps its own."""
+        name = ("chunk_sum",) if device.type == "cpu" else ("chunk_sum", key)
+        buf = self.buffers.get(name)
+        if buf is None or buf.numel() < c or buf.device != device:
+            buf = self.buffers[name] = torch.empty(c, dtype=torch.float32, device=device)
+        return buf[:c]
+
+
 class CompressedState(HookState):
     """State of a compression hook: config, the two process groups, residuals, counters.
 
@@ -243,56 +277,48 @@ class CompressedState(HookState):
         self.residual_dtype = _check_residual_dtype(hook, options.get("residual_dtype", "float32"))
         self.codec = self.make_codec(options)
         self.iter = 0
-        # (bucket index, numel, dtype) -> {"r1": phase-1 residual, "r2": phase-2 residual}, as
-        # of the last finite step. A step writes its new residuals into _next and they are
-        # committed (swapped in) once every bucket of the step decoded finite, on every rank
-        # alike: a step with a NaN or Inf anywhere leaves the residuals bitwise as they were.
-        self.residuals: dict[tuple, dict[str, torch.Tensor]] = {}
-        self._next: dict[tuple, dict[str, torch.Tensor]] = {}
-        self._touched: set[tuple] = set()  # buckets whose _next holds the current step's
-        self._bad_steps: set[int] = set()
-        self._pending: Optional[dict[tuple, dict[str, torch.Tensor]]] = None
-        self._buffers: dict[tuple, dict[str, torch.Tensor]] = {}
-        self._lock = threading.Lock()  # decode callbacks of different buckets may race
-        # (step, [squared norm, non-finite values], False) per decode, or, once a step is
-        # committed on an accelerator, (step, [squared norm, non-finite buckets], True)
-        self._decoded: list[tuple[int, torch.Tensor, bool]] = []
-        self._sqnorm: dict[int, float] = {}
-        self._fold_next = False
-        self._commit_on_device: Optional[bool] = None  # None: on an accelerator (see commit)
+        self._fold_next = False  # the next hook call starts a new step: commit the last one
         self._stats.update(nonfinite_buckets=0, residual_bytes=0, rebucketed_steps=0)
-        self.last_sqnorm = 0.0
         self.device = torch.device("cpu")  # of the buckets; set by the hook
-        # With the model's parameters bound (pycomm.wrap does), the hook keeps its own bucket
-        # layout: DDP's buckets as they were at the first compressed step, as parameter
-        # positions. Residuals, blocks and chunks follow it, so a freshly built DDP that
-        # buckets its first iteration differently (a resume) is re-bucketed into it and
-        # reduces bit for bit as the uninterrupted run would.
-        self._params: Optional[list[torch.Tensor]] = None
-        self._param_index: dict[int, int] = {}
-        self.layout: Optional[list[tuple[int, ...]]] = None
-        self._layout_index: dict[tuple[int, ...], int] = {}
-        self._recording = False
-        self._rebucket: Optional[_Rebucket] = None
+        # the three parts: residuals (kept per bucket, committed once a step is finite), the
+        # hook's own bucket layout over the bound parameters, and the exchange's buffers
+        self.store = ResidualStore(self.where, self._stats, self.residual_dtype)
+        self.bucket_layout = BucketLayout(self.where, self._stats)
+        self.workspace = Workspace()
 
-    _phases: Optional[_PhaseGroups] = None  # set when the state binds to its group
-    _hier: Optional[hier.NodePlan] = None  # the node hierarchy, when hierarchy resolves to it
+    phases: Optional[_PhaseGroups] = None  # set when the state binds to its group
+    node_plan: Optional[hier.NodePlan] = None  # the node hierarchy, when it resolves to it
+
+    @property
+    def residuals(self) -> dict[tuple, dict[str, torch.Tensor]]:
+        """Bucket key -> {"r1", "r2"}: the error-feedback residuals as of the last finite step."""
+        return self.store.residuals
+
+    @property
+    def layout(self) -> Optional[list[tuple[int, ...]]]:
+        """The hook's buckets as parameter positions (None before the first compressed step
+        or without bound parameters)."""
+        return self.bucket_layout.buckets
+
+    @property
+    def last_sqnorm(self) -> float:
+        return self.store.last_sqnorm
 
     def _bound(self) -> None:
         if self.world_size > 1:
-            self._hier = hier.resolve(self.hook_name, self.process_group, self.hierarchy)
+            self.node_plan = hier.resolve(self.hook_name, self.process_group, self.hierarchy)
             # with the node hierarchy the exchange runs across nodes only, on its own groups
-            self._phases = _phase_groups(self.process_group) if self._hier is None else None
-            if self._hier is not None:
-                self._phases = self._hier.cross
+            self.phases = _phase_groups(self.process_group) if self.node_plan is None else None
+            if self.node_plan is not None:
+                self.phases = self.node_plan.cross
 
     @property
     def exchange_size(self) -> int:
         """Ranks in the compressed exchange: the group's, or the nodes' with the hierarchy."""
-        return self.world_size if self._hier is None else self._hier.nodes
+        return self.world_size if self.node_plan is None else self.node_plan.nodes
 
-    def _count_exchange(self, bucket: dist.GradBucket, nbytes: int, collectives: int) -> None:
-        if self._hier is None:  # the node hierarchy counts all its stages itself
+    def count_exchange(self, bucket: dist.GradBucket, nbytes: int, collectives: int) -> None:
+        if self.node_plan is None:  # the node hierarchy counts all its stages itself
             self.count(bucket, nbytes, collectives=collectives)
 
     def bind_parameters(self, params: list[torch.Tensor]) -> None:
@@ -302,28 +328,14 @@ class CompressedState(HookState):
         Example:
             >>> state.bind_parameters([p for p in model.parameters() if p.requires_grad])
         """
-        self._params = list(params)
-        self._param_index = {id(p): i for i, p in enumerate(self._params)}
+        self.bucket_layout.bind(params)
 
     def fingerprint(self) -> dict[str, Any]:
         fp = super().fingerprint()
-        fp["topology"] = hier.fingerprint(self._hier)
-        if self._params is not None:
-            fp["parameters"] = [list(p.shape) for p in self._params]
+        fp["topology"] = hier.fingerprint(self.node_plan)
+        if self.bucket_layout.bound:
+            fp["parameters"] = [list(p.shape) for p in self.bucket_layout.params]
         return fp
-
-    def _bucket_key(self, bucket: dist.GradBucket) -> tuple[int, ...]:
-        try:
-            return tuple(self._param_index[id(p)] for p in bucket.parameters())
-        except KeyError:
-            raise ValueError(
-                f"pycomm {self.hook_name} hook: bucket {bucket.index()} holds a parameter that "
-                "is not among the bound parameters (bind_parameters)"
-            ) from None
-
-    def _set_layout(self, layout: list[tuple[int, ...]]) -> None:
-        self.layout = [tuple(k) for k in layout]
-        self._layout_index = {k: i for i, k in enumerate(self.layout)}
 
     def make_codec(self, options: dict[str, Any]) -> Codec:
         raise NotImplementedError
@@ -354,126 +366,42 @@ class CompressedState(HookState):
             return {"r2": c}
         return {"r1": self.exchange_size * c, "r2": c}
 
-    def _residual(self, key: tuple, n: int) -> tuple:
-        """(r1, r2, r1_out, r2_out): the committed residuals of bucket ``key`` to read and the
-        buffers this step's new ones go to (all None without error feedback)."""
+    def residual(self, key: tuple, n: int) -> tuple:
+        """(r1, r2, r1_out, r2_out): the kept residuals of bucket ``key`` (n elements) to read
+        and the buffers this step's new ones go to (all None without error feedback)."""
         if not self.error_feedback:
             return None, None, None, None
-        res = self.residuals.get(key)
-        if res is None:
-            if self._pending is not None:
-                if key not in self._pending:
-                    raise ValueError(
-                        f"pycomm {self.hook_name} hook: bucket {key[0]} ({key[1]} elements, "
-                        f"{key[2]}) has no residual in the loaded state, which holds buckets "
-                        f"{sorted(self._pending)}: the model or its bucketing changed"
-                    )
-                res = self._pending.pop(key)
-            else:
-                res = {
-                    name: torch.zeros(numel, dtype=self.residual_dtype, device=self.device)
-                    for name, numel in self.residual_sizes(n).items()
-                }
-            self.residuals[key] = res
-            self._next[key] = {name: torch.empty_like(t) for name, t in res.items()}
-            self._stats["residual_bytes"] = 2 * sum(
-                t.numel() * t.element_size() for r in self.residuals.values() for t in r.values()
-            )
-        nxt = self._next[key]
-        self._touched.add(key)
-        return res.get("r1"), res.get("r2"), nxt.get("r1"), nxt.get("r2")
+        return self.store.get(key, self.residual_sizes(n), self.device)
+
+    def new_step(self) -> bool:
+        """Called at every hook call: at the first of a step, commit the previous step (its
+        decodes are all done by then) and return True."""
+        if not self._fold_next:
+            return False
+        self.commit()
+        self._fold_next = False
+        self.bucket_layout.end_step()
+        return True
+
+    def end_step(self) -> None:
+        """Called after DDP's last bucket of a step."""
+        self.iter += 1
+        self._fold_next = True
 
     def commit(self) -> None:
-        """End of a step (all its buckets decoded): keep its new residuals, unless some bucket
-        came out non-finite, in which case the step's residual updates are dropped.
-
-        On the CPU the decision reads the decodes' flags. On an accelerator it is taken on the
-        device (a select between the kept and the new residuals, one pass over them), so the
-        hook never waits for the device: the flags reach the host only when stats are read."""
-        step = self.iter - 1
-        on_device = self._commit_on_device
-        if on_device is None:
-            on_device = self.device.type != "cpu"
-        if not on_device:
-            self.fold()
-            if step not in self._bad_steps:
-                for key in self._touched:
-                    self.residuals[key], self._next[key] = self._next[key], self.residuals[key]
-        elif step not in self._bad_steps:  # (a stats read may have folded it already)
-            finite = self._step_finite_on_device(step)
-            for key in self._touched:
-                new, kept = self._next[key], self.residuals[key]
-                if finite is not None:
-                    for name, t in new.items():
-                        torch.where(finite, t, kept[name], out=t)
-                self.residuals[key], self._next[key] = new, kept
-        self._touched = set()
-        self._bad_steps = {s for s in self._bad_steps if s > step}
-
-    def _step_finite_on_device(self, step: int) -> Optional[torch.Tensor]:
-        """A device bool, true when every decode of ``step`` was finite (None: no decode, as
-        in a warm-up step). The step's decode results are summed into one entry on the device,
-        [squared norm, non-finite buckets], so that they do not pile up between reads."""
-        with self._lock:
-            mine = [st for s, st, _ in self._decoded if s == step]
-            if not mine:
-                return None
-            rows = torch.stack(mine)
-            summary = torch.stack([rows[:, 0].sum(), (rows[:, 1] > 0).sum().to(rows.dtype)])
-            self._decoded = [e for e in self._decoded if e[0] != step] + [(step, summary, True)]
-        return summary[1] == 0
-
-    def _workspace(self, key: tuple, w: int, row_bytes: int, device) -> dict:
-        """The send and receive buffers of one bucket's exchange, allocated once: fresh ones
-        every step cost more in page faults than the codecs themselves. Phase 2 reuses them
-        (it runs once phase 1 has completed and its rows are decoded), which keeps the step's
-        memory, and so its cache misses, down: gradients, residuals and buffers of both ranks
-        already exceed this kind of machine's share of the last-level cache."""
-        ws = self._buffers.get(key)
-        if ws is None:
-            u8 = dict(dtype=torch.uint8, device=device)
-            ws = self._buffers[key] = {
-                "send": torch.empty(w, row_bytes, **u8),
-                "recv": torch.empty(w, row_bytes, **u8),
-            }
-        return ws
-
-    def _chunk_sum(self, key: tuple, c: int, device) -> torch.Tensor:
-        """The fp32 buffer phase 2 sums this rank's chunk into. On the CPU one serves every
-        bucket: phase 2 of a bucket starts only once the previous bucket's phase 2 has issued
-        its gather (the order chain of _two_phase), so no two use it at once. On an
-        accelerator, where work is only enqueued, each bucket keeps its own."""
-        name = ("chunk_sum",) if device.type == "cpu" else ("chunk_sum", key)
-        buf = self._buffers.get(name)
-        if buf is None or buf.numel() < c or buf.device != device:
-            buf = self._buffers[name] = torch.empty(c, dtype=torch.float32, device=device)
-        return buf[:c]
+        """End of a step (all its buckets decoded): keep its new residuals unless some bucket
+        came out non-finite (see :class:`ResidualStore`)."""
+        self.store.commit(self.iter - 1, self.device)
 
     # --- stats -------------------------------------------------------------------------
 
     def note_decode(self, st: torch.Tensor, step: int) -> None:
-        """Keep a decode's [squared norm, non-finite count] (from a callback thread) until
-        :meth:`fold`, which runs when the stats are read (and, on the CPU, at the start of every
-        step): no callback reads a device value."""
-        with self._lock:
-            self._decoded.append((step, st, False))
+        """Keep a decode's [squared norm, non-finite count] for ``step`` (see
+        :meth:`ResidualStore.note_decode`)."""
+        self.store.note_decode(st, step)
 
     def fold(self) -> None:
-        """Fold the kept decode results into ``stats`` and ``last_sqnorm``, the squared norm of
-        the latest step's reduced gradients (complete once DDP's backward has returned)."""
-        with self._lock:
-            pending, self._decoded = self._decoded, []
-        for step, st, summed in pending:
-            sq, bad = st.tolist()
-            self._sqnorm[step] = self._sqnorm.get(step, 0.0) + sq
-            self._stats["nonfinite_buckets"] += int(bad) if summed else int(bad > 0)
-            if bad > 0:  # the norm of a gradient holding NaN or Inf is not finite
-                self._bad_steps.add(step)
-                self._sqnorm[step] = float("nan")
-        if self._sqnorm:
-            latest = max(self._sqnorm)
-            self.last_sqnorm = self._sqnorm[latest]
-            self._sqnorm = {latest: self.last_sqnorm}
+        self.store.fold()
 
     @property
     def stats(self) -> dict[str, Any]:
@@ -486,26 +414,24 @@ class CompressedState(HookState):
         node hierarchy (each rank decodes only its shard)."""
         self.fold()
         last = self.iter - 1
-        if self.world_size == 1 or last < self.start_iter or self._hier is not None:
+        if self.world_size == 1 or last < self.start_iter or self.node_plan is not None:
             return None
-        return self._sqnorm.get(last)
+        return self.store.sqnorm.get(last)
 
     # --- checkpoint --------------------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
-        if self._touched and not self._fold_next:
+        if self.store.touched and not self._fold_next:
             raise RuntimeError(
                 f"pycomm {self.hook_name} hook: state_dict() in the middle of a step; call it "
                 "after backward() has returned"
             )
-        if self._touched:
+        if self.store.touched:
             self.commit()
         return {
             **super().state_dict(),
             "iter": self.iter,
-            "residuals": {
-                k: {n: t.clone() for n, t in r.items()} for k, r in self.residuals.items()
-            },
+            "residuals": self.store.snapshot(),
             "layout": None if self.layout is None else [list(k) for k in self.layout],
         }
 
@@ -528,20 +454,20 @@ class CompressedState(HookState):
                         f"expected {self.residual_dtype} (residual_dtype)"
                     )
         layout = state.get("layout")
-        if layout is not None and self._params is not None:
+        params = self.bucket_layout.params
+        if layout is not None and params is not None:
             seen = sorted(i for k in layout for i in k)
-            if seen != list(range(len(self._params))):
+            if seen != list(range(len(params))):
                 raise ValueError(
                     f"pycomm {self.hook_name} hook: the checkpoint's bucket layout covers "
-                    f"parameters {seen[:8]}..., expected each of the {len(self._params)} "
+                    f"parameters {seen[:8]}..., expected each of the {len(params)} "
                     "bound parameters once"
                 )
         self.iter = int(state["iter"])
         if layout is not None:
-            self._set_layout(layout)
-        self._recording, self._rebucket = False, None
-        self.residuals, self._next, self._touched = {}, {}, set()
-        self._pending = {k: {n: t.clone() for n, t in r.items()} for k, r in loaded.items()}
+            self.bucket_layout.set(layout)
+        self.bucket_layout.end_step()
+        self.store.load(loaded)
 
 
 def _two_phase(
@@ -559,17 +485,17 @@ def _two_phase(
     n, step = x.numel(), state.iter if step is None else step
     c = state.chunk(n)
     state.device = x.device
-    r1, r2, r1_out, r2_out = state._residual((index, n, str(x.dtype)), n)
+    r1, r2, r1_out, r2_out = state.residual((index, n, str(x.dtype)), n)
     codes, scales = codec.encode(x, r1, 1.0 / w, w * c, r1_out)
     row_bytes = codec.code_bytes(c) + codec.scale_bytes(c)
     key = (index, n, str(x.dtype))
-    ws = state._workspace(key, w, row_bytes, x.device)
+    ws = state.workspace.exchange(key, w, row_bytes, x.device)
     # phase 2 sends from phase 1's send buffer and gathers into its receive buffer
     send, recv = ws["send"], ws["recv"]
     gathered = recv
     codec.pack(codes, scales, w, out=send)
-    state._count_exchange(bucket, 2 * (w - 1) * row_bytes, collectives=2)
-    phases = state._phases
+    state.count_exchange(bucket, 2 * (w - 1) * row_bytes, collectives=2)
+    phases = state.phases
     g1, g2 = phases.groups
     phase1 = dist.all_to_all_single(recv, send, group=g1, async_op=True).get_future()
 
@@ -600,7 +526,7 @@ def _two_phase(
             for sub in fut.value():
                 sub.value()
             codes1, scales1 = codec.split(recv, c)
-            mine = state._chunk_sum(key, c, x.device)
+            mine = state.workspace.chunk_sum(key, c, x.device)
             codec.decode_sum(codes1, scales1, 1.0, mine)
             if phases.nccl:
                 row = codec.pack(*codec.encode(mine, r2, 1.0, c, r2_out), 1)
@@ -621,128 +547,6 @@ def _two_phase(
     return result
 
 
-class _Rebucket:
-    """One step of DDP buckets that differ from the hook's layout: each DDP bucket is copied
-    into the hook buckets holding its parameters; a hook bucket whose parameters have all
-    arrived is reduced (in the order they complete, the same on every rank); a DDP bucket's
-    future completes once all its parameters came back."""
-
-    def __init__(self, state: CompressedState, dtype: torch.dtype, device: torch.device) -> None:
-        params = state._params
-        self.lock = threading.Lock()
-        self.where: dict[int, tuple[int, int]] = {}  # parameter -> (hook bucket, offset)
-        self.sizes: list[int] = []
-        self.buffers: dict[int, torch.Tensor] = {}  # allocated when a parameter arrives
-        self.missing: list[set[int]] = []
-        self.dtype, self.device = dtype, device
-        for r, key in enumerate(state.layout):
-            off = 0
-            for i in key:
-                self.where[i] = (r, off)
-                off += params[i].numel()
-            self.sizes.append(off)
-            self.missing.append(set(key))
-        # parameter -> (DDP bucket tensor, offset, that bucket's pending set, its future)
-        self.owner: dict[int, tuple[torch.Tensor, int, set[int], torch.futures.Future]] = {}
-
-
-class _HookBucket:
-    """A hook bucket as the two-phase path sees it (index, buffer, is_last)."""
-
-    def __init__(self, index: int, buffer: torch.Tensor, last: bool) -> None:
-        self._index, self._buffer, self._last = index, buffer, last
-
-    def index(self) -> int:
-        return self._index
-
-    def buffer(self) -> torch.Tensor:
-        return self._buffer
-
-    def is_last(self) -> bool:
-        return self._last
-
-
-def _laid_out(state: CompressedState, bucket: dist.GradBucket, x: torch.Tensor, reduce):
-    """``reduce`` (the two-phase or the 16-bit path) on the hook's own layout (see
-    CompressedState.bind_parameters)."""
-    key = state._bucket_key(bucket)
-    if state.layout is None or state._recording:  # the first compressed step defines it
-        if state.layout is None:
-            state._set_layout([])
-            state._recording = True
-        state.layout.append(key)
-        state._layout_index[key] = len(state.layout) - 1
-        if bucket.is_last():
-            state._recording = False
-        return reduce(state, bucket, x, len(state.layout) - 1)
-    r = state._layout_index.get(key)
-    if r is not None:
-        return reduce(state, bucket, x, r)
-    rb = state._rebucket
-    if rb is None:
-        logger.info(
-            "pycomm %s hook: DDP's buckets differ from the hook's layout; re-bucketing",
-            state.hook_name,
-        )
-        rb = state._rebucket = _Rebucket(state, x.dtype, x.device)
-        state._stats["rebucketed_steps"] += 1
-    params = state._params
-    fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
-    pending = set(key)
-    off, complete = 0, []
-    for i in key:
-        n = params[i].numel()
-        r, o = rb.where[i]
-        if r not in rb.buffers:
-            rb.buffers[r] = torch.empty(rb.sizes[r], dtype=rb.dtype, device=rb.device)
-        rb.buffers[r][o : o + n].copy_(x[off : off + n])
-        rb.owner[i] = (x, off, pending, fut)
-        rb.missing[r].discard(i)
-        if not rb.missing[r]:
-            complete.append(r)
-        off += n
-    if off != x.numel():
-        raise RuntimeError(
-            f"pycomm {state.hook_name} hook: bucket {bucket.index()} has {x.numel()} elements "
-            f"but its parameters {off}"
-        )
-    complete.sort()
-    for r in complete:
-        # the step is counted once: on DDP's last bucket, by the last hook bucket it completes
-        last = bucket.is_last() and r == complete[-1]
-        reduced = reduce(state, _HookBucket(r, rb.buffers[r], last), rb.buffers[r], r)
-        reduced.then(lambda f, r=r: _scatter(rb, state, r, f))
-    if bucket.is_last():
-        state._rebucket = None
-    return fut
-
-
-def _scatter(rb: _Rebucket, state: CompressedState, r: int, f: torch.futures.Future) -> None:
-    """Copy a reduced hook bucket back into the DDP buckets it came from; complete those whose
-    parameters are all back."""
-    params = state._params
-    try:
-        out = f.value()
-    except BaseException as e:  # noqa: BLE001 - handed to every waiting DDP bucket
-        for i in state.layout[r]:
-            _x, _o, _pending, fut = rb.owner[i]
-            if not fut.done():
-                fut.set_exception(e)
-        return
-    done = []
-    for i in state.layout[r]:
-        x, off, pending, fut = rb.owner[i]
-        n = params[i].numel()
-        o = rb.where[i][1]
-        x[off : off + n].copy_(out[o : o + n])
-        with rb.lock:
-            pending.discard(i)
-            if not pending:
-                done.append((x, fut))
-    for x, fut in done:
-        fut.set_result(x)
-
-
 def _plain16(
     state: CompressedState,
     bucket: dist.GradBucket,
@@ -755,10 +559,10 @@ def _plain16(
     step = state.iter if step is None else step
     index = bucket.index() if index is None else index
     state.device = x.device
-    r1, _, r1_out, _ = state._residual((index, n, str(x.dtype)), n)
+    r1, _, r1_out, _ = state.residual((index, n, str(x.dtype)), n)
     enc = ops.encode16(x, r1, 1.0 / w, state.codec.code_dtype, n, r1_out)
-    state._count_exchange(bucket, ring_bytes(2 * n, w), collectives=1)
-    work = dist.all_reduce(enc, group=state._phases.groups[0], async_op=True)
+    state.count_exchange(bucket, ring_bytes(2 * n, w), collectives=1)
+    work = dist.all_reduce(enc, group=state.phases.groups[0], async_op=True)
 
     def decode(fut: torch.futures.Future) -> torch.Tensor:
         fut.value()
@@ -794,32 +598,28 @@ def compressed_hook(
             f"pycomm {state.hook_name} hook: bucket {bucket.index()} has dtype {x.dtype}, "
             f"expected float32, bfloat16 or float16"
         )
-    if state._fold_next:  # a new step: the previous one's decodes are all done
-        state.commit()
-        state._fold_next = False
-        state._rebucket = None
+    state.new_step()  # at a step's first bucket: the previous step is committed
     try:
         if state.world_size == 1:
             state.count(bucket, 0, collectives=0)
             return completed(x)
-        if state._hier is not None:
+        if state.node_plan is not None:
             return _node(state, bucket, x)
         if state.iter < state.start_iter:
-            return exact_allreduce(state, bucket, x, state._phases.groups[0])
+            return exact_allreduce(state, bucket, x, state.phases.groups[0])
         reduce = _two_phase if getattr(state, "two_phase", True) else _plain16
-        if state._params is not None:
-            return _laid_out(state, bucket, x, reduce)
+        if state.bucket_layout.bound:
+            return state.bucket_layout.run(bucket, x, lambda b, t, i: reduce(state, b, t, i))
         return reduce(state, bucket, x)
     finally:
         if bucket.is_last():
-            state.iter += 1
-            state._fold_next = True
+            state.end_step()
 
 
 def _node(state: CompressedState, bucket: dist.GradBucket, x: torch.Tensor):
     """The hook on the node hierarchy (pycomm.hooks.hierarchy): exact inside the node, this
     hook's exchange across nodes on the rank's shard; the exact one while warming up."""
-    plan = state._hier
+    plan = state.node_plan
     L, m = plan.local_size, plan.nodes
     if state.iter < state.start_iter:
         n = x.numel()
@@ -856,6 +656,6 @@ def _node(state: CompressedState, bucket: dist.GradBucket, x: torch.Tensor):
             state, plan, bucket, x, index, cross, nbytes, calls, None, 1.0 / L, step
         )
 
-    if state._params is not None:
-        return _laid_out(state, bucket, x, reduce)
+    if state.bucket_layout.bound:
+        return state.bucket_layout.run(bucket, x, lambda b, t, i: reduce(state, b, t, i))
     return reduce(state, bucket, x, bucket.index())

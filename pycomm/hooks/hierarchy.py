@@ -229,7 +229,7 @@ def node_reduce(
     L, n = plan.local_size, x.numel()
     s = shard_size(n, L)
     key = ("node", index, n, str(x.dtype))
-    bufs = state.__dict__.setdefault("_node_buffers", {})
+    bufs = state.node_buffers
     ws = bufs.get(key)
     if ws is None:
         f32 = dict(dtype=torch.float32, device=x.device)
@@ -249,10 +249,13 @@ def node_reduce(
         flat[n:].zero_()
     recv, shard = ws["recv"], ws["shard"]
     intra_bytes = 2 * (L - 1) * s * 4
-    state.count(bucket, intra_bytes + cross_bytes, collectives=2 + cross_collectives)
-    st = state._stats
-    st["bytes_intra"] = st.get("bytes_intra", 0) + intra_bytes
-    st["bytes_inter"] = st.get("bytes_inter", 0) + cross_bytes
+    state.count(
+        bucket,
+        intra_bytes + cross_bytes,
+        collectives=2 + cross_collectives,
+        bytes_intra=intra_bytes,
+        bytes_inter=cross_bytes,
+    )
 
     g1, g2 = plan.intra.groups
     stage1 = dist.all_to_all_single(recv, send, group=g1, async_op=True).get_future()

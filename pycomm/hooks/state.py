@@ -42,6 +42,7 @@ class HookState:
         self._rank: Optional[int] = None
         if dist.is_available() and dist.is_initialized():
             self.bind()
+        self.node_buffers: dict[tuple, dict] = {}  # the node hierarchy's, per bucket
         self._stats: dict[str, Any] = {
             "steps": 0,
             "buckets": 0,
@@ -111,10 +112,15 @@ class HookState:
         """What must be equal for state to be shared across ranks or loaded from a checkpoint."""
         return {"hook": self.hook_name, "options": self.options(), "world_size": self.world_size}
 
-    def count(self, bucket: dist.GradBucket, bytes_sent: int, collectives: int = 1) -> None:
+    def count(
+        self, bucket: dist.GradBucket, bytes_sent: int, collectives: int = 1, **levels: int
+    ) -> None:
         """Account one hook call on ``bucket`` that put ``bytes_sent`` bytes on the wire in
-        ``collectives`` collective calls."""
+        ``collectives`` collective calls; ``levels`` split them, e.g. ``bytes_intra=...,
+        bytes_inter=...`` (added to those counters)."""
         s = self._stats
+        for name, value in levels.items():
+            s[name] = s.get(name, 0) + value
         s["buckets"] += 1
         s["collectives"] += collectives
         s["bytes_sent"] += bytes_sent
@@ -141,7 +147,8 @@ class HookState:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state_dict`; a checkpoint of another hook or config is refused."""
         self.check_fingerprint(state)
-        self._stats = dict(state["stats"])
+        self._stats.clear()  # in place: a state's parts keep counting into this dict
+        self._stats.update(state["stats"])
 
     def check_fingerprint(self, state: dict[str, Any]) -> None:
         """Refuse (ValueError naming the field) a checkpoint of another hook or config, or

@@ -1,0 +1,180 @@
+"""A compression hook's own bucket layout.
+
+With the model's parameters bound (``pycomm.wrap`` binds them), the hook names DDP's buckets
+by their parameters' positions and keeps DDP's buckets as they were at the first compressed
+step. Residuals, blocks and chunks follow that layout, so a freshly built DDP that buckets its
+first iteration differently (a resume) is re-bucketed into it and reduces bit for bit as the
+uninterrupted run would.
+"""
+
+import logging
+import threading
+from typing import Any, Callable, Optional
+
+import torch
+import torch.distributed as dist
+
+logger = logging.getLogger(__name__)
+
+# reduce(bucket, x, index) -> a future of x reduced: the exchange, on hook bucket ``index``
+Reduce = Callable[[Any, torch.Tensor, int], torch.futures.Future]
+
+
+class BucketLayout:
+    """The bound parameters and the layout of hook buckets over them.
+
+    Args:
+        where: how error messages start (``pycomm <hook> hook``).
+        stats: the hook's counters; ``rebucketed_steps`` is kept here.
+    """
+
+    def __init__(self, where: str, stats: dict[str, Any]) -> None:
+        self.where, self.stats = where, stats
+        self.params: Optional[list[torch.Tensor]] = None
+        self.param_index: dict[int, int] = {}
+        self.buckets: Optional[list[tuple[int, ...]]] = None  # parameter positions per bucket
+        self.index: dict[tuple[int, ...], int] = {}
+        self.recording = False  # the first compressed step is defining the layout
+        self.rebucket: Optional[_Rebucket] = None  # the current step's, when DDP's differ
+
+    @property
+    def bound(self) -> bool:
+        return self.params is not None
+
+    def bind(self, params: list[torch.Tensor]) -> None:
+        self.params = list(params)
+        self.param_index = {id(p): i for i, p in enumerate(self.params)}
+
+    def set(self, layout: list[tuple[int, ...]]) -> None:
+        """Take a layout (from a checkpoint); the next step re-buckets into it if needed."""
+        self.buckets = [tuple(k) for k in layout]
+        self.index = {k: i for i, k in enumerate(self.buckets)}
+        self.recording, self.rebucket = False, None
+
+    def key(self, bucket: dist.GradBucket) -> tuple[int, ...]:
+        """The positions of ``bucket``'s parameters among the bound ones."""
+        try:
+            return tuple(self.param_index[id(p)] for p in bucket.parameters())
+        except KeyError:
+            raise ValueError(
+                f"{self.where}: bucket {bucket.index()} holds a parameter that is not among the "
+                "bound parameters (bind_parameters)"
+            ) from None
+
+    def end_step(self) -> None:
+        self.rebucket = None
+
+    def run(self, bucket: dist.GradBucket, x: torch.Tensor, reduce: Reduce):
+        """``reduce`` (the two-phase or the 16-bit path) on the hook's layout: directly when
+        DDP's bucket is one of the layout's, else through a re-bucketing of this step."""
+        key = self.key(bucket)
+        if self.buckets is None or self.recording:  # the first compressed step defines it
+            if self.buckets is None:
+                self.set([])
+                self.recording = True
+            self.buckets.append(key)
+            self.index[key] = len(self.buckets) - 1
+            if bucket.is_last():
+                self.recording = False
+            return reduce(bucket, x, len(self.buckets) - 1)
+        r = self.index.get(key)
+        if r is not None:
+            return reduce(bucket, x, r)
+        rb = self.rebucket
+        if rb is None:
+            logger.info("%s: DDP's buckets differ from the hook's layout; re-bucketing", self.where)
+            rb = self.rebucket = _Rebucket(self, x.dtype, x.device)
+            self.stats["rebucketed_steps"] += 1
+        fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+        pending = set(key)
+        off, complete = 0, []
+        for i in key:
+            n = self.params[i].numel()
+            r, o = rb.where[i]
+            if r not in rb.buffers:
+                rb.buffers[r] = torch.empty(rb.sizes[r], dtype=rb.dtype, device=rb.device)
+            rb.buffers[r][o : o + n].copy_(x[off : off + n])
+            rb.owner[i] = (x, off, pending, fut)
+            rb.missing[r].discard(i)
+            if not rb.missing[r]:
+                complete.append(r)
+            off += n
+        if off != x.numel():
+            raise RuntimeError(
+                f"{self.where}: bucket {bucket.index()} has {x.numel()} elements but its "
+                f"parameters {off}"
+            )
+        complete.sort()
+        for r in complete:
+            # the step is counted once: on DDP's last bucket, by the last hook bucket it completes
+            last = bucket.is_last() and r == complete[-1]
+            reduced = reduce(_HookBucket(r, rb.buffers[r], last), rb.buffers[r], r)
+            reduced.then(lambda f, r=r: self._scatter(rb, r, f))
+        if bucket.is_last():
+            self.rebucket = None
+        return fut
+
+    def _scatter(self, rb: "_Rebucket", r: int, f: torch.futures.Future) -> None:
+        """Copy a reduced hook bucket back into the DDP buckets it came from; complete those
+        whose parameters are all back."""
+        try:
+            out = f.value()
+        except BaseException as e:  # noqa: BLE001 - handed to every waiting DDP bucket
+            for i in self.buckets[r]:
+                _x, _o, _pending, fut = rb.owner[i]
+                if not fut.done():
+                    fut.set_exception(e)
+            return
+        done = []
+        for i in self.buckets[r]:
+            x, off, pending, fut = rb.owner[i]
+            n = self.params[i].numel()
+            o = rb.where[i][1]
+            x[off : off + n].copy_(out[o : o + n])
+            with rb.lock:
+                pending.discard(i)
+                if not pending:
+                    done.append((x, fut))
+        for x, fut in done:
+            fut.set_result(x)
+
+
+class _Rebucket:
+    """One step of DDP buckets that differ from the hook's layout: each DDP bucket is copied
+    into the hook buckets holding its parameters; a hook bucket whose parameters have all
+    arrived is reduced (in the order they complete, the same on every rank); a DDP bucket's
+    future completes once all its parameters came back."""
+
+    def __init__(self, layout: BucketLayout, dtype: torch.dtype, device: torch.device) -> None:
+        params = layout.params
+        self.lock = threading.Lock()
+        self.where: dict[int, tuple[int, int]] = {}  # parameter -> (hook bucket, offset)
+        self.sizes: list[int] = []
+        self.buffers: dict[int, torch.Tensor] = {}  # allocated when a parameter arrives
+        self.missing: list[set[int]] = []
+        self.dtype, self.device = dtype, device
+        for r, key in enumerate(layout.buckets):
+            off = 0
+            for i in key:
+                self.where[i] = (r, off)
+                off += params[i].numel()
+            self.sizes.append(off)
+            self.missing.append(set(key))
+        # parameter -> (DDP bucket tensor, offset, that bucket's pending set, its future)
+        self.owner: dict[int, tuple[torch.Tensor, int, set[int], torch.futures.Future]] = {}
+
+
+class _HookBucket:
+    """A hook bucket as the exchange sees it (index, buffer, is_last)."""
+
+    def __init__(self, index: int, buffer: torch.Tensor, last: bool) -> None:
+        self._index, self._buffer, self._last = index, buffer, last
+
+    def index(self) -> int:
+        return self._index
+
+    def buffer(self) -> torch.Tensor:
+        return self._buffer
+
+    def is_last(self) -> bool:
+        return self._last

@@ -1,0 +1,140 @@
+"""The error-feedback residuals of a compression hook, and the decode statistics that decide
+whether a step's new residuals are kept.
+
+A step writes its new residuals beside the kept ones; they are committed (swapped in) at the
+start of the next step only if every bucket of the step decoded finite, so a step with a NaN or
+Inf anywhere leaves the residuals bitwise as they were, on every rank alike. On an accelerator
+that decision is a select on the device: the hook never waits for the device.
+"""
+
+import threading
+from typing import Any, Optional
+
+import torch
+
+Residuals = dict[str, torch.Tensor]  # "r1": phase-1 residual, "r2": phase-2 residual
+
+
+class ResidualStore:
+    """Residuals per bucket key ``(bucket index, numel, dtype)``, as of the last finite step.
+
+    Args:
+        where: how error messages start (``pycomm <hook> hook``).
+        stats: the hook's counters; ``nonfinite_buckets`` and ``residual_bytes`` are kept here.
+        dtype: the residuals' storage dtype (float32 or bfloat16).
+    """
+
+    def __init__(self, where: str, stats: dict[str, Any], dtype: torch.dtype) -> None:
+        self.where, self.stats, self.dtype = where, stats, dtype
+        self.residuals: dict[tuple, Residuals] = {}
+        self.next: dict[tuple, Residuals] = {}  # the current step's new residuals
+        self.touched: set[tuple] = set()  # buckets whose ``next`` holds the current step's
+        self.bad_steps: set[int] = set()
+        self.pending: Optional[dict[tuple, Residuals]] = None  # loaded, placed when first used
+        self.lock = threading.Lock()  # decode callbacks of different buckets may race
+        # (step, [squared norm, non-finite values], False) per decode, or, once a step is
+        # committed on an accelerator, (step, [squared norm, non-finite buckets], True)
+        self.decoded: list[tuple[int, torch.Tensor, bool]] = []
+        self.sqnorm: dict[int, float] = {}
+        self.last_sqnorm = 0.0
+        self.on_device: Optional[bool] = None  # None: on an accelerator (see commit)
+
+    def get(self, key: tuple, sizes: dict[str, int], device: torch.device) -> tuple:
+        """(r1, r2, r1_out, r2_out) of bucket ``key``: the kept residuals to read and the
+        buffers this step's new ones go to (None where ``sizes`` has no such residual).
+        ``sizes`` gives each residual's elements when the bucket is first seen."""
+        res = self.residuals.get(key)
+        if res is None:
+            if self.pending is not None:
+                if key not in self.pending:
+                    raise ValueError(
+                        f"{self.where}: bucket {key[0]} ({key[1]} elements, {key[2]}) has no "
+                        f"residual in the loaded state, which holds buckets "
+                        f"{sorted(self.pending)}: the model or its bucketing changed"
+                    )
+                res = self.pending.pop(key)
+            else:
+                res = {
+                    name: torch.zeros(numel, dtype=self.dtype, device=device)
+                    for name, numel in sizes.items()
+                }
+            self.residuals[key] = res
+            self.next[key] = {name: torch.empty_like(t) for name, t in res.items()}
+            self.stats["residual_bytes"] = 2 * sum(
+                t.numel() * t.element_size() for r in self.residuals.values() for t in r.values()
+            )
+        nxt = self.next[key]
+        self.touched.add(key)
+        return res.get("r1"), res.get("r2"), nxt.get("r1"), nxt.get("r2")
+
+    def note_decode(self, st: torch.Tensor, step: int) -> None:
+        """Keep a decode's [squared norm, non-finite count] (from a callback thread) until
+        :meth:`fold`, which runs when the stats are read (and, on the CPU, at the start of every
+        step): no callback reads a device value."""
+        with self.lock:
+            self.decoded.append((step, st, False))
+
+    def fold(self) -> None:
+        """Fold the kept decode results into the counters and ``last_sqnorm``, the squared
+        norm of the latest step's reduced gradients."""
+        with self.lock:
+            pending, self.decoded = self.decoded, []
+        for step, st, summed in pending:
+            sq, bad = st.tolist()
+            self.sqnorm[step] = self.sqnorm.get(step, 0.0) + sq
+            self.stats["nonfinite_buckets"] += int(bad) if summed else int(bad > 0)
+            if bad > 0:  # the norm of a gradient holding NaN or Inf is not finite
+                self.bad_steps.add(step)
+                self.sqnorm[step] = float("nan")
+        if self.sqnorm:
+            latest = max(self.sqnorm)
+            self.last_sqnorm = self.sqnorm[latest]
+            self.sqnorm = {latest: self.last_sqnorm}
+
+    def commit(self, step: int, device: torch.device) -> None:
+        """End of ``step`` (all its buckets decoded): keep its new residuals, unless some
+        bucket came out non-finite, in which case the step's residual updates are dropped.
+
+        On the CPU the decision reads the decodes' flags. On an accelerator it is taken on the
+        device (a select between the kept and the new residuals, one pass over them), so the
+        hook never waits for the device: the flags reach the host only when stats are read."""
+        on_device = self.on_device
+        if on_device is None:
+            on_device = device.type != "cpu"
+        if not on_device:
+            self.fold()
+            if step not in self.bad_steps:
+                for key in self.touched:
+                    self.residuals[key], self.next[key] = self.next[key], self.residuals[key]
+        elif step not in self.bad_steps:  # (a stats read may have folded it already)
+            finite = self._finite_on_device(step)
+            for key in self.touched:
+                new, kept = self.next[key], self.residuals[key]
+                if finite is not None:
+                    for name, t in new.items():
+                        torch.where(finite, t, kept[name], out=t)
+                self.residuals[key], self.next[key] = new, kept
+        self.touched = set()
+        self.bad_steps = {s for s in self.bad_steps if s > step}
+
+    def _finite_on_device(self, step: int) -> Optional[torch.Tensor]:
+        """A device bool, true when every decode of ``step`` was finite (None: no decode, as
+        in a warm-up step). The step's decode results are summed into one entry on the device,
+        [squared norm, non-finite buckets], so that they do not pile up between reads."""
+        with self.lock:
+            mine = [st for s, st, _ in self.decoded if s == step]
+            if not mine:
+                return None
+            rows = torch.stack(mine)
+            summary = torch.stack([rows[:, 0].sum(), (rows[:, 1] > 0).sum().to(rows.dtype)])
+            self.decoded = [e for e in self.decoded if e[0] != step] + [(step, summary, True)]
+        return summary[1] == 0
+
+    def snapshot(self) -> dict[tuple, Residuals]:
+        """A copy of the kept residuals (for ``state_dict``)."""
+        return {k: {n: t.clone() for n, t in r.items()} for k, r in self.residuals.items()}
+
+    def load(self, loaded: dict[tuple, Residuals]) -> None:
+        """Forget the residuals and take ``loaded``'s, placed as their buckets come."""
+        self.residuals, self.next, self.touched = {}, {}, set()
+        self.pending = {k: {n: t.clone() for n, t in r.items()} for k, r in loaded.items()}
