@@ -191,3 +191,35 @@ def test_state_dict_roundtrip_and_mismatch():
     for saved, restored, err in run_ranks(_rank_state_dict, 2, timeout=60):
         assert saved == restored and saved["steps"] == 2
         assert err is not None and "hook is 'allreduce' in the checkpoint but 'powersgd'" in err
+
+
+def _rank_powersgd_buckets(steps):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(8)])
+    ddp = pycomm.wrap(
+        model,
+        hook="powersgd",
+        bucket_cap_mb=0.02,  # one bucket per layer: equal-sized P and Q in every bucket
+        hook_options={"matrix_approximation_rank": 1, "start_powerSGD_iter": 2},
+    )
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.01)
+    gen = torch.Generator().manual_seed(dist.get_rank())
+    for _ in range(steps):
+        opt.zero_grad()
+        ddp(torch.randn(16, 64, generator=gen)).square().mean().backward()
+        opt.step()
+    state = pycomm.hook_state(ddp)
+    return (
+        torch.cat([p.detach().reshape(-1) for p in model.parameters()]),
+        state.torch_state.process_group is state.process_group,
+    )
+
+
+def test_powersgd_with_many_buckets_keeps_ranks_in_step():
+    """torch's PowerSGD issues P and Q from callbacks in completion order, which differs
+    between ranks: on one gloo group that hung (or mixed buckets) within a few runs of this.
+    pycomm gives each bucket a group of its own: every run ends with equal parameters."""
+    for _ in range(3):
+        (a, restored_a), (b, restored_b) = run_ranks(_rank_powersgd_buckets, 2, 30, timeout=60)
+        assert torch.equal(a, b)
+        assert restored_a and restored_b

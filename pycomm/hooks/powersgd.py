@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as _psgd
 
+from pycomm.hooks.compressed import group_timeout
 from pycomm.hooks.state import HookState, ring_bytes
 
 # PowerSGDState's options and their defaults, read from its signature (it does not keep all of
@@ -19,6 +20,32 @@ _OPTIONS = {
     for name, p in inspect.signature(_psgd.PowerSGDState.__init__).parameters.items()
     if name not in ("self", "process_group")
 }
+
+
+_BUCKET_GROUPS: dict[tuple[int, int], tuple[Any, dist.ProcessGroup]] = {}
+
+
+def bucket_group(parent: Optional[dist.ProcessGroup], index: int) -> dist.ProcessGroup:
+    """A process group of its own, over ``parent``'s ranks, for DDP bucket ``index``.
+
+    torch's PowerSGD issues each bucket's P and Q all-reduces from callbacks, in the order the
+    buckets' earlier all-reduces complete, which differs from rank to rank. On one group, gloo
+    then pairs one bucket's collective on one rank with another bucket's on the other: a hang,
+    an abort, or, where the sizes match, gradients of different buckets summed together. With
+    a group per bucket every group sees its collectives in the same order on every rank.
+
+    Created at the bucket's first hook call, which every rank reaches in bucket order (DDP
+    launches its buckets in index order), with the parent's timeout; kept for the parent's
+    life, as the compressed hooks keep their phase groups (a group must not be released from
+    inside one of its own callbacks).
+    """
+    world = parent or dist.group.WORLD
+    entry = _BUCKET_GROUPS.get((id(world), index))
+    if entry is None or entry[0] is not world:
+        ranks = dist.get_process_group_ranks(world)
+        group = dist.new_group(ranks, timeout=group_timeout(world), use_local_synchronization=True)
+        entry = _BUCKET_GROUPS[(id(world), index)] = (world, group)
+    return entry[1]
 
 
 class PowerSGDHookState(HookState):
@@ -84,7 +111,8 @@ class PowerSGDHookState(HookState):
 def powersgd_hook(
     state: PowerSGDHookState, bucket: dist.GradBucket
 ) -> torch.futures.Future[torch.Tensor]:
-    """torch's ``powerSGD_hook`` on ``state.torch_state``, counted in ``state.stats``.
+    """torch's ``powerSGD_hook`` on ``state.torch_state``, counted in ``state.stats``, with
+    each bucket's collectives on a process group of their own (see :func:`bucket_group`).
 
     Args:
         state: a :class:`PowerSGDHookState` (torch's PowerSGDState inside, and counters).
@@ -102,4 +130,11 @@ def powersgd_hook(
     state.count(
         bucket, state.payload_bytes(bucket), collectives=1 if s.iter < s.start_powerSGD_iter else 3
     )
-    return _psgd.powerSGD_hook(state.torch_state, bucket)
+    if state.world_size == 1:
+        return _psgd.powerSGD_hook(s, bucket)
+    # torch's hook reads the group once, at the call, for the whole bucket's exchange
+    s.process_group = bucket_group(state.process_group, bucket.index())
+    try:
+        return _psgd.powerSGD_hook(s, bucket)
+    finally:
+        s.process_group = state.process_group
