@@ -29,6 +29,7 @@ def _m(wire, codec16=1e-10, int8=(3e-10, 1.5e-10), onebit=(3e-10, 1.5e-10), read
         "wire_s_per_byte": wire,
         "codec_s_per_elem": {"16": (codec16, codec16), "int8": int8, "onebit": onebit},
         "world_size": 2,
+        "latency_s": 0.0,
     }
 
 
@@ -93,6 +94,25 @@ def test_node_hierarchy_candidates():
     assert choose(predict(m, ["allreduce", "int8"], ("flat", "node"))) == "int8-flat"
 
 
+def test_bucket_size_advice():
+    m = _m(wire=1e-8)
+    for cap in auto.BUCKET_CAPS_MB:
+        r = auto.rebucket(m, cap)
+        assert sum(r["numel"]) == sum(m["numel"])  # every element, once
+        assert r["ready_s"][-1] == pytest.approx(m["ready_s"][-1])  # the last as measured
+        assert r["ready_s"] == sorted(r["ready_s"])
+        assert r["numel"][0] <= auto.FIRST_BUCKET_MB * MB / 4  # DDP's small first bucket
+        assert max(r["numel"]) <= cap * MB / 4
+    assert auto.rebucket(m, 8.0)["numel"] == [MB // 4, 2 * MB, 2 * MB, 2 * MB, 2 * MB - MB // 4]
+    # no cost per collective: smaller buckets start sending earlier
+    caps = auto.advise_bucket_cap(m, "allreduce")
+    assert caps["2"] < caps["64"]
+    # 20 ms per collective: fewer, larger buckets
+    m["latency_s"] = 0.02
+    caps = auto.advise_bucket_cap(m, "int8")
+    assert min(caps, key=caps.get) in ("16", "25", "64")
+
+
 @pytest.mark.parametrize(
     "options, words",
     [
@@ -148,7 +168,8 @@ def _injected(per_rank):
 
     def fake_probe(self, m):
         probe(self, m)  # the probes' collectives run; their timings are replaced
-        m.update({k: v for k, v in mine.items() if k.endswith("per_byte") or k.startswith("codec")})
+        probed = ("codec_s_per_elem", "latency_s", "intra_s_per_byte", "inter_s_per_byte")
+        m.update({k: v for k, v in mine.items() if k in probed})
 
     AutoState._measured, AutoState._probe = fake_measured, fake_probe
     try:
@@ -191,6 +212,7 @@ def test_decision_identical_on_every_rank(per_rank, allow, accumulate, want):
     assert d0 is not None and d0 == d1
     assert d0["decided_at"] == 3 and d0["hierarchy"] == "flat"
     assert d0["choice"] in (allow or auto.DEFAULT_ALLOW)
+    assert str(int(d0["bucket_cap_mb_best"])) in d0["bucket_cap_mb_predicted_s"]
     assert set(d0["predicted_s"]) == set(allow or auto.DEFAULT_ALLOW)
     assert len(d0["measurements"]["ready_s"]) == len(d0["measurements"]["numel"]) > 1
     if want is not None:
@@ -280,3 +302,34 @@ def test_nodes_choose_the_hierarchy_too():
         assert "int8-node" in decision["predicted_s"] and "int8-flat" in decision["predicted_s"]
         assert inter > 0  # the node hierarchy's cross-node bytes
         assert torch.equal(params, first[2])
+
+
+def _rank_resume_before_the_decision():
+    data = _data(6)
+    with _injected([SLOW]):
+        ddp = pycomm.wrap(_model(), hook="auto", bucket_cap_mb=0.004)
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+        _train(ddp, opt, data[:3])  # the warm-up is over, the decision not taken yet
+        saved = pycomm.hook_state(ddp).state_dict()
+        ddp = pycomm.wrap(_model(), hook="auto", bucket_cap_mb=0.004)
+        pycomm.hook_state(ddp).load_state_dict(saved)
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+        _train(ddp, opt, data[3:])
+    return saved["decision"], pycomm.hook_state(ddp).stats
+
+
+def _rank_one():
+    ddp = pycomm.wrap(_model(), hook="auto")
+    _train(ddp, torch.optim.SGD(ddp.parameters(), lr=0.1), _data(2))
+    return pycomm.hook_state(ddp).stats
+
+
+def test_resume_before_the_decision_measures_again_and_one_rank_needs_no_measurement():
+    for before, stats in run_ranks(_rank_resume_before_the_decision, 2, timeout=120):
+        assert before is None
+        # iteration 3 is the fresh DDP's first (not measured), 4 is measured: decided at 5
+        assert stats["auto"]["decided_at"] == 5 and stats["auto"]["choice"] == "int8"
+        assert stats["steps"] == 6
+    (stats,) = run_ranks(_rank_one, 1, timeout=60)
+    assert stats["auto"]["choice"] == "allreduce" and stats["auto"]["decided_at"] == 0
+    assert stats["bytes_sent"] == 0 and stats["steps"] == 2

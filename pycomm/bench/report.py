@@ -188,9 +188,11 @@ def table(doc: dict[str, Any]) -> str:
         predicted = (h.get("auto") or {}).get("predicted_s") if h["status"] == "ok" else None
         if predicted:
             each = ", ".join(f"{k} {v * 1e3:.1f}" for k, v in predicted.items())
+            cap = h["auto"].get("bucket_cap_mb_best")
             lines.append(
                 f"{name}: chose {_choice(h['auto'])} at iteration {h['auto']['decided_at']}; "
                 f"its predicted step times (ms): {each}"
+                + (f"; predicted best DDP bucket size for it: {cap:g} MB" if cap else "")
             )
     if doc["failures"]:
         lines.append("failures: the whole messages, and the ranks' stderr, are in --json")

@@ -17,6 +17,8 @@ is not measured, DDP rebuilds its buckets after it):
   of the exchange (the union of every bucket's [ready, reduced] interval) over the ring bytes
   of the buckets. On an accelerator, where a collective's future completes before the
   device has run it, a synchronized all-reduce of the largest bucket, once, instead;
+- ``latency_s``: a one-element all-reduce, timed once: what every collective costs whatever
+  its size;
 - ``codec_s_per_elem``: each codec's encode and decode-sum cost per element on this device,
   timed once on a tensor as large as the largest bucket (at most 2M elements);
 - on several nodes with several ranks each, ``intra_s_per_byte`` and ``inter_s_per_byte``: a
@@ -76,11 +78,12 @@ from pycomm.hooks.compressed import (
     Int8Codec,
     OneBitCodec,
     _check_int,
+    _phase_groups,
     compressed_hook,
 )
 from pycomm.hooks.lowprec import Bf16State, Fp16State
 from pycomm.hooks.quantized import Int8State, OneBitState
-from pycomm.hooks.state import HookState, check_bucket, completed, ring_bytes
+from pycomm.hooks.state import HookState, check_bucket, ring_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -104,7 +107,8 @@ _CODECS: dict[str, Callable[[], Codec]] = {
 _PROBE_MAX = 1 << 21
 # the scalar measurements, all-reduced with MAX in this order
 _MAXED = (
-    "step_s", "forward_s", "exposed_s", "wire_s_per_byte", "intra_s_per_byte", "inter_s_per_byte",
+    "step_s", "forward_s", "exposed_s", "wire_s_per_byte", "latency_s", "intra_s_per_byte",
+    "inter_s_per_byte",
 )  # fmt: skip  # elements of the codec and link probes, at most
 
 
@@ -215,6 +219,61 @@ def choose(predicted: dict[str, float], margin: float = MARGIN) -> str:
     return next(name for name, t in predicted.items() if t <= best * (1 + margin) + 1e-12)
 
 
+BUCKET_CAPS_MB = (1.0, 2.0, 4.0, 8.0, 16.0, 25.0, 64.0)
+FIRST_BUCKET_MB = 1.0  # DDP caps its first bucket (the last layers) at 1 MB
+
+
+def rebucket(m: dict[str, Any], cap_mb: float) -> dict[str, Any]:
+    """Measurements ``m`` as they would be with DDP buckets of ``cap_mb`` MB: the measured
+    buckets' elements become ready evenly between the previous bucket's ready time and their
+    own (from the start of backward for the first), and new buckets are cut from that curve
+    at every ``cap_mb`` (the first at ``FIRST_BUCKET_MB`` at most) of fp32 gradients.
+    A pure function, for :func:`advise_bucket_cap`.
+
+    Example:
+        >>> rebucket({"ready_s": [0.1, 0.2], "numel": [2**20, 2**20]}, 4.0)["numel"]
+        [262144, 1048576, 835584]
+    """
+    order = sorted(range(len(m["ready_s"])), key=lambda b: m["ready_s"][b])
+    points = [(0.0, 0)]  # (time, elements ready by then)
+    for b in order:
+        points.append((float(m["ready_s"][b]), points[-1][1] + int(m["numel"][b])))
+    total = points[-1][1]
+    cap = max(1, int(cap_mb * 2**20) // 4)
+    cuts, edge = [], min(cap, max(1, int(FIRST_BUCKET_MB * 2**20) // 4))
+    while edge < total:
+        cuts.append(edge)
+        edge += cap
+    cuts.append(total)
+    ready, numel, prev, j = [], [], 0, 1
+    for c in cuts:
+        while points[j][1] < c:
+            j += 1
+        (t0, e0), (t1, e1) = points[j - 1], points[j]
+        ready.append(t0 + (t1 - t0) * (c - e0) / max(1, e1 - e0))
+        numel.append(c - prev)
+        prev = c
+    return {**m, "ready_s": ready, "numel": numel}
+
+
+def advise_bucket_cap(m: dict[str, Any], candidate: str) -> dict[str, float]:
+    """Predicted seconds per step of ``candidate`` (a :func:`predict` label) with DDP buckets
+    of each size in ``BUCKET_CAPS_MB`` (:func:`rebucket`): DDP takes its bucket size when it
+    is built, so this is advice for the next run, not a change to this one.
+
+    Example:
+        >>> m = {"step_s": 0.2, "exposed_s": 0.05, "ready_s": [0.05, 0.1],
+        ...      "numel": [2**20] * 2, "wire_s_per_byte": 1e-8, "world_size": 2}
+        >>> {k: round(v, 3) for k, v in advise_bucket_cap(m, "allreduce").items()}
+        {'1': 0.16, '2': 0.169, '4': 0.186, '8': 0.223, '16': 0.223, '25': 0.223, '64': 0.223}
+    """
+    hook, h = _split(candidate)
+    return {
+        f"{cap:g}": predict(rebucket(m, cap), [hook], (h,))[candidate_name(hook, h, (h,))]
+        for cap in BUCKET_CAPS_MB
+    }
+
+
 def _split(name: str) -> tuple[str, str]:
     hook, _, h = name.partition("-")
     return hook, h or "flat"
@@ -261,6 +320,7 @@ class AutoState(HookState):
         self._done: dict[int, list[float]] = {}
         self._numel: dict[int, list[int]] = {}
         self.device = torch.device("cpu")
+        self._group: Optional[dist.ProcessGroup] = None
         super().__init__(process_group)
 
     @classmethod
@@ -282,6 +342,10 @@ class AutoState(HookState):
     def _bound(self) -> None:
         if self.world_size > 1:
             self._plan = hier.resolve("auto", self.process_group, self.hierarchy)
+            # the warm-up, the probes and the decision run on a group of their own (the
+            # compressed hooks' first phase group, shared with them), never on DDP's, where
+            # DDP issues collectives of its own (bucket rebuilds, a new DDP's broadcasts)
+            self._group = _phase_groups(self.process_group).groups[0]
 
     def hierarchies(self) -> tuple[str, ...]:
         """The hierarchies the decision chooses among."""
@@ -363,9 +427,15 @@ class AutoState(HookState):
 
     # --- measuring and deciding ----------------------------------------------------------
 
+    def _measured_iters(self) -> list[int]:
+        """The warm-up iterations measured whole: all but the first this DDP ran (DDP rebuilds
+        its buckets after it; iteration 0, or the first after a resume)."""
+        first = min(self._ready, default=None)
+        return sorted(i for i in self._ready if i not in (first, self.iter) and self._done.get(i))
+
     def _measured(self) -> dict[str, Any]:
-        """This rank's measurements (the module's docstring) over iterations 1..start_iter-1."""
-        iters = [i for i in range(1, self.start_iter) if self._ready.get(i) and self._done.get(i)]
+        """This rank's measurements (the module's docstring) over :meth:`_measured_iters`."""
+        iters = self._measured_iters()
         if not iters:
             raise RuntimeError("pycomm auto hook: no warm-up iteration was measured")
         numel = self._numel[iters[-1]]
@@ -397,8 +467,10 @@ class AutoState(HookState):
         formats = sorted({_FORMAT[h] for h in self.allow if h in _FORMAT})
         m["codec_s_per_elem"] = {f: codec_cost(f, n, self.device) for f in formats}
         x = torch.randn(n, device=self.device)
+        # what a collective costs whatever its size: many small buckets pay it many times
+        m["latency_s"] = _timed_allreduce(torch.zeros(1, device=self.device), self._group)
         if self.device.type != "cpu":
-            m["wire_s_per_byte"] = _timed_allreduce(x, self.process_group) / ring_bytes(
+            m["wire_s_per_byte"] = _timed_allreduce(x, self._group) / ring_bytes(
                 4 * n, self.world_size
             )
         plan = self._plan
@@ -426,7 +498,7 @@ class AutoState(HookState):
             flat += [float(v) for v in codecs[f]]
         t = torch.tensor(flat, dtype=torch.float64)
         if self.world_size > 1:
-            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.process_group)
+            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self._group)
         vals = t.tolist()
         m: dict[str, Any] = dict(zip(keys, vals[: len(keys)]))
         nb = len(local["ready_s"])
@@ -438,7 +510,9 @@ class AutoState(HookState):
         if self._plan is not None:
             m["nodes"], m["local_size"] = self._plan.nodes, self._plan.local_size
         predicted = predict(m, self.allow, self.hierarchies())
-        hook, h = _split(choose(predicted))
+        best = choose(predicted)
+        hook, h = _split(best)
+        caps = advise_bucket_cap(m, best)
         return {
             "choice": hook,
             "hierarchy": h,
@@ -446,6 +520,10 @@ class AutoState(HookState):
             "measurements": m,
             "predicted_s": predicted,
             "allow": list(self.allow),
+            # the chosen hook's predicted step time for other DDP bucket sizes (advice: DDP
+            # cannot change its buckets once built), and the best of them
+            "bucket_cap_mb_predicted_s": caps,
+            "bucket_cap_mb_best": float(min(caps, key=lambda k: caps[k])),
         }
 
     def _decide_now(self) -> None:
@@ -457,6 +535,8 @@ class AutoState(HookState):
                 "measurements": None,
                 "predicted_s": None,
                 "allow": list(self.allow),
+                "bucket_cap_mb_predicted_s": None,
+                "bucket_cap_mb_best": None,
             }
         else:
             local = self._measured()
@@ -474,6 +554,17 @@ class AutoState(HookState):
                 decision["decided_at"],
                 ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in pred.items()) or "one rank",
             )
+            caps, now = decision["bucket_cap_mb_predicted_s"], pred.get(choose(pred)) if pred else 0
+            if caps and min(caps.values()) < (1 - MARGIN) * now:
+                cap = decision["bucket_cap_mb_best"]
+                logger.info(
+                    "pycomm auto hook: %s is predicted %.1f ms per step faster with DDP buckets of "
+                    "%g MB (pass bucket_cap_mb=%g; DDP cannot change its buckets once built)",
+                    decision["choice"],
+                    (now - caps[f"{cap:g}"]) * 1e3,
+                    cap,
+                    cap,
+                )
 
     # --- checkpoint ----------------------------------------------------------------------
 
@@ -554,21 +645,25 @@ def auto_hook(state: AutoState, bucket: dist.GradBucket) -> torch.futures.Future
     Example:
         >>> ddp.register_comm_hook(AutoState(None, allow=["allreduce", "int8"]), auto_hook)
     """
-    if state.chosen is None and state.iter >= state.start_iter:
-        state._decide_now()
+    # (a resume before the decision measures again: at least one iteration after its first)
+    # Only at the first bucket of an iteration, where every rank has the same history: later
+    # in one, whether its first exchange has completed yet differs between ranks.
+    if (
+        state.chosen is None
+        and state.iter not in state._ready
+        and (state.world_size == 1 or state.iter >= state.start_iter and state._measured_iters())
+    ):
+        state._decide_now()  # on one rank at once: nothing to measure
     if state.chosen is not None:
         return state._chosen_fn(state.chosen, bucket)
     x = check_bucket("auto", bucket)
     state.device = x.device
     it = state.iter
     try:
-        if state.world_size == 1:
-            state.count(bucket, 0, collectives=0)
-            return completed(x)
         state._ready.setdefault(it, []).append(time.perf_counter())
         state._numel.setdefault(it, []).append(x.numel())
         done = state._done.setdefault(it, [])
-        fut = exact_allreduce(state, bucket, x, state.process_group)
+        fut = exact_allreduce(state, bucket, x, state._group)
 
         def reduced(f: torch.futures.Future) -> torch.Tensor:
             done.append(time.perf_counter())
