@@ -333,3 +333,28 @@ def test_resume_before_the_decision_measures_again_and_one_rank_needs_no_measure
     (stats,) = run_ranks(_rank_one, 1, timeout=60)
     assert stats["auto"]["choice"] == "allreduce" and stats["auto"]["decided_at"] == 0
     assert stats["bytes_sent"] == 0 and stats["steps"] == 2
+
+
+def _rank_register_and_checkpoint(path):
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    with _injected([SLOW]):
+        ddp = DDP(_model(), bucket_cap_mb=0.004)
+        state = pycomm.register(ddp, hook="auto", allow=["allreduce", "bf16"])
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+        _train(ddp, opt, _data(5))
+        pycomm.checkpoint.save(path, ddp, opt, step=5)
+    with _injected([FAST]):  # would pick allreduce if it measured again
+        fresh = pycomm.wrap(_model(), hook="auto", hook_options={"allow": ["allreduce", "bf16"]})
+        opt = torch.optim.SGD(fresh.parameters(), lr=0.1)
+        pycomm.checkpoint.load(path, fresh, opt)
+        loaded = pycomm.hook_state(fresh)
+        _train(fresh, opt, _data(1))
+    return state.stats["auto"], loaded.stats["auto"], loaded.stats["steps"]
+
+
+def test_register_and_the_checkpoint_module(tmp_path):
+    path = str(tmp_path / "ckpt.pt")
+    for decision, loaded, steps in run_ranks(_rank_register_and_checkpoint, 2, path, timeout=120):
+        assert decision["choice"] == "bf16" and loaded == decision
+        assert steps == 6
