@@ -189,7 +189,7 @@ def _rank_decision(per_rank, allow, accumulate):
             bucket_cap_mb=0.004,
         )  # fmt: skip
         opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
-        _train(ddp, opt, _data(6), accumulate)
+        _train(ddp, opt, _data(7), accumulate)
     state = pycomm.hook_state(ddp)
     stats = state.stats
     params = torch.cat([p.detach().reshape(-1) for p in ddp.module.parameters()])
@@ -210,7 +210,7 @@ def test_decision_identical_on_every_rank(per_rank, allow, accumulate, want):
     (s0, p0), (s1, p1) = results
     d0, d1 = s0["auto"], s1["auto"]
     assert d0 is not None and d0 == d1
-    assert d0["decided_at"] == 3 and d0["hierarchy"] == "flat"
+    assert d0["decided_at"] == 5 and d0["hierarchy"] == "flat"  # start_iter's default
     assert d0["choice"] in (allow or auto.DEFAULT_ALLOW)
     assert str(int(d0["bucket_cap_mb_best"])) in d0["bucket_cap_mb_predicted_s"]
     assert set(d0["predicted_s"]) == set(allow or auto.DEFAULT_ALLOW)
@@ -218,11 +218,11 @@ def test_decision_identical_on_every_rank(per_rank, allow, accumulate, want):
     if want is not None:
         assert d0["choice"] == want
     assert torch.equal(p0, p1)  # the same hook on both ranks: the same parameters
-    assert s0["steps"] == 6
-    if d0["choice"] == "int8":
-        assert s0["bytes_sent"] < s0["bytes_fp32"]
-    else:  # allreduce; onebit keeps to its own 20 exact iterations
+    assert s0["steps"] == 7
+    if d0["choice"] in ("allreduce", "onebit"):  # onebit keeps to its own 20 exact iterations
         assert s0["bytes_sent"] == s0["bytes_fp32"]
+    else:
+        assert s0["bytes_sent"] < s0["bytes_fp32"]
 
 
 def _rank_resume(k, m):
@@ -269,10 +269,10 @@ def _rank_resume(k, m):
 
 
 def test_resume_continues_with_the_saved_decision():
-    for same, stats, decision, errors in run_ranks(_rank_resume, 2, 4, 3, timeout=120):
-        assert decision["choice"] == "int8" and decision["decided_at"] == 3
+    for same, stats, decision, errors in run_ranks(_rank_resume, 2, 6, 3, timeout=120):
+        assert decision["choice"] == "int8" and decision["decided_at"] == 5
         assert stats["auto"] == decision  # not measured again after the load
-        assert stats["steps"] == 7 and stats["bytes_sent"] < stats["bytes_fp32"]
+        assert stats["steps"] == 9 and stats["bytes_sent"] < stats["bytes_fp32"]
         assert same, "the resumed run differs from the uninterrupted one"
         assert (
             "topology is 'node: 2 nodes x 1 ranks' in the checkpoint but 'flat'"
@@ -287,7 +287,7 @@ def _rank_nodes():
     with _nodes([0, 0, 1, 1]), _injected([inter]):
         ddp = pycomm.wrap(_model(), hook="auto", bucket_cap_mb=0.004)
         opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
-        _train(ddp, opt, _data(5))
+        _train(ddp, opt, _data(6))
     stats = pycomm.hook_state(ddp).stats
     params = torch.cat([p.detach().reshape(-1) for p in ddp.module.parameters()])
     return stats["auto"], stats.get("bytes_inter"), params
@@ -305,16 +305,16 @@ def test_nodes_choose_the_hierarchy_too():
 
 
 def _rank_resume_before_the_decision():
-    data = _data(6)
+    data = _data(8)
     with _injected([SLOW]):
         ddp = pycomm.wrap(_model(), hook="auto", bucket_cap_mb=0.004)
         opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
-        _train(ddp, opt, data[:3])  # the warm-up is over, the decision not taken yet
+        _train(ddp, opt, data[:5])  # the warm-up is over, the decision not taken yet
         saved = pycomm.hook_state(ddp).state_dict()
         ddp = pycomm.wrap(_model(), hook="auto", bucket_cap_mb=0.004)
         pycomm.hook_state(ddp).load_state_dict(saved)
         opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
-        _train(ddp, opt, data[3:])
+        _train(ddp, opt, data[5:])
     return saved["decision"], pycomm.hook_state(ddp).stats
 
 
@@ -327,9 +327,9 @@ def _rank_one():
 def test_resume_before_the_decision_measures_again_and_one_rank_needs_no_measurement():
     for before, stats in run_ranks(_rank_resume_before_the_decision, 2, timeout=120):
         assert before is None
-        # iteration 3 is the fresh DDP's first (not measured), 4 is measured: decided at 5
-        assert stats["auto"]["decided_at"] == 5 and stats["auto"]["choice"] == "int8"
-        assert stats["steps"] == 6
+        # iteration 5 is the fresh DDP's first (not measured), 6 is measured: decided at 7
+        assert stats["auto"]["decided_at"] == 7 and stats["auto"]["choice"] == "int8"
+        assert stats["steps"] == 8
     (stats,) = run_ranks(_rank_one, 1, timeout=60)
     assert stats["auto"]["choice"] == "allreduce" and stats["auto"]["decided_at"] == 0
     assert stats["bytes_sent"] == 0 and stats["steps"] == 2
@@ -342,8 +342,8 @@ def _rank_register_and_checkpoint(path):
         ddp = DDP(_model(), bucket_cap_mb=0.004)
         state = pycomm.register(ddp, hook="auto", allow=["allreduce", "bf16"])
         opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
-        _train(ddp, opt, _data(5))
-        pycomm.checkpoint.save(path, ddp, opt, step=5)
+        _train(ddp, opt, _data(6))
+        pycomm.checkpoint.save(path, ddp, opt, step=6)
     with _injected([FAST]):  # would pick allreduce if it measured again
         fresh = pycomm.wrap(_model(), hook="auto", hook_options={"allow": ["allreduce", "bf16"]})
         opt = torch.optim.SGD(fresh.parameters(), lr=0.1)
@@ -357,4 +357,4 @@ def test_register_and_the_checkpoint_module(tmp_path):
     path = str(tmp_path / "ckpt.pt")
     for decision, loaded, steps in run_ranks(_rank_register_and_checkpoint, 2, path, timeout=120):
         assert decision["choice"] == "bf16" and loaded == decision
-        assert steps == 6
+        assert steps == 7

@@ -1,9 +1,10 @@
 """``hook="auto"``: measure the job during the exact warm-up, then run the hook (and the node
 hierarchy) a cost model predicts fastest, within an accuracy budget.
 
-What is measured, on every rank, during the first ``start_iter`` iterations (default 3; each
-runs the exact fp32 all-reduce, the warm-up every compressed hook already takes; iteration 0
-is not measured, DDP rebuilds its buckets after it):
+What is measured, on every rank, during the first ``start_iter`` iterations (default 5; each
+runs the exact fp32 all-reduce, as the warm-up of every compressed hook; iteration 0 is not
+measured, DDP rebuilds its buckets after it). Each number is the smallest over the measured
+iterations (other processes only ever add time; the first iterations run on cold caches):
 
 - ``forward_s``: the forward pass (from DDP's forward pre-hook to its forward hook);
 - ``ready_s``: when each DDP bucket became ready, in seconds after the forward ended (the
@@ -286,7 +287,7 @@ class AutoState(HookState):
     Options: ``allow`` (the hooks it may choose; default allreduce, bf16, fp16, int8),
     ``hierarchy`` (``"auto"``: choose flat or node when the job spans several nodes with
     several ranks each; ``"flat"``, ``"node"``: that one), ``start_iter`` (exact, measured
-    iterations before the decision; default 3, at least 2). The chosen hook runs at its
+    iterations before the decision; default 5, at least 2). The chosen hook runs at its
     defaults and continues from iteration ``start_iter`` (its own exact warm-up is done; onebit
     keeps to its own 20 exact iterations).
 
@@ -336,7 +337,7 @@ class AutoState(HookState):
         return (
             check_allow(options.get("allow", DEFAULT_ALLOW)),
             hier.check_hierarchy("auto", options.get("hierarchy", "auto")),
-            _check_int("auto", "start_iter", options.get("start_iter", 3), 2),
+            _check_int("auto", "start_iter", options.get("start_iter", 5), 2),
         )
 
     def _bound(self) -> None:
@@ -439,7 +440,7 @@ class AutoState(HookState):
         if not iters:
             raise RuntimeError("pycomm auto hook: no warm-up iteration was measured")
         numel = self._numel[iters[-1]]
-        fwd, exposed, ready, busy, sent = [], [], [], 0.0, 0
+        fwd, exposed, ready, spb = [], [], [], []
         for i in iters:
             r, d = self._ready[i], self._done[i]
             # backward starts where the forward ends (at the first bucket without the hooks)
@@ -448,14 +449,16 @@ class AutoState(HookState):
             exposed.append(max(0.0, max(d) - max(r)))
             if len(r) == len(numel):
                 ready.append([t - end for t in r])
-            busy += _union(list(zip(r, d)))
-            sent += sum(ring_bytes(4 * n, self.world_size) for n in self._numel[i])
+            sent = sum(ring_bytes(4 * n, self.world_size) for n in self._numel[i])
+            spb.append(_union(list(zip(r, d))) / sent if sent else 0.0)
+        # The fastest of the iterations, each number on its own: on a shared machine other
+        # processes only ever add time, and the first iterations run on cold caches.
         m: dict[str, Any] = {
-            "forward_s": sum(fwd) / len(fwd),
-            "exposed_s": sum(exposed) / len(exposed),
-            "ready_s": [sum(col) / len(col) for col in zip(*ready)],
+            "forward_s": min(fwd),
+            "exposed_s": min(exposed),
+            "ready_s": [min(col) for col in zip(*ready)],
             "numel": list(numel),
-            "wire_s_per_byte": busy / sent if sent else 0.0,
+            "wire_s_per_byte": min(spb),
         }
         m["step_s"] = m["forward_s"] + max(m["ready_s"]) + m["exposed_s"]
         return m
