@@ -12,37 +12,32 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from pycomm._validate import check_int
 from pycomm.hooks import (
     AccumulateState,
-    AllreduceState,
-    Bf16State,
-    Fp16State,
+    AutoState,
     HookState,
-    Int8State,
-    OneBitState,
     PowerSGDHookState,
     accumulate_hook,
-    allreduce_hook,
-    compressed_hook,
+    auto_hook,
     powersgd_hook,
 )
+from pycomm.hooks.auto import CHOICES
 
 logger = logging.getLogger(__name__)
 
-# name -> (state class, hook function)
+# name -> (state class, hook function): the hooks auto chooses among, and two more
 HOOKS: dict[str, tuple[type[HookState], Callable]] = {
-    "allreduce": (AllreduceState, allreduce_hook),
-    "fp16": (Fp16State, compressed_hook),
-    "bf16": (Bf16State, compressed_hook),
-    "int8": (Int8State, compressed_hook),
-    "onebit": (OneBitState, compressed_hook),
+    **CHOICES,
     "powersgd": (PowerSGDHookState, powersgd_hook),
+    "auto": (AutoState, auto_hook),
 }
 
 STATE_ATTR = "_pycomm_hook_state"
 
 
-def check_args(hook: Any, accumulate_steps: Any) -> None:
+def check_args(hook: Any, accumulate_steps: Any, hook_options: Optional[dict] = None) -> None:
     if not isinstance(hook, str) or hook not in HOOKS:
         raise ValueError(f"pycomm: hook={hook!r} is not one of {', '.join(sorted(HOOKS))}")
+    if hook == "auto":  # before any collective or DDP: the same error on every rank
+        AutoState.check_options(dict(hook_options or {}))
     check_int("pycomm", "accumulate_steps", accumulate_steps)
 
 
@@ -97,6 +92,7 @@ def _attach(ddp: DDP, hook: str, hook_options: dict[str, Any], accumulate_steps:
     params = ddp_parameters(ddp)
     if hasattr(state, "bind_parameters"):  # the hook's own bucket layout (resumes bit for bit)
         state.bind_parameters(params)
+    auto = state
     if accumulate_steps > 1:
         state = AccumulateState(
             state,
@@ -107,6 +103,9 @@ def _attach(ddp: DDP, hook: str, hook_options: dict[str, Any], accumulate_steps:
             bucket_view=ddp.gradient_as_bucket_view,
         )
         fn = accumulate_hook
+    if isinstance(auto, AutoState):  # forward and the start of backward, for its measurements
+        ddp.register_forward_pre_hook(lambda _module, _args: auto.forward_start())
+        ddp.register_forward_hook(lambda _module, _args, _out: auto.forward_done())
     ddp.register_comm_hook(state, fn)
     setattr(ddp, STATE_ATTR, state)
     ddp.register_forward_pre_hook(_forward_guard)
@@ -127,7 +126,7 @@ def register(
         >>> state = pycomm.register(ddp, hook="allreduce")
         >>> state.stats["bytes_sent"]
     """
-    check_args(hook, accumulate_steps)
+    check_args(hook, accumulate_steps, hook_options)
     if not isinstance(ddp, DDP):
         raise TypeError(f"pycomm.register: expected a DistributedDataParallel, got {type(ddp)}")
     # Compared across ranks with the rest, so that every rank raises the same error instead
@@ -250,7 +249,7 @@ def wrap(
         >>> pycomm.hook_state(ddp).stats
     """
     hook_options = dict(hook_options or {})
-    check_args(hook, accumulate_steps)
+    check_args(hook, accumulate_steps, hook_options)
     if isinstance(module, DDP):
         raise TypeError(
             "pycomm.wrap: module is already a DistributedDataParallel; wrapping it again "

@@ -139,6 +139,8 @@ def table(doc: dict[str, Any]) -> str:
         status = "ok" if ok else "FAILED (below)"
         if ok and h.get("measured") == "alone":
             status = "ok (alone)"
+        if ok and h.get("auto"):
+            status += f", chose {_choice(h['auto'])}"
         lines.append(f"{row}  {status}")
     for f in doc["failures"]:
         who = f["hook"] or f"({f.get('phase') or 'interleaved'} run)"
@@ -182,6 +184,16 @@ def table(doc: dict[str, Any]) -> str:
             "counter, headers included), mean over nodes; MB/step beside it is per rank, intra- "
             "and inter-node together"
         )
+    for name, h in hooks.items():
+        predicted = (h.get("auto") or {}).get("predicted_s") if h["status"] == "ok" else None
+        if predicted:
+            each = ", ".join(f"{k} {v * 1e3:.1f}" for k, v in predicted.items())
+            cap = h["auto"].get("bucket_cap_mb_best")
+            lines.append(
+                f"{name}: chose {_choice(h['auto'])} at iteration {h['auto']['decided_at']}; "
+                f"its predicted step times (ms): {each}"
+                + (f"; predicted best DDP bucket size for it: {cap:g} MB" if cap else "")
+            )
     if doc["failures"]:
         lines.append("failures: the whole messages, and the ranks' stderr, are in --json")
     if errors:
@@ -191,6 +203,12 @@ def table(doc: dict[str, Any]) -> str:
             f"{n} timed steps; with error feedback what one step drops is sent in later steps"
         )
     return "\n".join(lines)
+
+
+def _choice(decision: dict[str, Any]) -> str:
+    """An auto decision in a few characters: the hook, and the hierarchy when not flat."""
+    h = decision.get("hierarchy", "flat")
+    return decision["choice"] + ("" if h == "flat" else f"-{h}")
 
 
 def short_error(text: Optional[str]) -> str:

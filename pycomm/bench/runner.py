@@ -554,5 +554,16 @@ def run_rank(cfg: dict[str, Any]) -> dict[str, Any]:
             # on a GPU: the most memory allocated during this hook's steps (every hook's model
             # stays resident, so the differences between hooks are what each one adds)
             "gpu_peak_bytes": gpu_peak[name] if on_gpu else None,
+            # hook="auto": what it chose, from which measurements and predictions
+            "auto": _auto_decision(states[name]),
         }
     return out
+
+
+def _auto_decision(state: Any) -> Optional[dict[str, Any]]:
+    """The decision of a pycomm ``auto`` hook state (or of the one inside an accumulate
+    stage), else None."""
+    state = getattr(state, "inner", state)
+    if getattr(state, "hook_name", None) != "auto":
+        return None
+    return state.stats["auto"]

@@ -267,6 +267,8 @@ def _per_hook(
             "rank_step_times_s": per_rank,
             # the first ones from launches that another, failing hook stopped
             "salvaged_steps": salvaged_steps,
+            # hook="auto": its decision (the same on every rank)
+            "auto": r0.get("auto"),
         }
     return out
 

@@ -2,6 +2,7 @@
 
 from pycomm.hooks.accumulate import AccumulateState, accumulate_hook
 from pycomm.hooks.allreduce import AllreduceState, allreduce_hook
+from pycomm.hooks.auto import AutoState, auto_hook
 from pycomm.hooks.compressed import CompressedState, compressed_hook
 from pycomm.hooks.lowprec import Bf16State, Fp16State
 from pycomm.hooks.powersgd import PowerSGDHookState, powersgd_hook
@@ -12,6 +13,8 @@ __all__ = [
     "AccumulateState",
     "accumulate_hook",
     "AllreduceState",
+    "AutoState",
+    "auto_hook",
     "Bf16State",
     "CompressedState",
     "Fp16State",
