@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from pycomm import ops
+from pycomm.hooks import advice
 from pycomm.hooks import hierarchy as hier
 from pycomm.hooks.allreduce import exact_allreduce
 from pycomm.hooks.state import HookState, check_bucket, completed, ring_bytes
@@ -285,6 +286,9 @@ class CompressedState(HookState):
         self._layout_index: dict[tuple[int, ...], int] = {}
         self._recording = False
         self._rebucket: Optional[_Rebucket] = None
+        # DDP buckets whose parameters were handed to the optimizer check (pycomm.hooks.advice)
+        # when no parameters were bound: a state registered with plain register_comm_hook
+        self._advice_buckets: set[int] = set()
 
     _phases: Optional[_PhaseGroups] = None  # set when the state binds to its group
     _hier: Optional[hier.NodePlan] = None  # the node hierarchy, when hierarchy resolves to it
@@ -315,6 +319,8 @@ class CompressedState(HookState):
         """
         self._params = list(params)
         self._param_index = {id(p): i for i, p in enumerate(self._params)}
+        if advice.gives_advice(self):
+            advice.watch(self, self._params)
 
     def fingerprint(self) -> dict[str, Any]:
         fp = super().fingerprint()
@@ -784,6 +790,10 @@ def compressed_hook(
             f"pycomm {state.hook_name} hook: bucket {bucket.index()} has dtype {x.dtype}, "
             f"expected float32, bfloat16 or float16"
         )
+    if state._params is None and bucket.index() not in state._advice_buckets:
+        state._advice_buckets.add(bucket.index())
+        if advice.gives_advice(state):
+            advice.watch(state, bucket.parameters())
     if state._fold_next:  # a new step: the previous one's decodes are all done
         state.commit()
         state._fold_next = False

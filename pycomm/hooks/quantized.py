@@ -30,8 +30,9 @@ class OneBitState(CompressedState):
     chunk (phase 2) only (``local_feedback=False``) and the exact all-reduce for the first 20
     iterations (``start_iter=20``) by default: with each rank's own residual, or without the
     warm-up, it fell further behind the exact all-reduce in the quality suite. Even so it falls
-    behind on a small transformer with SGD with momentum and with Adam (``pycomm.TrainLoop``
-    warns; README, "Which hook with which optimizer").
+    behind on a small transformer with SGD with momentum and with Adam: it warns at such an
+    optimizer's first step, whatever the training loop (:meth:`optimizer_advice`; README,
+    "Which hook with which optimizer").
 
     Example:
         >>> ddp.register_comm_hook(OneBitState(None, block=64), compressed_hook)
