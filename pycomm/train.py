@@ -15,6 +15,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from pycomm._validate import check_int
+from pycomm.hooks import advice
 from pycomm.hooks.accumulate import AccumulateState
 from pycomm.wrap import STATE_ATTR, ddp_parameters
 
@@ -122,10 +123,8 @@ class TrainLoop:
             check_int("pycomm.TrainLoop", "batch_size", batch_size)
         self.ddp, self.optimizer, self.scaler = ddp, optimizer, scaler
         hook = stage.inner if self._stage is not None else stage
-        advice = getattr(hook, "optimizer_advice", None)
-        why = advice(optimizer) if advice is not None else None
-        if why is not None:
-            warnings.warn(why, UserWarning, stacklevel=2)
+        # here, before the first step; the optimizer's first step then does not warn again
+        advice.advise(hook, optimizer)
         self.accumulate_steps = k
         self.max_grad_norm = None if max_grad_norm is None else float(max_grad_norm)
         self.batch_size = batch_size

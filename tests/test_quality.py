@@ -94,6 +94,13 @@ def _advice_rank():
         "onebit adamw": warned("onebit", {"start_iter": 2}, lambda p: torch.optim.AdamW(p)),
         "onebit plain sgd": warned("onebit", {"start_iter": 2}, lambda p: torch.optim.SGD(p, 0.1)),
         "int8": warned("int8", {}, sgd_m),
+        "onebit no feedback": warned("onebit", {"error_feedback": False}, sgd_m),
+        "onebit no feedback adamw": warned(
+            "onebit", {"error_feedback": False}, lambda p: torch.optim.AdamW(p)
+        ),
+        "onebit no feedback plain sgd": warned(
+            "onebit", {"error_feedback": False}, lambda p: torch.optim.SGD(p, 0.1)
+        ),
     }
 
 
@@ -116,6 +123,14 @@ def test_onebit_warns_with_the_optimizers_it_falls_behind_with():
     assert "Adam-family optimizer (AdamW)" in msg and "+5.3%" in msg and "int8" in msg
     assert got["onebit plain sgd"] == ([], ["r2"])
     assert got["int8"][0] == []
+    # without error feedback it falls behind too (measured on the full suite)
+    (msg,), names = got["onebit no feedback"]
+    assert names == []
+    assert "error_feedback=False" in msg and "SGD with momentum (SGD)" in msg and "+3.3%" in msg
+    (msg,), _ = got["onebit no feedback adamw"]
+    assert "error_feedback=False" in msg and "(AdamW)" in msg and "+6.1%" in msg
+    assert "Use the int8 hook" in msg
+    assert got["onebit no feedback plain sgd"] == ([], [])
 
 
 def test_ranks_that_end_with_other_parameters_fail_the_run_but_keep_the_table(monkeypatch, capsys):

@@ -22,6 +22,7 @@ import torch.distributed as dist
 
 from pycomm import ops
 from pycomm._validate import check_bool, check_int
+from pycomm.hooks import advice
 from pycomm.hooks import hierarchy as hier
 from pycomm.hooks.allreduce import exact_allreduce
 from pycomm.hooks.layout import BucketLayout
@@ -285,6 +286,9 @@ class CompressedState(HookState):
         self.store = ResidualStore(self.where, self._stats, self.residual_dtype)
         self.bucket_layout = BucketLayout(self.where, self._stats)
         self.workspace = Workspace()
+        # DDP buckets whose parameters were handed to the optimizer check (pycomm.hooks.advice)
+        # when no parameters were bound: a state registered with plain register_comm_hook
+        self._advice_buckets: set[int] = set()
 
     phases: Optional[_PhaseGroups] = None  # set when the state binds to its group
     node_plan: Optional[hier.NodePlan] = None  # the node hierarchy, when it resolves to it
@@ -329,6 +333,17 @@ class CompressedState(HookState):
             >>> state.bind_parameters([p for p in model.parameters() if p.requires_grad])
         """
         self.bucket_layout.bind(params)
+        if advice.gives_advice(self):
+            advice.watch(self, self.bucket_layout.params)
+
+    def watch_bucket(self, bucket: dist.GradBucket) -> None:
+        """Without bound parameters (a plain ``register_comm_hook``), hand each bucket's
+        parameters to the optimizer check (:mod:`pycomm.hooks.advice`) once."""
+        if self.bucket_layout.bound or bucket.index() in self._advice_buckets:
+            return
+        self._advice_buckets.add(bucket.index())
+        if advice.gives_advice(self):
+            advice.watch(self, bucket.parameters())
 
     def fingerprint(self) -> dict[str, Any]:
         fp = super().fingerprint()
@@ -598,6 +613,7 @@ def compressed_hook(
             f"pycomm {state.hook_name} hook: bucket {bucket.index()} has dtype {x.dtype}, "
             f"expected float32, bfloat16 or float16"
         )
+    state.watch_bucket(bucket)
     state.new_step()  # at a step's first bucket: the previous step is committed
     try:
         if state.world_size == 1:

@@ -105,7 +105,9 @@ class HookState:
 
     def optimizer_advice(self, optimizer: Any) -> Optional[str]:
         """Why this hook, as configured, is known to train worse with ``optimizer`` and what to
-        use instead (``pycomm.TrainLoop`` warns with it), or None."""
+        use instead, or None. The single source of that warning: ``pycomm.TrainLoop`` warns
+        with it when built, and any other loop at the optimizer's first step
+        (:mod:`pycomm.hooks.advice`), once per hook state and optimizer."""
         return None
 
     def fingerprint(self) -> dict[str, Any]:
