@@ -4,8 +4,9 @@
 # Installs torch 2.14.1 (a CUDA 13 build) into its own venv, copies the checkout's files into a
 # separate tree (so the main tree's in-place build, used by .venv, is never touched), builds
 # pycomm._C there WITH the CUDA kernels using nvcc, checks that every op has a CUDA kernel,
-# and runs the kernel tests against that build (the CPU kernels, the build's C++ runtime check,
-# and tests/test_cuda.py, whose emulated-CUDA checks run the .cu sources on the CPU). The hooks,
+# and runs the kernel tests against that build (the kernel cases of tests/test_ops.py and
+# tests/test_codecs.py on the cpu backend and on the emulated CUDA one, which runs the .cu
+# sources on the CPU; the build's C++ runtime check; tests/test_cuda.py). The hooks,
 # launch and training tests use no code that differs between the two builds: make test runs
 # them. Prints the time of every phase.
 #

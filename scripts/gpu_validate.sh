@@ -7,9 +7,10 @@
 #      torch's libstdc++ and an error message with an integer raises instead of crashing
 #   3. scripts/gpu_validate.py: every op against pycomm.reference on fresh random data, then
 #      the timing table against the device's copy bandwidth (25 MB buckets)
-#   4. pytest tests/test_cuda.py on the GPU: the kernel checks, streams, opcheck, and the hooks
-#      on CUDA tensors (2 ranks sharing the GPU over gloo, NCCL at world size 1); the emulated
-#      backend is left to CI (scripts/cuda_check.sh), it needs no GPU
+#   4. pytest on the GPU: the kernel cases of tests/test_ops.py and tests/test_codecs.py on
+#      their cuda backend, and tests/test_cuda.py: streams, opcheck, and the hooks on CUDA
+#      tensors (2 ranks sharing the GPU over gloo, NCCL at world size 1); the cpu and emulated
+#      backends are left to CI (make test, scripts/cuda_check.sh), they need no GPU
 #   5. python -m pycomm.bench --device cuda: 2 ranks sharing the GPU over gloo, --link 10gbit,
 #      a GPT-2 small sized transformer, the hooks side by side with their peak GPU memory
 # Logs, tables and JSON go to $OUT (the device tool's folder that comes back), else to
@@ -122,7 +123,9 @@ phase build-check
 phase validate
 
 if [ "$PYTEST" = 1 ]; then
-  "$PY" -m pytest -q -p no:cacheprovider -k "not emu" tests/test_cuda.py 2>&1 \
+  # the kernel cases' cuda backend (test_ops, test_codecs) and the whole of test_cuda.py
+  "$PY" -m pytest -q -p no:cacheprovider -k "cuda and not emu" tests/test_ops.py \
+    tests/test_codecs.py tests/test_cuda.py 2>&1 \
     | tee "$OUT/pytest_cuda.log" | tail -40
   [ "${PIPESTATUS[0]}" = 0 ] || STATUS=1
   phase pytest

@@ -46,3 +46,46 @@ def codec_input(n: int, dtype: torch.dtype, block: int, special=True, seed=0) ->
 def residual(numel: int, seed: int = 1, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed + numel)
     return (torch.randn(numel, generator=g) * 0.1).to(dtype)
+
+
+def poisoned_like(t: torch.Tensor) -> torch.Tensor:
+    """t's shape and dtype, every element NaN (an integer tensor: 0x55)."""
+    return torch.full_like(t, NAN) if t.is_floating_point() else torch.full_like(t, 0x55)
+
+
+# Sizes around a backend's own boundaries, by name: the CPU kernels step 16 fp32 lanes at a
+# time (two vectors: 32) and split work in 32768-element tasks; the CUDA kernels move 8
+# elements per thread, 2048 per block and copy 8192-element chunks.
+_SIZES = {
+    "cpu": {"step": 16, "tile": 32, "grain": 32768, "large": 100003},
+    "cuda": {"step": 8, "tile": 2048, "grain": 8192, "large": 30011},
+}
+
+
+def size_of(be, name: str) -> int:
+    """The size ``name`` ("0", "1", "large", "step-1", "tile+1", "grain-1", ...) on backend
+    ``be`` (emu and cuda run the same kernels: the CUDA sizes)."""
+    sizes = _SIZES["cpu" if be.name == "cpu" else "cuda"]
+    if name.isdigit():
+        return int(name)
+    if name in sizes:
+        return sizes[name]
+    base, sign, delta = name.rpartition("-") if "-" in name else name.rpartition("+")
+    return sizes[base] + (int(delta) if sign == "+" else -int(delta))
+
+
+def bf16_residual(numel: int, seed: int = 1) -> torch.Tensor:
+    """A bf16 residual from about y's rounding error down to 1e-6 of it: the new residuals need
+    all of bf16's exponent range and most of them round (a truncation or an fp32 store would
+    show)."""
+    return (residual(numel, seed) * torch.logspace(0, -6, numel)).bfloat16()
+
+
+def padded_numel(n: int, block: int, pad_blocks: int = 0) -> int:
+    """n rounded up to whole blocks, plus pad_blocks more."""
+    return -(-n // block) * block + pad_blocks * block
+
+
+def as_tuple(out):
+    """An op's outputs as a tuple (one tensor: a 1-tuple)."""
+    return out if isinstance(out, tuple) else (out,)

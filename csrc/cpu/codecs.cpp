@@ -1,5 +1,6 @@
-// Compression codecs on the CPU: the encoders encode16, quantize_int8, quantize_onebit and the
-// decoders decode16_sum, dequantize_int8_sum, dequantize_onebit_sum.
+// Compression codecs on the CPU: the kernels of the encoders encode16, quantize_int8,
+// quantize_onebit and the decoders decode16_sum, dequantize_int8_sum, dequantize_onebit_sum (their
+// host entries, shared with CUDA, are csrc/host/codecs.h).
 //
 // Every op is one pass over memory. An encoder stages a tile of y = x * scale + residual on the
 // stack (fp32, L1-resident), takes each block's statistic (absmax, mean |y|) from the tile and
@@ -26,8 +27,8 @@
 #include <type_traits>
 #include <vector>
 
-#include "checks.h"
 #include "cpu/vec_io.h"
+#include "host/codecs.h"
 
 namespace pycomm::cpu {
 namespace {
@@ -356,118 +357,6 @@ void encode_blocks(const Source<T, R>& src, int64_t nblocks, int64_t block, cons
   });
 }
 
-// Calls f(Source<T, R>, r) with T x's dtype and R the residual's (float without one), the
-// source reading residual and r the residual to write (residual_out's data if given, else
-// residual's; nullptr without one).
-template <typename F>
-void with_source(const at::Tensor& x, const std::optional<at::Tensor>& residual, double scale,
-                 const std::optional<at::Tensor>& residual_out, F&& f) {
-  const at::Tensor xc = x.contiguous();
-  auto run = [&](auto rtag) {
-    using R = decltype(rtag);
-    R* r_in = residual.has_value() ? residual->data_ptr<R>() : nullptr;
-    R* r = residual_out.has_value() ? residual_out->data_ptr<R>() : r_in;
-    dispatch_float(xc.scalar_type(), [&](auto tag) {
-      using T = decltype(tag);
-      f(Source<T, R>{xc.const_data_ptr<T>(), r_in, xc.numel(), static_cast<float>(scale)}, r);
-    });
-  };
-  if (residual.has_value() && residual->scalar_type() == at::kBFloat16) {
-    run(at::BFloat16{});
-  } else {
-    run(float{});
-  }
-}
-
-// x: any float dtype, n <= numel elements, any strides. residual: [numel] fp32/bf16 or absent.
-// dtype: Half or BFloat16. Returns [numel] of dtype: y = x * scale (+ residual) padded with
-// zeros to numel, rounded; residual = y - returned where that is finite.
-at::Tensor encode16_cpu(const at::Tensor& x, const std::optional<at::Tensor>& residual,
-                        double scale, at::ScalarType dtype, int64_t numel,
-                        const std::optional<at::Tensor>& residual_out) {
-  check_encode16(x, residual, dtype, numel, residual_out);
-  at::Tensor out = at::empty({numel}, x.options().dtype(dtype));
-  if (numel == 0) return out;
-  with_source(x, residual, scale, residual_out, [&](const auto& src, auto* r) {
-    using R = std::remove_pointer_t<decltype(r)>;
-    const R* r_in = src.r;
-    dispatch_float(dtype, [&](auto out_tag) {
-      using out_t = decltype(out_tag);
-      out_t* o = out.data_ptr<out_t>();
-      at::parallel_for(0, numel, kGrain, [&](int64_t b, int64_t e) {
-        alignas(64) float y[kTile];
-        for (int64_t i = b; i < e; i += kTile) {
-          const int64_t len = std::min(kTile, e - i);
-          src.load(i, len, y);
-          out_t* dst = o + i;
-          R* rp = r != nullptr ? r + i : nullptr;
-          const R* rin = r != nullptr ? r_in + i : nullptr;
-          int64_t j = 0;
-          for (; j + kStep <= len; j += kStep) {
-            FVec a, b2;
-            VecIO<float>::load(y + j, a, b2);
-            VecIO<out_t>::store(dst + j, a, b2);
-            if (rp == nullptr) continue;
-            FVec ba, bb;
-            VecIO<out_t>::load(dst + j, ba, bb);
-            const FVec lim(kMaxFinite);
-            FVec old_a, old_b;
-            VecIO<R>::load(rin + j, old_a, old_b);
-            const FVec ra = FVec::blendv(old_a, a - ba, ba.abs() <= lim);
-            const FVec rb = FVec::blendv(old_b, b2 - bb, bb.abs() <= lim);
-            VecIO<R>::store(rp + j, ra, rb);
-          }
-          for (; j < len; ++j) {
-            dst[j] = static_cast<out_t>(y[j]);
-            if (rp == nullptr) continue;
-            const float back = static_cast<float>(dst[j]);
-            rp[j] = std::isfinite(back) ? static_cast<R>(y[j] - back) : rin[j];
-          }
-        }
-      });
-    });
-  });
-  return out;
-}
-
-// x, residual: as encode16. block >= 1, numel % block == 0. Returns (codes int8 [numel],
-// scales fp32 [numel / block]).
-std::tuple<at::Tensor, at::Tensor> quantize_int8_cpu(const at::Tensor& x,
-                                                     const std::optional<at::Tensor>& residual,
-                                                     double scale, int64_t block, int64_t numel,
-                                                     const std::optional<at::Tensor>& residual_out) {
-  check_quantize("pycomm.quantize_int8", x, residual, block, numel, residual_out, 1);
-  at::Tensor codes = at::empty({numel}, x.options().dtype(at::kChar));
-  at::Tensor scales = at::empty({numel / block}, x.options().dtype(at::kFloat));
-  if (numel == 0) return {codes, scales};
-  with_source(x, residual, scale, residual_out, [&](const auto& src, auto* r) {
-    using R = std::remove_pointer_t<decltype(r)>;
-    const Int8Codec<R> codec{codes.data_ptr<int8_t>(), scales.data_ptr<float>(), r, src.r};
-    encode_blocks(src, numel / block, block, codec);
-  });
-  return {codes, scales};
-}
-
-// x, residual: as encode16. block % 8 == 0, numel % block == 0. Returns (bits uint8
-// [numel / 8], scales bf16 [numel / block]).
-std::tuple<at::Tensor, at::Tensor> quantize_onebit_cpu(const at::Tensor& x,
-                                                       const std::optional<at::Tensor>& residual,
-                                                       double scale, int64_t block,
-                                                       int64_t numel,
-                                                       const std::optional<at::Tensor>& residual_out) {
-  check_quantize("pycomm.quantize_onebit", x, residual, block, numel, residual_out, 8);
-  at::Tensor bits = at::empty({numel / 8}, x.options().dtype(at::kByte));
-  at::Tensor scales = at::empty({numel / block}, x.options().dtype(at::kBFloat16));
-  if (numel == 0) return {bits, scales};
-  with_source(x, residual, scale, residual_out, [&](const auto& src, auto* r) {
-    using R = std::remove_pointer_t<decltype(r)>;
-    const OnebitCodec<R> codec{bits.data_ptr<uint8_t>(), scales.data_ptr<at::BFloat16>(), r,
-                               src.r, block};
-    encode_blocks(src, numel / block, block, codec);
-  });
-  return {bits, scales};
-}
-
 // Sum of squares of the finite fp32 values fed to it, and the count of the others. Squares
 // add up in fp32 lanes within a tile (at most kTile / (2 * FVec::size()) values per lane) and
 // in fp64 across tiles: about 1e-7 relative, at a quarter of the cost of fp64 per element.
@@ -563,39 +452,36 @@ inline float acc_plus(const float* acc, float d) {
   return *acc + d;
 }
 
-// out: contiguous float, numel() elements written. add_row(r, i, len, acc, first) adds row
+// out: contiguous out_t, numel() > 0 elements written. add_row(r, i, len, acc, first) adds row
 // r's decoded elements [i, i + len) into acc[0, len) (first: std::true_type for row 0, whose
-// acc holds nothing yet). Returns fp64 [2]: (sum of out^2 over finite out,
-// count of non-finite out).
-template <typename AddRow>
-at::Tensor sum_rows(int64_t rows, double scale, const at::Tensor& out, const AddRow& add_row) {
+// acc holds nothing yet). stats: fp64 [2] = (sum of out^2 over finite out, count of non-finite
+// out).
+template <typename out_t, typename AddRow>
+void sum_rows_of(int64_t rows, float s, const at::Tensor& out, const at::Tensor& stats,
+                 const AddRow& add_row) {
   const int64_t m = out.numel();
   const int64_t chunks = (m + kGrain - 1) / kGrain;
   // per fixed chunk, so that the result does not depend on the thread count
   std::vector<double> sq(chunks, 0.0);
   std::vector<int64_t> bad(chunks, 0);
-  const float s = static_cast<float>(scale);
-  dispatch_float(out.scalar_type(), [&](auto tag) {
-    using out_t = decltype(tag);
-    out_t* o = out.data_ptr<out_t>();
-    at::parallel_for(0, chunks, 1, [&](int64_t c0, int64_t c1) {
-      alignas(64) float acc[kTile];
-      for (int64_t c = c0; c < c1; ++c) {
-        Norm norm;
-        const int64_t end = std::min(m, (c + 1) * kGrain);
-        for (int64_t i = c * kGrain; i < end; i += kTile) {
-          const int64_t len = std::min(kTile, end - i);
-          add_row(0, i, len, acc, std::true_type{});
-          for (int64_t r = 1; r < rows; ++r) add_row(r, i, len, acc, std::false_type{});
-          store_scaled(o + i, acc, len, s, norm);
-        }
-        sq[c] = norm.sum();
-        bad[c] = norm.bad_count;
+  out_t* o = out.data_ptr<out_t>();
+  at::parallel_for(0, chunks, 1, [&](int64_t c0, int64_t c1) {
+    alignas(64) float acc[kTile];
+    for (int64_t c = c0; c < c1; ++c) {
+      Norm norm;
+      const int64_t end = std::min(m, (c + 1) * kGrain);
+      for (int64_t i = c * kGrain; i < end; i += kTile) {
+        const int64_t len = std::min(kTile, end - i);
+        add_row(0, i, len, acc, std::true_type{});
+        for (int64_t r = 1; r < rows; ++r) add_row(r, i, len, acc, std::false_type{});
+        store_scaled(o + i, acc, len, s, norm);
       }
+      sq[c] = norm.sum();
+      bad[c] = norm.bad_count;
+    }
 #ifdef CPU_CAPABILITY_AVX2
-      _mm_sfence();  // order store_scaled's streaming stores before the result is used
+    _mm_sfence();  // order store_scaled's streaming stores before the result is used
 #endif
-    });
   });
   double total_sq = 0.0;
   int64_t total_bad = 0;
@@ -603,26 +489,78 @@ at::Tensor sum_rows(int64_t rows, double scale, const at::Tensor& out, const Add
     total_sq += sq[c];
     total_bad += bad[c];
   }
-  at::Tensor stats = at::empty({2}, out.options().dtype(at::kDouble));
   stats.data_ptr<double>()[0] = total_sq;
   stats.data_ptr<double>()[1] = static_cast<double>(total_bad);
-  return stats;
 }
 
-// chunks: [R, m] Half/BFloat16, rows contiguous. out: contiguous float, numel <= m. out = scale *
-// sum_r chunks[r, :out.numel()] (fp32, row order). Returns fp64 [2] (see sum_rows).
-at::Tensor decode16_sum_cpu(const at::Tensor& chunks, double scale, const at::Tensor& out) {
-  check_decode16_sum(chunks, out);
-  const int64_t rows = chunks.size(0);
-  at::Tensor stats;
-  dispatch_float(chunks.scalar_type(), [&](auto tag) {
-    using T = decltype(tag);
-    const T* c = chunks.const_data_ptr<T>();
-    const int64_t row = chunks.stride(0);
-    stats = sum_rows(rows, scale, out, [&](int64_t r, int64_t i, int64_t len, float* acc,
-                                           auto first) {
+// The CPU kernels of the codecs, behind their host entries (csrc/host/codecs.h: checks,
+// allocation, empty case, dtype dispatch).
+struct Cpu {
+  struct Guard {
+    explicit Guard(const at::Device&) {}
+  };
+
+  // o[0, numel) = y rounded to out_t; the residual = y - o where o is finite, else kept.
+  template <typename T, typename R, typename out_t>
+  static void encode16(const host::Encoding<T, R>& e, out_t* o, int64_t numel) {
+    const Source<T, R> src{e.x, e.r, e.n, e.s};
+    R* r = e.r_out;
+    const R* r_in = e.r;
+    at::parallel_for(0, numel, kGrain, [&](int64_t b, int64_t e_) {
+      alignas(64) float y[kTile];
+      for (int64_t i = b; i < e_; i += kTile) {
+        const int64_t len = std::min(kTile, e_ - i);
+        src.load(i, len, y);
+        out_t* dst = o + i;
+        R* rp = r != nullptr ? r + i : nullptr;
+        const R* rin = r != nullptr ? r_in + i : nullptr;
+        int64_t j = 0;
+        for (; j + kStep <= len; j += kStep) {
+          FVec a, b2;
+          VecIO<float>::load(y + j, a, b2);
+          VecIO<out_t>::store(dst + j, a, b2);
+          if (rp == nullptr) continue;
+          FVec ba, bb;
+          VecIO<out_t>::load(dst + j, ba, bb);
+          const FVec lim(kMaxFinite);
+          FVec old_a, old_b;
+          VecIO<R>::load(rin + j, old_a, old_b);
+          const FVec ra = FVec::blendv(old_a, a - ba, ba.abs() <= lim);
+          const FVec rb = FVec::blendv(old_b, b2 - bb, bb.abs() <= lim);
+          VecIO<R>::store(rp + j, ra, rb);
+        }
+        for (; j < len; ++j) {
+          dst[j] = static_cast<out_t>(y[j]);
+          if (rp == nullptr) continue;
+          const float back = static_cast<float>(dst[j]);
+          rp[j] = std::isfinite(back) ? static_cast<R>(y[j] - back) : rin[j];
+        }
+      }
+    });
+  }
+
+  template <typename T, typename R>
+  static void quantize_int8(const host::Encoding<T, R>& e, int8_t* codes, float* scales,
+                            int64_t block, int64_t numel) {
+    const Int8Codec<R> codec{codes, scales, e.r_out, e.r};
+    encode_blocks(Source<T, R>{e.x, e.r, e.n, e.s}, numel / block, block, codec);
+  }
+
+  template <typename T, typename R>
+  static void quantize_onebit(const host::Encoding<T, R>& e, uint8_t* bits,
+                              at::BFloat16* scales, int64_t block, int64_t numel) {
+    const OnebitCodec<R> codec{bits, scales, e.r_out, e.r, block};
+    encode_blocks(Source<T, R>{e.x, e.r, e.n, e.s}, numel / block, block, codec);
+  }
+
+  // out = s * sum_r chunks[r, :out.numel()] (fp32, row order).
+  template <typename out_t, typename T>
+  static void sum_rows(const host::Chunks16<T>& ch, int64_t rows, float s, const at::Tensor& out,
+                       const at::Tensor& stats) {
+    sum_rows_of<out_t>(rows, s, out, stats, [&](int64_t r, int64_t i, int64_t len, float* acc,
+                                             auto first) {
       constexpr bool kFirst = decltype(first)::value;
-      const T* p = c + r * row + i;
+      const T* p = ch.c + r * ch.ld + i;
       int64_t j = 0;
       for (; j + kStep <= len; j += kStep) {
         FVec d0, d1;
@@ -632,78 +570,62 @@ at::Tensor decode16_sum_cpu(const at::Tensor& chunks, double scale, const at::Te
       }
       for (; j < len; ++j) acc[j] = acc_plus<kFirst>(acc + j, static_cast<float>(p[j]));
     });
-  });
-  return stats;
-}
+  }
 
-// codes: [R, m] int8, rows contiguous, m % block == 0. scales: [R, m / block] fp32. out: as
-// decode16_sum. out = scale * sum_r codes[r] * scales[r] (per block).
-at::Tensor dequantize_int8_sum_cpu(const at::Tensor& codes, const at::Tensor& scales,
-                                   int64_t block, double scale, const at::Tensor& out) {
-  check_dequantize_int8_sum(codes, scales, block, out);
-  const int64_t rows = codes.size(0);
-  const int8_t* q = codes.const_data_ptr<int8_t>();
-  const float* sc = scales.const_data_ptr<float>();
-  const int64_t row = codes.stride(0), srow_stride = scales.stride(0);
-  return sum_rows(rows, scale, out, [&](int64_t r, int64_t i, int64_t len, float* acc,
-                                        auto first) {
-    constexpr bool kFirst = decltype(first)::value;
-    const int8_t* p = q + r * row + i;
-    const float* srow = sc + r * srow_stride;
-    int64_t blk = i / block;
-    for (int64_t j = 0; j < len; ++blk) {
-      const int64_t seg_end = std::min(len, (blk + 1) * block - i);
-      const float s = srow[blk];
-      const FVec vs(s);
-      for (; j + FVec::size() <= seg_end; j += FVec::size()) {
-        acc_plus<kFirst>(acc + j, load_codes(p + j) * vs).store(acc + j);
+  // out = s * sum_r codes[r] * scales[r] (per block).
+  template <typename out_t>
+  static void sum_rows(const host::Int8Rows& in, int64_t rows, float s, const at::Tensor& out,
+                       const at::Tensor& stats) {
+    const int64_t block = in.block;
+    sum_rows_of<out_t>(rows, s, out, stats, [&](int64_t r, int64_t i, int64_t len, float* acc,
+                                             auto first) {
+      constexpr bool kFirst = decltype(first)::value;
+      const int8_t* p = in.q + r * in.ld + i;
+      const float* srow = in.sc + r * in.lds;
+      int64_t blk = i / block;
+      for (int64_t j = 0; j < len; ++blk) {
+        const int64_t seg_end = std::min(len, (blk + 1) * block - i);
+        const float sc = srow[blk];
+        const FVec vs(sc);
+        for (; j + FVec::size() <= seg_end; j += FVec::size()) {
+          acc_plus<kFirst>(acc + j, load_codes(p + j) * vs).store(acc + j);
+        }
+        for (; j < seg_end; ++j) acc[j] = acc_plus<kFirst>(acc + j, static_cast<float>(p[j]) * sc);
       }
-      for (; j < seg_end; ++j) acc[j] = acc_plus<kFirst>(acc + j, static_cast<float>(p[j]) * s);
-    }
-  });
-}
+    });
+  }
 
-// bits: [R, m / 8] uint8, rows contiguous, m % block == 0, block % 8 == 0. scales: [R, m / block]
-// bf16. out: as decode16_sum. out = scale * sum_r (bit ? +s : -s).
-at::Tensor dequantize_onebit_sum_cpu(const at::Tensor& bits, const at::Tensor& scales,
-                                     int64_t block, double scale, const at::Tensor& out) {
-  check_dequantize_onebit_sum(bits, scales, block, out);
-  const int64_t rows = bits.size(0);
-  const uint8_t* bp = bits.const_data_ptr<uint8_t>();
-  const at::BFloat16* sc = scales.const_data_ptr<at::BFloat16>();
-  const int64_t row = bits.stride(0), srow_stride = scales.stride(0);
-  // i is a multiple of 8 (tiles are), so a byte never straddles two calls
-  return sum_rows(rows, scale, out, [&](int64_t r, int64_t i, int64_t len, float* acc,
-                                        auto first) {
-    constexpr bool kFirst = decltype(first)::value;
-    const uint8_t* p = bp + r * row + i / 8;  // p[k]: elements [8k, 8k + 8) of acc
-    const at::BFloat16* srow = sc + r * srow_stride;
-    int64_t blk = i / block;
-    for (int64_t j = 0; j < len; ++blk) {
-      const int64_t seg_end = std::min(len, (blk + 1) * block - i);
-      const float s = static_cast<float>(srow[blk]);
-      const FVec vs(s);
-      for (; j + 8 <= seg_end; j += 8) {
-        const FVec sign = FVec::loadu(kSigns[p[j / 8]].data());
-        acc_plus<kFirst>(acc + j, sign * vs).store(acc + j);
+  // out = s * sum_r (bit ? +scale : -scale).
+  template <typename out_t>
+  static void sum_rows(const host::OnebitRows& in, int64_t rows, float s, const at::Tensor& out,
+                       const at::Tensor& stats) {
+    const int64_t block = in.block;
+    // i is a multiple of 8 (tiles are), so a byte never straddles two calls
+    sum_rows_of<out_t>(rows, s, out, stats, [&](int64_t r, int64_t i, int64_t len, float* acc,
+                                             auto first) {
+      constexpr bool kFirst = decltype(first)::value;
+      const uint8_t* p = in.bits + r * in.ld + i / 8;  // p[k]: elements [8k, 8k + 8) of acc
+      const at::BFloat16* srow = in.sc + r * in.lds;
+      int64_t blk = i / block;
+      for (int64_t j = 0; j < len; ++blk) {
+        const int64_t seg_end = std::min(len, (blk + 1) * block - i);
+        const float sc = static_cast<float>(srow[blk]);
+        const FVec vs(sc);
+        for (; j + 8 <= seg_end; j += 8) {
+          const FVec sign = FVec::loadu(kSigns[p[j / 8]].data());
+          acc_plus<kFirst>(acc + j, sign * vs).store(acc + j);
+        }
+        for (; j < seg_end; ++j) {
+          const bool pos = (p[j / 8] >> (j % 8)) & 1;
+          acc[j] = acc_plus<kFirst>(acc + j, pos ? sc : -sc);
+        }
       }
-      for (; j < seg_end; ++j) {
-        const bool pos = (p[j / 8] >> (j % 8)) & 1;
-        acc[j] = acc_plus<kFirst>(acc + j, pos ? s : -s);
-      }
-    }
-  });
-}
+    });
+  }
+};
 
 }  // namespace
 
-TORCH_LIBRARY_IMPL(pycomm, CPU, m) {
-  m.impl("encode16", &encode16_cpu);
-  m.impl("quantize_int8", &quantize_int8_cpu);
-  m.impl("quantize_onebit", &quantize_onebit_cpu);
-  m.impl("decode16_sum", &decode16_sum_cpu);
-  m.impl("dequantize_int8_sum", &dequantize_int8_sum_cpu);
-  m.impl("dequantize_onebit_sum", &dequantize_onebit_sum_cpu);
-}
+TORCH_LIBRARY_IMPL(pycomm, CPU, m) { host::register_codecs<Cpu>(m); }
 
 }  // namespace pycomm::cpu

@@ -1,5 +1,6 @@
-// Compression codecs on CUDA: the encoders encode16, quantize_int8, quantize_onebit and the
-// decoders decode16_sum, dequantize_int8_sum, dequantize_onebit_sum.
+// Compression codecs on CUDA: the kernels of the encoders encode16, quantize_int8,
+// quantize_onebit and the decoders decode16_sum, dequantize_int8_sum, dequantize_onebit_sum
+// (their host entries, shared with the CPU, are csrc/host/codecs.h).
 //
 // Every op is one pass over memory. An encoder block stages a tile of y = x * scale + residual
 // in shared memory (whole codec blocks, at most kTile elements), takes each codec block's
@@ -28,6 +29,7 @@
 #include <type_traits>
 
 #include "cuda/common.cuh"
+#include "host/codecs.h"
 
 namespace pycomm::cuda {
 namespace {
@@ -37,17 +39,13 @@ constexpr int kTile = kThreads * kVec;
 constexpr float kMaxFinite = std::numeric_limits<float>::max();
 constexpr float kNaN = std::numeric_limits<float>::quiet_NaN();
 
-// y = x * s (+ r), x zero beyond its n elements: the references' y. R: the residual's type,
-// float or at::BFloat16 (float without a residual).
+// y = x * s (+ r), x zero beyond its n elements: the references' y (host::Encoding's fields:
+// x [n] contiguous, r the residual read or nullptr, r_out the residual written). R: the
+// residual's type, float or at::BFloat16 (float without a residual).
 template <typename T, typename R>
-struct Source {
+struct Source : host::Encoding<T, R> {
   using x_t = T;
   using r_t = R;
-  const T* x;  // [n], contiguous
-  const R* r;  // [numel] residual read, or nullptr without error feedback
-  R* r_out;    // [numel] residual written: r itself, or residual_out
-  int64_t n;
-  float s;
 };
 
 // A residual as fp32, exactly. bf16 by its bits, not a conversion (sm_90's cvt may quiet a
@@ -363,96 +361,6 @@ void encode_blocks(const Source<T, R>& src, const Codec& codec, int64_t numel, i
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
-// Calls f(Source<T, R>) with T x's dtype (x staged contiguous when it is not) and R the
-// residual's (float or at::BFloat16; float without one), reading residual and writing
-// residual_out if given, else residual. check_encoder has checked that both have one dtype.
-template <typename F>
-void with_source(const at::Tensor& x, const std::optional<at::Tensor>& residual, double scale,
-                 const std::optional<at::Tensor>& residual_out, F&& f) {
-  const at::Tensor xc = x.contiguous();
-  const auto run = [&](auto r_tag) {
-    using R = decltype(r_tag);
-    R* r_in = residual.has_value() ? residual->data_ptr<R>() : nullptr;
-    R* r_out = residual_out.has_value() ? residual_out->data_ptr<R>() : r_in;
-    dispatch_float(xc.scalar_type(), [&](auto tag) {
-      using T = decltype(tag);
-      f(Source<T, R>{xc.const_data_ptr<T>(), r_in, r_out, xc.numel(),
-                     static_cast<float>(scale)});
-    });
-  };
-  if (residual.has_value() && residual->scalar_type() == at::kBFloat16) {
-    run(at::BFloat16{});
-  } else {
-    run(float{});
-  }
-}
-
-// x: any float dtype, n <= numel elements, any strides, on a CUDA device. residual: [numel]
-// fp32 or bf16, or absent. dtype: Half or BFloat16. Returns [numel] of dtype: y = x * scale
-// (+ residual) padded with zeros to numel, rounded; residual = y - returned where finite.
-at::Tensor encode16_cuda(const at::Tensor& x, const std::optional<at::Tensor>& residual,
-                         double scale, at::ScalarType dtype, int64_t numel,
-                         const std::optional<at::Tensor>& residual_out) {
-  check_encode16(x, residual, dtype, numel, residual_out);
-  at::Tensor out = at::empty({numel}, x.options().dtype(dtype));
-  if (numel == 0) return out;
-  const DeviceGuard guard(x.device());
-  const Stream stream = current_stream();
-  with_source(x, residual, scale, residual_out, [&](const auto& src) {
-    using Src = std::decay_t<decltype(src)>;
-    using in_t = typename Src::x_t;
-    using R = typename Src::r_t;
-    dispatch_float(dtype, [&](auto out_tag) {
-      using out_t = decltype(out_tag);
-      if constexpr (!std::is_same_v<out_t, float>) {  // checked above: Half or BFloat16
-        PYCOMM_LAUNCH(blocks_for(numel), kThreads, stream, encode16_kernel<in_t, R, out_t>)(
-            src, out.data_ptr<out_t>(), numel);
-        C10_CUDA_KERNEL_LAUNCH_CHECK();
-      }
-    });
-  });
-  return out;
-}
-
-// x, residual: as encode16. block >= 1, numel % block == 0. Returns (codes int8 [numel],
-// scales fp32 [numel / block]).
-std::tuple<at::Tensor, at::Tensor> quantize_int8_cuda(
-    const at::Tensor& x, const std::optional<at::Tensor>& residual, double scale, int64_t block,
-    int64_t numel, const std::optional<at::Tensor>& residual_out) {
-  check_quantize("pycomm.quantize_int8", x, residual, block, numel, residual_out, 1);
-  at::Tensor codes = at::empty({numel}, x.options().dtype(at::kChar));
-  at::Tensor scales = at::empty({numel / block}, x.options().dtype(at::kFloat));
-  if (numel == 0) return {codes, scales};
-  const DeviceGuard guard(x.device());
-  const Stream stream = current_stream();
-  with_source(x, residual, scale, residual_out, [&](const auto& src) {
-    using R = typename std::decay_t<decltype(src)>::r_t;
-    const Int8Codec<R> codec{codes.data_ptr<int8_t>(), scales.data_ptr<float>(), src.r_out};
-    encode_blocks(src, codec, numel, block, stream);
-  });
-  return {codes, scales};
-}
-
-// x, residual: as encode16. block % 8 == 0, numel % block == 0. Returns (bits uint8
-// [numel / 8], scales bf16 [numel / block]).
-std::tuple<at::Tensor, at::Tensor> quantize_onebit_cuda(
-    const at::Tensor& x, const std::optional<at::Tensor>& residual, double scale, int64_t block,
-    int64_t numel, const std::optional<at::Tensor>& residual_out) {
-  check_quantize("pycomm.quantize_onebit", x, residual, block, numel, residual_out, 8);
-  at::Tensor bits = at::empty({numel / 8}, x.options().dtype(at::kByte));
-  at::Tensor scales = at::empty({numel / block}, x.options().dtype(at::kBFloat16));
-  if (numel == 0) return {bits, scales};
-  const DeviceGuard guard(x.device());
-  const Stream stream = current_stream();
-  with_source(x, residual, scale, residual_out, [&](const auto& src) {
-    using R = typename std::decay_t<decltype(src)>::r_t;
-    const OnebitCodec<R> codec{bits.data_ptr<uint8_t>(), scales.data_ptr<at::BFloat16>(),
-                               src.r_out, block};
-    encode_blocks(src, codec, numel, block, stream);
-  });
-  return {bits, scales};
-}
-
 // --- decoders ----------------------------------------------------------------------------
 
 // Each Rows::load(r, i, count, d) decodes elements [i, i + count) of row r into d (count >= 1,
@@ -460,9 +368,10 @@ std::tuple<at::Tensor, at::Tensor> quantize_onebit_cuda(
 
 // Rows of [R, m] 16-bit chunks.
 template <typename T>
-struct Rows16 {
-  const T* c;
-  int64_t ld;  // elements from one row to the next (rows may be slices of wider rows)
+struct Rows16 : host::Chunks16<T> {  // c, ld: elements from one row to the next (rows may be
+                                     // slices of wider rows)
+  using host::Chunks16<T>::c;
+  using host::Chunks16<T>::ld;
 
   __device__ void load(int64_t r, int64_t i, int count, float (&d)[kVec]) const {
     const T* p = c + r * ld + i;
@@ -476,10 +385,7 @@ struct Rows16 {
 };
 
 // Rows of [R, m] int8 codes with [R, m / block] fp32 scales: code * scale.
-struct RowsInt8 {
-  const int8_t* q;
-  const float* sc;
-  int64_t ld, lds, block;  // row strides of the codes and of the scales, in elements
+struct RowsInt8 : host::Int8Rows {  // ld, lds: row strides of the codes and of the scales
 
   __device__ void load(int64_t r, int64_t i, int count, float (&d)[kVec]) const {
     const int8_t* p = q + r * ld + i;
@@ -508,10 +414,7 @@ struct RowsInt8 {
 };
 
 // Rows of [R, m / 8] sign bits with [R, m / block] bf16 scales: +scale or -scale.
-struct RowsOnebit {
-  const uint8_t* bits;
-  const at::BFloat16* sc;
-  int64_t ld, lds, block;  // row strides of the bits (bytes) and of the scales, in elements
+struct RowsOnebit : host::OnebitRows {  // ld, lds: row strides of the bits (bytes), scales
 
   // i is a multiple of 8 and block of 8: elements [i, i + 8) are one byte of one codec block
   __device__ void load(int64_t r, int64_t i, int count, float (&d)[kVec]) const {
@@ -599,83 +502,69 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
-// out: contiguous float, its numel() elements written from rows. Returns fp64 [2] on out's
-// device: (sum of out^2 over finite out, count of non-finite out).
-template <typename Rows>
-at::Tensor sum_rows(const Rows& rows, int64_t nrows, double scale, const at::Tensor& out) {
+// out: contiguous out_t, its numel() > 0 elements written from rows; stats: fp64 [2] on out's
+// device = (sum of out^2 over finite out, count of non-finite out).
+template <typename out_t, typename Rows>
+void launch_sum_rows(const Rows& rows, int64_t nrows, float scale, const at::Tensor& out,
+                     const at::Tensor& stats) {
   const int64_t m_out = out.numel();
-  const auto stats_options = out.options().dtype(at::kDouble);
-  if (m_out == 0) return at::zeros({2}, stats_options);
-  const DeviceGuard guard(out.device());
   const Stream stream = current_stream();
   const int64_t grid = blocks_for(m_out);
-  at::Tensor partial = at::empty({2 * grid}, stats_options);
-  at::Tensor stats = at::empty({2}, stats_options);
-  dispatch_float(out.scalar_type(), [&](auto tag) {
-    using out_t = decltype(tag);
-    PYCOMM_LAUNCH(static_cast<unsigned>(grid), kThreads, stream, sum_rows_kernel<out_t, Rows>)(
-        rows, nrows, static_cast<float>(scale), out.data_ptr<out_t>(), m_out,
-        partial.data_ptr<double>());
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
-  });
+  at::Tensor partial = at::empty({2 * grid}, stats.options());
+  PYCOMM_LAUNCH(static_cast<unsigned>(grid), kThreads, stream, sum_rows_kernel<out_t, Rows>)(
+      rows, nrows, scale, out.data_ptr<out_t>(), m_out, partial.data_ptr<double>());
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
   PYCOMM_LAUNCH(1, kThreads, stream, finish_stats_kernel)(partial.const_data_ptr<double>(), grid,
                                                           stats.data_ptr<double>());
   C10_CUDA_KERNEL_LAUNCH_CHECK();
-  return stats;
 }
 
-// chunks: [R, m] Half/BFloat16 on a CUDA device, rows contiguous (a row slice of wider rows,
-// as the exchange receives them, is read in place). out: contiguous float, numel <= m,
-// same device. out = scale * sum_r chunks[r, :out.numel()] (fp32, row order). Returns fp64 [2]
-// (see sum_rows).
-at::Tensor decode16_sum_cuda(const at::Tensor& chunks, double scale, const at::Tensor& out) {
-  check_decode16_sum(chunks, out);
-  const int64_t rows = chunks.size(0);
-  at::Tensor stats;
-  dispatch_float(chunks.scalar_type(), [&](auto tag) {
-    using T = decltype(tag);
-    if constexpr (!std::is_same_v<T, float>) {
-      stats = sum_rows(Rows16<T>{chunks.const_data_ptr<T>(), chunks.stride(0)}, rows, scale, out);
-    }
-  });
-  return stats;
-}
+// The CUDA kernels' launches, behind the codecs' host entries (csrc/host/codecs.h: checks,
+// allocation, empty case, dtype dispatch), on the current stream of the guarded device.
+struct Cuda {
+  using Guard = DeviceGuard;
 
-// codes: [R, m] int8, rows contiguous, m % block == 0. scales: [R, m / block] fp32, rows
-// contiguous. out: as decode16_sum. out = scale * sum_r codes[r] * scales[r] (per block).
-at::Tensor dequantize_int8_sum_cuda(const at::Tensor& codes, const at::Tensor& scales,
-                                    int64_t block, double scale, const at::Tensor& out) {
-  check_dequantize_int8_sum(codes, scales, block, out);
-  const int64_t rows = codes.size(0);
-  return sum_rows(RowsInt8{codes.const_data_ptr<int8_t>(), scales.const_data_ptr<float>(),
-                           codes.stride(0), scales.stride(0), block},
-                  rows, scale, out);
-}
+  template <typename T, typename R, typename out_t>
+  static void encode16(const host::Encoding<T, R>& e, out_t* out, int64_t numel) {
+    PYCOMM_LAUNCH(blocks_for(numel), kThreads, current_stream(), encode16_kernel<T, R, out_t>)(
+        Source<T, R>{e}, out, numel);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  }
 
-// bits: [R, m / 8] uint8, rows contiguous, m % block == 0, block % 8 == 0. scales:
-// [R, m / block] bf16, rows contiguous. out: as decode16_sum. out = scale * sum_r (bit ? +s : -s).
-at::Tensor dequantize_onebit_sum_cuda(const at::Tensor& bits, const at::Tensor& scales,
-                                      int64_t block, double scale, const at::Tensor& out) {
-  check_dequantize_onebit_sum(bits, scales, block, out);
-  const int64_t rows = bits.size(0);
-  return sum_rows(RowsOnebit{bits.const_data_ptr<uint8_t>(), scales.const_data_ptr<at::BFloat16>(),
-                             bits.stride(0), scales.stride(0), block},
-                  rows, scale, out);
-}
+  template <typename T, typename R>
+  static void quantize_int8(const host::Encoding<T, R>& e, int8_t* codes, float* scales,
+                            int64_t block, int64_t numel) {
+    encode_blocks(Source<T, R>{e}, Int8Codec<R>{codes, scales, e.r_out}, numel, block,
+                  current_stream());
+  }
+
+  template <typename T, typename R>
+  static void quantize_onebit(const host::Encoding<T, R>& e, uint8_t* bits,
+                              at::BFloat16* scales, int64_t block, int64_t numel) {
+    encode_blocks(Source<T, R>{e}, OnebitCodec<R>{bits, scales, e.r_out, block}, numel, block,
+                  current_stream());
+  }
+
+  // the decoders: each kind of rows read by its device-side Rows type
+  template <typename out_t, typename T>
+  static void sum_rows(const host::Chunks16<T>& in, int64_t rows, float s, const at::Tensor& out,
+                       const at::Tensor& stats) {
+    launch_sum_rows<out_t>(Rows16<T>{in}, rows, s, out, stats);
+  }
+  template <typename out_t>
+  static void sum_rows(const host::Int8Rows& in, int64_t rows, float s, const at::Tensor& out,
+                       const at::Tensor& stats) {
+    launch_sum_rows<out_t>(RowsInt8{in}, rows, s, out, stats);
+  }
+  template <typename out_t>
+  static void sum_rows(const host::OnebitRows& in, int64_t rows, float s, const at::Tensor& out,
+                       const at::Tensor& stats) {
+    launch_sum_rows<out_t>(RowsOnebit{in}, rows, s, out, stats);
+  }
+};
 
 }  // namespace
 
-#ifndef PYCOMM_CUDA_EMULATION
-TORCH_LIBRARY_IMPL(pycomm, CUDA, m) {
-#else
-TORCH_LIBRARY_IMPL(pycomm_emu, CPU, m) {
-#endif
-  m.impl("encode16", &encode16_cuda);
-  m.impl("quantize_int8", &quantize_int8_cuda);
-  m.impl("quantize_onebit", &quantize_onebit_cuda);
-  m.impl("decode16_sum", &decode16_sum_cuda);
-  m.impl("dequantize_int8_sum", &dequantize_int8_sum_cuda);
-  m.impl("dequantize_onebit_sum", &dequantize_onebit_sum_cuda);
-}
+PYCOMM_CUDA_LIBRARY_IMPL(m) { host::register_codecs<Cuda>(m); }
 
 }  // namespace pycomm::cuda

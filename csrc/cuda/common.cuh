@@ -35,6 +35,8 @@ constexpr int kVec = 8;
 constexpr int kWarp = 32;
 
 #ifdef PYCOMM_CUDA_EMULATION
+// the kernels' registration: emulated, they are the CPU kernels of the mirror library pycomm_emu
+#define PYCOMM_CUDA_LIBRARY_IMPL(m) TORCH_LIBRARY_IMPL(pycomm_emu, CPU, m)
 #define PYCOMM_LAUNCH(grid, threads, stream, ...) \
   ::pycomm::emu::launch(dim3(grid), dim3(threads), __VA_ARGS__)
 using Stream = int;
@@ -72,6 +74,7 @@ T shfl_xor(T v, int lane_mask, int width) {
 }
 inline void check_aligned(const void* p, size_t bytes) { ::pycomm::emu::check_aligned(p, bytes); }
 #else
+#define PYCOMM_CUDA_LIBRARY_IMPL(m) TORCH_LIBRARY_IMPL(pycomm, CUDA, m)
 #define PYCOMM_LAUNCH(grid, threads, stream, ...) __VA_ARGS__<<<(grid), (threads), 0, (stream)>>>
 using Stream = cudaStream_t;
 inline Stream current_stream() { return at::cuda::getCurrentCUDAStream().stream(); }

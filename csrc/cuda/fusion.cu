@@ -9,8 +9,9 @@
 // contiguous copy (an extra pass for those tensors alone), as are accumulate_ and scale_
 // operands whose memory is not one dense block.
 //
-// Arithmetic is the CPU kernels' (csrc/cpu/fusion.cpp): fp32, one rounding per operation.
-// The argument checks are theirs too (csrc/checks.h), with the same messages.
+// Arithmetic is the CPU kernels' (csrc/cpu/fusion.cpp): fp32, one rounding per operation. The
+// host entries are theirs too (csrc/host/fusion.h: checks, allocation, empty case, dtype
+// dispatch), with the same messages; this file holds the kernels and their launches.
 #include <ATen/ATen.h>
 #include <ATen/MemoryOverlap.h>
 #include <torch/library.h>
@@ -20,6 +21,7 @@
 #include <vector>
 
 #include "cuda/common.cuh"
+#include "host/fusion.h"
 
 namespace pycomm::cuda {
 namespace {
@@ -137,92 +139,6 @@ void multi_copy(const std::vector<const void*>& src, const std::vector<void*>& d
   flush();
 }
 
-// flat: [sum numel] 1-D contiguous float on the tensors' device. tensors: [N] tensors, one
-// float dtype, one CUDA device, any shapes/strides. flat[offset_i : offset_i + numel_i] =
-// tensors[i] * scale.
-void pack_into_impl(const char* op, const at::Tensor& flat, at::TensorList tensors,
-                    double scale) {
-  const std::vector<int64_t> offsets = check_pack_into(op, flat, tensors);
-  if (tensors.empty()) return;
-  const DeviceGuard guard(flat.device());
-  const Stream stream = current_stream();
-  std::vector<at::Tensor> staged;  // contiguous copies of the strided tensors, kept alive
-  std::vector<const void*> src;
-  std::vector<void*> dst;
-  std::vector<int64_t> numel;
-  char* base = static_cast<char*>(flat.data_ptr());
-  for (size_t i = 0; i < tensors.size(); ++i) {
-    at::Tensor t = tensors[i];
-    if (!t.is_contiguous()) {
-      t = t.contiguous();
-      staged.push_back(t);
-    }
-    src.push_back(t.const_data_ptr());
-    dst.push_back(base + offsets[i] * flat.element_size());
-    numel.push_back(t.numel());
-  }
-  dispatch_float(tensors[0].scalar_type(), [&](auto in_tag) {
-    using in_t = decltype(in_tag);
-    dispatch_float(flat.scalar_type(), [&](auto out_tag) {
-      using out_t = decltype(out_tag);
-      multi_copy<out_t, in_t>(src, dst, numel, static_cast<float>(scale), stream);
-    });
-  });
-}
-
-void pack_into_cuda(const at::Tensor& flat, at::TensorList tensors, double scale) {
-  pack_into_impl("pycomm.pack_into_", flat, tensors, scale);
-}
-
-// tensors: as pack_into_. Returns [sum numel] contiguous on tensors[0]'s device, dtype `dtype`
-// or the tensors'.
-at::Tensor pack_cuda(at::TensorList tensors, double scale, std::optional<at::ScalarType> dtype) {
-  const auto [out_type, total] = check_pack(tensors, dtype);
-  // the dispatcher chose CUDA from a tensor's device: the list is not empty
-  TORCH_INTERNAL_ASSERT(!tensors.empty(), "pycomm.pack: no tensors on the CUDA kernel");
-  at::Tensor flat = at::empty({total}, tensors[0].options().dtype(out_type));
-  pack_into_impl("pycomm.pack", flat, tensors, scale);
-  return flat;
-}
-
-// flat: [sum numel] 1-D contiguous float. tensors: [N] tensors, one float dtype, flat's device,
-// any shapes/strides. tensors[i] = flat[offset_i : offset_i + numel_i] * scale.
-void unpack_cuda(const at::Tensor& flat, at::TensorList tensors, double scale) {
-  const std::vector<int64_t> offsets = check_unpack(flat, tensors);
-  if (tensors.empty()) return;
-  // a target with several elements at one address has no defined result (the CPU's
-  // TensorIterator refuses it with this message too)
-  for (const auto& t : tensors) {
-    if (!t.is_contiguous()) at::assert_no_internal_overlap(t);
-  }
-  const DeviceGuard guard(flat.device());
-  const Stream stream = current_stream();
-  std::vector<std::pair<at::Tensor, at::Tensor>> staged;  // (target, contiguous stand-in)
-  std::vector<const void*> src;
-  std::vector<void*> dst;
-  std::vector<int64_t> numel;
-  const char* base = static_cast<const char*>(flat.const_data_ptr());
-  for (size_t i = 0; i < tensors.size(); ++i) {
-    at::Tensor t = tensors[i];
-    if (!t.is_contiguous()) {
-      at::Tensor c = at::empty(t.sizes(), t.options());
-      staged.emplace_back(t, c);
-      t = c;
-    }
-    src.push_back(base + offsets[i] * flat.element_size());
-    dst.push_back(t.data_ptr());
-    numel.push_back(t.numel());
-  }
-  dispatch_float(flat.scalar_type(), [&](auto in_tag) {
-    using in_t = decltype(in_tag);
-    dispatch_float(tensors[0].scalar_type(), [&](auto out_tag) {
-      using out_t = decltype(out_tag);
-      multi_copy<out_t, in_t>(src, dst, numel, static_cast<float>(scale), stream);
-    });
-  });
-  for (auto& [target, c] : staged) target.copy_(c);
-}
-
 template <typename dst_t, typename src_t>
 __global__ void __launch_bounds__(kThreads)
     axpy_kernel(dst_t* dst, const src_t* src, int64_t n, float a) {
@@ -245,33 +161,6 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
-// dst: Float or src's dtype. src: float dtype, dst's shape and device. dst += alpha * src in
-// fp32, rounded once to dst's dtype.
-void accumulate_cuda(const at::Tensor& dst, const at::Tensor& src, double alpha) {
-  check_accumulate(dst, src);
-  at::assert_no_internal_overlap(dst);
-  at::assert_no_partial_overlap(dst, src);
-  if (dst.numel() == 0) return;
-  const DeviceGuard guard(dst.device());
-  const Stream stream = current_stream();
-  // elementwise over memory: one dense block laid out alike needs no reordering
-  const bool direct = dst.is_non_overlapping_and_dense() && src.is_non_overlapping_and_dense() &&
-                      dst.strides() == src.strides();
-  const at::Tensor d = direct ? dst : dst.contiguous();
-  const at::Tensor s = direct ? src : src.contiguous();
-  const float a = static_cast<float>(alpha);
-  dispatch_float(src.scalar_type(), [&](auto src_tag) {
-    using src_t = decltype(src_tag);
-    dispatch_float(dst.scalar_type(), [&](auto dst_tag) {
-      using dst_t = decltype(dst_tag);
-      PYCOMM_LAUNCH(blocks_for(d.numel()), kThreads, stream, axpy_kernel<dst_t, src_t>)(
-          d.data_ptr<dst_t>(), s.const_data_ptr<src_t>(), d.numel(), a);
-      C10_CUDA_KERNEL_LAUNCH_CHECK();
-    });
-  });
-  if (!direct) dst.copy_(d);
-}
-
 template <typename T>
 __global__ void __launch_bounds__(kThreads) scale_kernel(T* t, int64_t n, float s) {
   const bool vec = vec_ok(t);
@@ -291,36 +180,97 @@ __global__ void __launch_bounds__(kThreads) scale_kernel(T* t, int64_t n, float 
   }
 }
 
-// t: any float tensor on a CUDA device, scaled in place in fp32.
-void scale_cuda(const at::Tensor& t, double scale) {
-  check_scale(t);
-  if (scale == 1.0 || t.numel() == 0) return;
-  const bool direct = t.is_non_overlapping_and_dense();
-  if (!direct) at::assert_no_internal_overlap(t);
-  const DeviceGuard guard(t.device());
-  const Stream stream = current_stream();
-  const at::Tensor c = direct ? t : t.contiguous();
-  dispatch_float(t.scalar_type(), [&](auto tag) {
-    using T = decltype(tag);
-    PYCOMM_LAUNCH(blocks_for(c.numel()), kThreads, stream, scale_kernel<T>)(
-        c.data_ptr<T>(), c.numel(), static_cast<float>(scale));
+// The CUDA kernels' launches, behind the fusion ops' host entries (csrc/host/fusion.h: checks,
+// allocation, empty case, dtype dispatch), on the current stream of the guarded device.
+struct Cuda {
+  using Guard = DeviceGuard;
+  static at::TensorOptions no_tensors() {
+    // the dispatcher chose CUDA from a tensor's device: the list is not empty
+    TORCH_INTERNAL_ASSERT(false, "pycomm.pack: no tensors on the CUDA kernel");
+    return {};
+  }
+
+  // flat[offset_i : offset_i + numel_i] = tensors[i] * s, N >= 1; strided tensors staged.
+  template <typename out_t, typename in_t>
+  static void pack_into(const at::Tensor& flat, at::TensorList tensors,
+                        const std::vector<int64_t>& offsets, float s) {
+    std::vector<at::Tensor> staged;  // contiguous copies of the strided tensors, kept alive
+    std::vector<const void*> src;
+    std::vector<void*> dst;
+    std::vector<int64_t> numel;
+    char* base = static_cast<char*>(flat.data_ptr());
+    for (size_t i = 0; i < tensors.size(); ++i) {
+      at::Tensor t = tensors[i];
+      if (!t.is_contiguous()) {
+        t = t.contiguous();
+        staged.push_back(t);
+      }
+      src.push_back(t.const_data_ptr());
+      dst.push_back(base + offsets[i] * flat.element_size());
+      numel.push_back(t.numel());
+    }
+    multi_copy<out_t, in_t>(src, dst, numel, s, current_stream());
+  }
+
+  // tensors[i] = flat[offset_i : offset_i + numel_i] * s, N >= 1; strided targets written
+  // through a contiguous stand-in.
+  template <typename out_t, typename in_t>
+  static void unpack(const at::Tensor& flat, at::TensorList tensors,
+                     const std::vector<int64_t>& offsets, float s) {
+    // a target with several elements at one address has no defined result (the CPU's
+    // TensorIterator refuses it with this message too)
+    for (const auto& t : tensors) {
+      if (!t.is_contiguous()) at::assert_no_internal_overlap(t);
+    }
+    std::vector<std::pair<at::Tensor, at::Tensor>> staged;  // (target, contiguous stand-in)
+    std::vector<const void*> src;
+    std::vector<void*> dst;
+    std::vector<int64_t> numel;
+    const char* base = static_cast<const char*>(flat.const_data_ptr());
+    for (size_t i = 0; i < tensors.size(); ++i) {
+      at::Tensor t = tensors[i];
+      if (!t.is_contiguous()) {
+        at::Tensor c = at::empty(t.sizes(), t.options());
+        staged.emplace_back(t, c);
+        t = c;
+      }
+      src.push_back(base + offsets[i] * flat.element_size());
+      dst.push_back(t.data_ptr());
+      numel.push_back(t.numel());
+    }
+    multi_copy<out_t, in_t>(src, dst, numel, s, current_stream());
+    for (auto& [target, c] : staged) target.copy_(c);
+  }
+
+  // dst += a * src; operands that are not one dense block laid out alike are staged.
+  template <typename dst_t, typename src_t>
+  static void accumulate(const at::Tensor& dst, const at::Tensor& src, float a) {
+    // elementwise over memory: one dense block laid out alike needs no reordering
+    const bool direct = dst.is_non_overlapping_and_dense() &&
+                        src.is_non_overlapping_and_dense() && dst.strides() == src.strides();
+    const at::Tensor d = direct ? dst : dst.contiguous();
+    const at::Tensor s = direct ? src : src.contiguous();
+    PYCOMM_LAUNCH(blocks_for(d.numel()), kThreads, current_stream(), axpy_kernel<dst_t, src_t>)(
+        d.data_ptr<dst_t>(), s.const_data_ptr<src_t>(), d.numel(), a);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
-  });
-  if (!direct) t.copy_(c);
-}
+    if (!direct) dst.copy_(d);
+  }
+
+  // t *= s; a t that is not one dense block is staged.
+  template <typename T>
+  static void scale(const at::Tensor& t, float s) {
+    const bool direct = t.is_non_overlapping_and_dense();
+    if (!direct) at::assert_no_internal_overlap(t);
+    const at::Tensor c = direct ? t : t.contiguous();
+    PYCOMM_LAUNCH(blocks_for(c.numel()), kThreads, current_stream(), scale_kernel<T>)(
+        c.data_ptr<T>(), c.numel(), s);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    if (!direct) t.copy_(c);
+  }
+};
 
 }  // namespace
 
-#ifndef PYCOMM_CUDA_EMULATION
-TORCH_LIBRARY_IMPL(pycomm, CUDA, m) {
-#else
-TORCH_LIBRARY_IMPL(pycomm_emu, CPU, m) {
-#endif
-  m.impl("pack", &pack_cuda);
-  m.impl("pack_into_", &pack_into_cuda);
-  m.impl("unpack_", &unpack_cuda);
-  m.impl("accumulate_", &accumulate_cuda);
-  m.impl("scale_", &scale_cuda);
-}
+PYCOMM_CUDA_LIBRARY_IMPL(m) { host::register_fusion<Cuda>(m); }
 
 }  // namespace pycomm::cuda

@@ -1,0 +1,198 @@
+"""The kernel backends every kernel test runs on, through the ``be`` fixture:
+
+- ``cpu``: the CPU kernels (csrc/cpu), on CPU tensors. Always.
+- ``emu``: the CUDA kernels' source (csrc/cuda) compiled as C++ against
+  ``csrc/cuda/emu/emu.h``, which runs every CUDA thread as a fiber with real barriers and warp
+  shuffles, registered as the CPU kernels of a mirror library ``pycomm_emu`` (with pycomm's
+  own schemas). It runs everywhere: building it takes about half a minute, cached in the temp
+  directory (``PYCOMM_EMU_BUILD`` names another); ``PYCOMM_CUDA_EMU=0`` skips it. It checks
+  the kernels' indexing, vector and scalar paths, reductions, launch shapes and rounding
+  without a GPU (not their speed, nor what only concurrent blocks or a memory checker would
+  show).
+- ``cuda``: the CUDA kernels on a GPU, with CUDA tensors, when there is one and the build
+  has them (``scripts/gpu_validate.sh`` runs the kernel tests on one).
+
+A test written against ``be`` calls ``be("op", *args)`` with its tensors moved there by
+``be.to`` / ``be.args`` (same shape, strides and storage offset, so alignment is kept) and
+compares with ``pycomm.reference`` on the CPU (``kernel_data.bits_equal`` moves results back).
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import os
+import tempfile
+
+import pytest
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CSRC = os.path.join(ROOT, "csrc")
+EMU_SOURCES = [
+    os.path.join(CSRC, "cuda", "emu", "fusion_emu.cpp"),
+    os.path.join(CSRC, "cuda", "emu", "codecs_emu.cpp"),
+]
+BACKENDS = ["cpu", "emu", "cuda"]
+
+
+def pycomm_ops() -> list[str]:
+    """The names of every torch.ops.pycomm op the loaded build defines."""
+    return sorted(
+        n.split("::", 1)[1]
+        for n in torch._C._dispatch_get_all_op_names()
+        if n.startswith("pycomm::")
+    )
+
+
+def _sources_digest() -> str:
+    # everything the emulator compiles: the CUDA sources, the host entries, the checks
+    h = hashlib.sha256(torch.__version__.encode())
+    for sub in ("cuda", "host"):
+        for root, dirs, files in os.walk(os.path.join(CSRC, sub)):
+            dirs.sort()
+            for f in sorted(files):
+                with open(os.path.join(root, f), "rb") as fh:
+                    h.update(f.encode() + fh.read())
+    with open(os.path.join(CSRC, "checks.h"), "rb") as fh:
+        h.update(fh.read())
+    return h.hexdigest()[:16]
+
+
+_EMU_LIB = None
+
+
+def load_emulator() -> None:
+    """Builds (once per source version, cached in the temp directory) and loads the emulated
+    CUDA kernels as ``torch.ops.pycomm_emu.*``, with pycomm's own schemas."""
+    global _EMU_LIB
+    if _EMU_LIB is not None:
+        return
+    from torch.utils.cpp_extension import load
+
+    lib = torch.library.Library("pycomm_emu", "DEF")
+    for name in pycomm_ops():
+        schema = str(getattr(torch.ops.pycomm, name).default._schema)
+        lib.define(schema.split("::", 1)[1])
+    build = os.environ.get("PYCOMM_EMU_BUILD") or os.path.join(
+        tempfile.gettempdir(), f"pycomm_cuda_emu_{_sources_digest()}"
+    )
+    os.makedirs(build, exist_ok=True)
+    load(
+        name="pycomm_cuda_emu",
+        sources=EMU_SOURCES,
+        extra_cflags=[
+            "-O1",
+            "-ffp-contract=off",  # as the CPU kernels, so that fp32 rounds as on the GPU
+            "-fno-strict-aliasing",
+            "-Wno-unknown-pragmas",
+            "-DPYCOMM_CUDA_EMULATION",
+        ],
+        extra_include_paths=[CSRC],
+        build_directory=build,
+        is_python_module=False,
+        verbose=False,
+    )
+    _EMU_LIB = lib
+
+
+class Backend:
+    """Where a kernel runs: ``cpu``, ``emu`` (the CUDA kernels emulated on the CPU) or
+    ``cuda`` (a GPU)."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.device = torch.device("cuda") if name == "cuda" else torch.device("cpu")
+        self.ns = torch.ops.pycomm_emu if name == "emu" else torch.ops.pycomm
+        # the decoders' squared norm: the CPU adds squares in fp32 lanes within a tile, the
+        # CUDA kernels in fp64 per element
+        self.norm_rtol = 1e-6 if name == "cpu" else 1e-9
+
+    def __repr__(self) -> str:
+        return f"Backend({self.name!r})"
+
+    @property
+    def is_cuda_kernel(self) -> bool:
+        """Whether this backend runs the CUDA kernels (emulated or not)."""
+        return self.name != "cpu"
+
+    def __call__(self, op: str, *args):
+        return getattr(self.ns, op)(*args)
+
+    def to(self, t, _copies=None):
+        """t on this backend with the same shape, strides and storage offset (alignment); on
+        the CPU, a copy of t's storage, so that the caller's tensors stay as they were."""
+        if t is None:
+            return None
+        key = t.untyped_storage().data_ptr()
+        whole = None if _copies is None else _copies.get(key)
+        if whole is None:
+            n = t.untyped_storage().nbytes() // t.element_size()
+            whole = torch.empty(0, dtype=t.dtype).set_(t.untyped_storage(), 0, (n,), (1,))
+            whole = whole.to(self.device, copy=True)
+            if _copies is not None:
+                _copies[key] = whole
+        return whole.as_strided(t.shape, t.stride(), t.storage_offset())
+
+    def args(self, args):
+        """Every tensor of args (lists too) on this backend; tensors that share memory here
+        share it there."""
+        copies: dict = {}
+        return [
+            self.to(a, copies)
+            if isinstance(a, torch.Tensor)
+            else [self.to(t, copies) for t in a]
+            if isinstance(a, list)
+            else a
+            for a in args
+        ]
+
+
+@functools.cache
+def backend(name: str) -> Backend:
+    """The backend ``name`` (the emulator built and loaded on first use)."""
+    if name == "emu":
+        load_emulator()
+    return Backend(name)
+
+
+def skip_reason(name: str) -> str | None:
+    """Why backend ``name`` cannot run here, or None."""
+    if name == "emu" and os.environ.get("PYCOMM_CUDA_EMU", "1") == "0":
+        return "PYCOMM_CUDA_EMU=0 (scripts/cuda_check.sh and make test run the emulator)"
+    if name == "cuda":
+        from pycomm import ops
+
+        if not torch.cuda.is_available():
+            return "no CUDA device (scripts/gpu_validate.sh runs these on a GPU)"
+        if not ops.WITH_CUDA:
+            return "pycomm._C was built without its CUDA kernels"
+    return None
+
+
+def _backend_fixture(request) -> Backend:
+    why = skip_reason(request.param)
+    if why is not None:
+        pytest.skip(why)
+    return backend(request.param)
+
+
+@pytest.fixture(params=BACKENDS)
+def be(request) -> Backend:
+    """Every backend: cpu, emu, cuda."""
+    return _backend_fixture(request)
+
+
+@pytest.fixture(params=["emu", "cuda"])
+def cuda_be(request) -> Backend:
+    """The backends that run the CUDA kernels: emu, cuda (for comparisons with the CPU's)."""
+    return _backend_fixture(request)
+
+
+@pytest.fixture
+def cuda() -> Backend:
+    """The GPU alone."""
+    why = skip_reason("cuda")
+    if why is not None:
+        pytest.skip(why)
+    return backend("cuda")
