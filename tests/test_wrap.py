@@ -208,18 +208,13 @@ def _rank_powersgd_buckets(steps):
         opt.zero_grad()
         ddp(torch.randn(16, 64, generator=gen)).square().mean().backward()
         opt.step()
-    state = pycomm.hook_state(ddp)
-    return (
-        torch.cat([p.detach().reshape(-1) for p in model.parameters()]),
-        state.torch_state.process_group is state.process_group,
-    )
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
 
 
 def test_powersgd_with_many_buckets_keeps_ranks_in_step():
     """torch's PowerSGD issues P and Q from callbacks in completion order, which differs
     between ranks: on one gloo group that hung (or mixed buckets) within a few runs of this.
-    pycomm gives each bucket a group of its own: every run ends with equal parameters."""
+    pycomm runs one bucket's exchange after the other: every run ends with equal parameters."""
     for _ in range(3):
-        (a, restored_a), (b, restored_b) = run_ranks(_rank_powersgd_buckets, 2, 30, timeout=60)
+        a, b = run_ranks(_rank_powersgd_buckets, 2, 30, timeout=60)
         assert torch.equal(a, b)
-        assert restored_a and restored_b

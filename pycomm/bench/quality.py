@@ -11,8 +11,10 @@ Tasks (see --list-tasks): scikit-learn's digits with two MLP sizes and bucket si
 accuracy, %), and a character-level GPT on the text of Python's documentation
 (``pydoc_data.topics``; held-out loss, nats per character). Each hook runs at its defaults
 (pycomm.wrap's), except torch's PowerSGD (rank 2 from iteration 10, one bucket: on gloo it
-aborts with several). onebit-local (only when named in --hooks) is onebit with
-local_feedback=True and start_iter=2: error feedback on each rank's own gradient too.
+aborts with several). Variants, run only when named in --hooks: onebit-local (onebit with
+local_feedback=True and start_iter=2: error feedback on each rank's own gradient too),
+int8-nolocal (local_feedback=False), int8-noef (error_feedback=False), int8-warm20
+(start_iter=20) and int8-b256 (block=256, the earlier default).
 "(warns)": pycomm.TrainLoop warned that the hook is known to fall behind with the optimizer.
 "vs allreduce" is the mean over seeds of each seed's difference from
 the exact all-reduce of the same seed (the same initial weights and batches); a hook with a
@@ -36,6 +38,7 @@ import pycomm
 from pycomm.bench.__main__ import positive_int
 from pycomm.bench.quality_tasks import (
     DEFAULT_HOOKS,
+    DEFAULT_OPTIMIZERS,
     DEFAULT_TASKS,
     HOOK_OPTIONS,
     HOOKS,
@@ -85,8 +88,9 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument(
         "--optimizers",
         type=_names("optimizer", OPTIMIZERS),
-        default=list(OPTIMIZERS),
-        help="comma-separated: sgd (momentum 0.9), adamw (weight decay 0.01); default: both",
+        default=list(DEFAULT_OPTIMIZERS),
+        help="comma-separated: sgd (momentum 0.9), adamw (weight decay 0.01), sgd-plain (no "
+        "momentum, 10x sgd's learning rate); default: sgd,adamw",
     )
     ap.add_argument("--seeds", type=positive_int, default=3, help="seeds 0..N-1; default 3")
     ap.add_argument("--quick", action="store_true", help="shorter training, two tasks")

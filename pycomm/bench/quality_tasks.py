@@ -23,9 +23,10 @@ import pycomm
 from pycomm.bench.models import GPT, ModelSpec
 
 DEFAULT_HOOKS = ("allreduce", "fp16", "bf16", "int8", "onebit", "powersgd")
-HOOKS = (*DEFAULT_HOOKS, "onebit-local")  # every valid name
+HOOKS = (*DEFAULT_HOOKS, "onebit-local", "int8-nolocal", "int8-noef", "int8-warm20", "int8-b256")
 REFERENCE = "allreduce"
-OPTIMIZERS = ("sgd", "adamw")
+OPTIMIZERS = ("sgd", "adamw", "sgd-plain")
+DEFAULT_OPTIMIZERS = ("sgd", "adamw")  # sgd-plain: only when named
 
 # Options the suite gives a hook instead of its defaults: torch's PowerSGD compresses only
 # from iteration 1000 by default, beyond every task here; on gloo it aborts with several
@@ -35,9 +36,14 @@ HOOK_OPTIONS: dict[str, dict[str, Any]] = {
 }
 ONE_BUCKET_MB = 1024.0
 # Named variants, run only when asked for: (hook, options). onebit-local: error feedback on
-# each rank's own gradient as well (phase 1), compressed from iteration 2.
+# each rank's own gradient as well (phase 1), compressed from iteration 2; the int8 ones, what
+# was measured before int8's block became 64 (benchmarks/README.md, "Training quality").
 VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     "onebit-local": ("onebit", {"local_feedback": True, "start_iter": 2}),
+    "int8-nolocal": ("int8", {"local_feedback": False}),
+    "int8-noef": ("int8", {"error_feedback": False}),
+    "int8-warm20": ("int8", {"start_iter": 20}),
+    "int8-b256": ("int8", {"block": 256}),
 }
 
 # How far a hook's mean may fall behind the exact all-reduce's, at its defaults: accuracy
@@ -48,6 +54,10 @@ LIMITS: dict[str, tuple[float, float]] = {
     "int8": (0.5, 0.01),
     "onebit": (1.0, 0.03),
     "onebit-local": (1.0, 0.03),
+    "int8-nolocal": (0.5, 0.01),
+    "int8-noef": (0.5, 0.01),
+    "int8-warm20": (0.5, 0.01),
+    "int8-b256": (0.5, 0.01),
 }
 
 
@@ -194,10 +204,14 @@ def build_model(task: Task, vocab: int = 0) -> torch.nn.Module:
     return model
 
 
-def make_optimizer(name: str, params, lr: float) -> torch.optim.Optimizer:
+def make_optimizer(name: str, params, lr: dict[str, float]) -> torch.optim.Optimizer:
+    """The task's optimizer ``name`` at its learning rate. sgd-plain (no momentum) takes 10x
+    sgd's rate: the same effective step as momentum 0.9's lr / (1 - 0.9)."""
     if name == "sgd":
-        return torch.optim.SGD(params, lr=lr, momentum=0.9)
-    return torch.optim.AdamW(params, lr=lr, weight_decay=0.01)
+        return torch.optim.SGD(params, lr=lr["sgd"], momentum=0.9)
+    if name == "sgd-plain":
+        return torch.optim.SGD(params, lr=lr["sgd"])
+    return torch.optim.AdamW(params, lr=lr["adamw"], weight_decay=0.01)
 
 
 # --- one rank --------------------------------------------------------------------------------
@@ -289,7 +303,7 @@ def _train_one(task, data, vocab, hook, optimizer, seed, steps, progress, label)
         kwargs["bucket_cap_mb"] = task.bucket_mb
     name, options = VARIANTS.get(hook, (hook, HOOK_OPTIONS.get(hook)))
     ddp = pycomm.wrap(model, hook=name, hook_options=options, **kwargs)
-    opt = make_optimizer(optimizer, ddp.parameters(), task.lr[optimizer])
+    opt = make_optimizer(optimizer, ddp.parameters(), task.lr)
     with warnings.catch_warnings(record=True) as caught:  # kept in the record, not printed
         warnings.simplefilter("always")
         loop = pycomm.TrainLoop(ddp, opt, max_grad_norm=task.max_grad_norm)

@@ -102,8 +102,8 @@ DEFAULT_ALLOW = ("allreduce", "bf16", "fp16", "int8")
 _FORMAT = {"bf16": "16", "fp16": "16", "int8": "int8", "onebit": "onebit"}
 _CODECS: dict[str, Callable[[], Codec]] = {
     "16": lambda: Float16Codec(torch.bfloat16),
-    "int8": lambda: Int8Codec(256),
-    "onebit": lambda: OneBitCodec(64),
+    "int8": lambda: Int8Codec(Int8State.default_block),
+    "onebit": lambda: OneBitCodec(OneBitState.default_block),
 }
 _PROBE_MAX = 1 << 21
 # the scalar measurements, all-reduced with MAX in this order

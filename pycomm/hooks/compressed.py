@@ -604,7 +604,7 @@ def compressed_hook(
         identical on every rank.
 
     Example:
-        >>> state = pycomm.hooks.Int8State(process_group=None, block=256)
+        >>> state = pycomm.hooks.Int8State(process_group=None, block=64)
         >>> ddp.register_comm_hook(state, pycomm.hooks.compressed_hook)
     """
     x = check_bucket(state.hook_name, bucket)

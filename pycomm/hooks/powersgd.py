@@ -10,8 +10,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as _psgd
 
-from pycomm.hooks.compressed import group_timeout
-from pycomm.hooks.state import HookState, ring_bytes
+from pycomm.hooks.state import HookState, completed, ring_bytes
 
 # PowerSGDState's options and their defaults, read from its signature (it does not keep all of
 # them as attributes, random_seed for one).
@@ -20,32 +19,6 @@ _OPTIONS = {
     for name, p in inspect.signature(_psgd.PowerSGDState.__init__).parameters.items()
     if name not in ("self", "process_group")
 }
-
-
-_BUCKET_GROUPS: dict[tuple[int, int], tuple[Any, dist.ProcessGroup]] = {}
-
-
-def bucket_group(parent: Optional[dist.ProcessGroup], index: int) -> dist.ProcessGroup:
-    """A process group of its own, over ``parent``'s ranks, for DDP bucket ``index``.
-
-    torch's PowerSGD issues each bucket's P and Q all-reduces from callbacks, in the order the
-    buckets' earlier all-reduces complete, which differs from rank to rank. On one group, gloo
-    then pairs one bucket's collective on one rank with another bucket's on the other: a hang,
-    an abort, or, where the sizes match, gradients of different buckets summed together. With
-    a group per bucket every group sees its collectives in the same order on every rank.
-
-    Created at the bucket's first hook call, which every rank reaches in bucket order (DDP
-    launches its buckets in index order), with the parent's timeout; kept for the parent's
-    life, as the compressed hooks keep their phase groups (a group must not be released from
-    inside one of its own callbacks).
-    """
-    world = parent or dist.group.WORLD
-    entry = _BUCKET_GROUPS.get((id(world), index))
-    if entry is None or entry[0] is not world:
-        ranks = dist.get_process_group_ranks(world)
-        group = dist.new_group(ranks, timeout=group_timeout(world), use_local_synchronization=True)
-        entry = _BUCKET_GROUPS[(id(world), index)] = (world, group)
-    return entry[1]
 
 
 class PowerSGDHookState(HookState):
@@ -75,6 +48,8 @@ class PowerSGDHookState(HookState):
                 f"{', '.join(_OPTIONS)}, hierarchy"
             )
         self.torch_state = _psgd.PowerSGDState(process_group=process_group, **options)
+        # the previous bucket's exchange of this step (see powersgd_hook)
+        self.chain: torch.futures.Future = completed(torch.empty(0))
         self._options = {**_OPTIONS, **options}
         if hierarchy != "auto":
             self._options["hierarchy"] = hierarchy
@@ -111,8 +86,8 @@ class PowerSGDHookState(HookState):
 def powersgd_hook(
     state: PowerSGDHookState, bucket: dist.GradBucket
 ) -> torch.futures.Future[torch.Tensor]:
-    """torch's ``powerSGD_hook`` on ``state.torch_state``, counted in ``state.stats``, with
-    each bucket's collectives on a process group of their own (see :func:`bucket_group`).
+    """torch's ``powerSGD_hook`` on ``state.torch_state``, counted in ``state.stats``, one
+    bucket's exchange after the other (see the comment below).
 
     Args:
         state: a :class:`PowerSGDHookState` (torch's PowerSGDState inside, and counters).
@@ -132,9 +107,30 @@ def powersgd_hook(
     )
     if state.world_size == 1:
         return _psgd.powerSGD_hook(s, bucket)
-    # torch's hook reads the group once, at the call, for the whole bucket's exchange
-    s.process_group = bucket_group(state.process_group, bucket.index())
-    try:
-        return _psgd.powerSGD_hook(s, bucket)
-    finally:
-        s.process_group = state.process_group
+    # torch's hook issues a bucket's P and Q all-reduces from callbacks, in the order the
+    # buckets' earlier all-reduces complete, which differs from rank to rank: on one group gloo
+    # then pairs one bucket's collective with another bucket's (a hang, an abort, or, where the
+    # sizes match, different buckets' matrices summed). So each bucket's exchange starts once
+    # the previous bucket's has completed: the same order on every rank. DDP launches its
+    # buckets in index order, and waits for them all before the next step.
+    prev = completed(torch.empty(0)) if bucket.index() == 0 else state.chain
+    result: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+
+    def run(_previous: torch.futures.Future) -> None:
+        try:
+            inner = _psgd.powerSGD_hook(s, bucket)
+        except BaseException as e:  # noqa: BLE001 - handed to DDP through the future
+            result.set_exception(e)
+            return
+
+        def done(f: torch.futures.Future) -> None:
+            try:
+                result.set_result(f.value())
+            except BaseException as e:  # noqa: BLE001
+                result.set_exception(e)
+
+        inner.then(done)
+
+    state.chain = result
+    prev.then(run)
+    return result

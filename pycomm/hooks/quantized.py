@@ -8,18 +8,23 @@ from pycomm.hooks.compressed import Codec, CompressedState, Int8Codec, OneBitCod
 
 class Int8State(CompressedState):
     """State of the ``int8`` hook: symmetric int8 codes, one fp32 scale (absmax / 127) per
-    ``block`` elements (default 256), error feedback on by default.
+    ``block`` elements (default 64), error feedback on by default.
+
+    The default block is 64: with 256, one large gradient in a block flattened the small ones
+    of a transformer's, and plain SGD fell 2.4% of the loss behind the exact all-reduce in the
+    quality suite (0.4% with 64, for 4.6% more bytes: a 4-byte scale per 64 codes).
 
     Example:
-        >>> ddp.register_comm_hook(Int8State(None, block=256), compressed_hook)
+        >>> ddp.register_comm_hook(Int8State(None, block=64), compressed_hook)
     """
 
     hook_name = "int8"
     option_names = (*CompressedState.option_names, "block")
     default_bucket_cap_mb = 8.0  # as the 16-bit hooks; onebit keeps DDP's 25 MB (faster)
+    default_block = 64
 
     def make_codec(self, options: dict[str, Any]) -> Codec:
-        return Int8Codec(check_int(self.where, "block", options.get("block", 256)))
+        return Int8Codec(check_int(self.where, "block", options.get("block", self.default_block)))
 
     def options(self) -> dict[str, Any]:
         return {**super().options(), "block": self.codec.block}
@@ -43,9 +48,10 @@ class OneBitState(CompressedState):
     option_names = (*CompressedState.option_names, "block")
     default_local_feedback = False
     default_start_iter = 20
+    default_block = 64
 
     def make_codec(self, options: dict[str, Any]) -> Codec:
-        block = check_int(self.where, "block", options.get("block", 64), 8)
+        block = check_int(self.where, "block", options.get("block", self.default_block), 8)
         if block % 8:
             raise ValueError(
                 f"pycomm onebit hook: block={block}, expected a multiple of 8 (8 bits a byte)"
