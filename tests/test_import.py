@@ -55,16 +55,26 @@ def test_real_extension_matches_torch():
 
 
 def test_version_is_written_once():
-    """The installed metadata reads its version from pycomm/__init__.py (pyproject's dynamic
-    version), so the two cannot disagree; and pyproject.toml itself names no version."""
-    import importlib.metadata
+    """pyproject.toml names no version: its version is dynamic, read from pycomm/__init__.py."""
     import pathlib
     import re
 
-    import pycomm
-
-    assert importlib.metadata.version("pycomm") == pycomm.__version__
     root = pathlib.Path(__file__).resolve().parent.parent
     text = (root / "pyproject.toml").read_text()
-    assert re.search(r"^dynamic = \[\"version\"\]$", text, re.M)
+    assert re.search(r'^dynamic = \["version"\]$', text, re.M)
+    assert re.search(r'^version = \{ attr = "pycomm.__version__" \}$', text, re.M)
     assert not re.search(r"^version\s*=", text.split("[project]")[1].split("\n[")[0], re.M)
+
+
+def test_installed_version_is_the_packages():
+    """The installed metadata (make test's editable install) carries pycomm.__version__. The
+    kernel checks' trees are built in place, without metadata: nothing to compare there."""
+    import importlib.metadata
+
+    import pycomm
+
+    try:
+        installed = importlib.metadata.version("pycomm")
+    except importlib.metadata.PackageNotFoundError:
+        pytest.skip("pycomm is built in place here, not installed")
+    assert installed == pycomm.__version__
