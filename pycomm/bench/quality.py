@@ -90,7 +90,7 @@ def _parser() -> argparse.ArgumentParser:
         type=_names("optimizer", OPTIMIZERS),
         default=list(DEFAULT_OPTIMIZERS),
         help="comma-separated: sgd (momentum 0.9), adamw (weight decay 0.01), sgd-plain (no "
-        "momentum, 10x sgd's learning rate); default: sgd,adamw",
+        "momentum, sgd's learning rate); default: sgd,adamw",
     )
     ap.add_argument("--seeds", type=positive_int, default=3, help="seeds 0..N-1; default 3")
     ap.add_argument("--quick", action="store_true", help="shorter training, two tasks")

@@ -205,8 +205,9 @@ def build_model(task: Task, vocab: int = 0) -> torch.nn.Module:
 
 
 def make_optimizer(name: str, params, lr: dict[str, float]) -> torch.optim.Optimizer:
-    """The task's optimizer ``name`` at its learning rate. sgd-plain (no momentum) takes 10x
-    sgd's rate: the same effective step as momentum 0.9's lr / (1 - 0.9)."""
+    """The task's optimizer ``name`` at its learning rate. sgd-plain (no momentum) takes
+    sgd's rate: at 3x and 10x (momentum 0.9's effective step) the exact all-reduce itself
+    trained worse (held-out loss 2.64 and 3.07 on charlm, against 2.44)."""
     if name == "sgd":
         return torch.optim.SGD(params, lr=lr["sgd"], momentum=0.9)
     if name == "sgd-plain":
