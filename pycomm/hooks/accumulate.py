@@ -114,7 +114,10 @@ class AccumulateState(HookState):
         write_grads: also copy the result into each parameter's ``.grad`` on boundary steps:
             needed with ``find_unused_parameters=True`` and ``gradient_as_bucket_view=False``,
             where DDP leaves the gradient of a parameter unused in that micro-step untouched
-            (it would lose the sum of the earlier micro-steps). ``pycomm.wrap`` sets it.
+            (it would lose the sum of the earlier micro-steps). ``pycomm.wrap`` sets it. A
+            parameter that no rank used in any micro-step of the window keeps ``.grad`` as it
+            was (None after ``zero_grad()``), as DDP's own ``no_sync()`` accumulation leaves
+            it, so the optimizer skips it.
         bucket_view: DDP was built with ``gradient_as_bucket_view=True``. Then an fp32 bucket
             needs no buffer: the gradients are views of it, autograd adds each micro-step into
             them in fp32, and the hook only leaves them alone until the k-th micro-step.
@@ -151,6 +154,9 @@ class AccumulateState(HookState):
         self._segments: dict[tuple[int, ...], _Segment] = {}
         self._home: dict[int, _Segment] = {}  # parameter index -> segment holding its sum
         self._pending: Optional[dict[int, torch.Tensor]] = None  # loaded sums, placed lazily
+        # parameters some rank used earlier in the window the checkpoint was saved in: their
+        # gradients, which that run held, do not exist in this process
+        self._used_loaded: set[int] = set()
         if accumulate_steps > 1:
             _watch(self)
 
@@ -242,14 +248,30 @@ class AccumulateState(HookState):
             self.micro_step += 1
             if self._pending is not None and not self._pending:
                 self._pending = None
+            if self.micro_step % self.accumulate_steps == 0:
+                self._used_loaded = set()
+
+    def used(self, i: int, p: torch.Tensor) -> bool:
+        """Whether some rank used parameter ``i`` in a micro-step of this window before the
+        current one. DDP decides it for every rank alike: after a micro-step it gives a
+        gradient (zeros here, or a view of the bucket) to exactly the parameters some rank
+        used, and leaves the others' untouched; a resume carries the decision over."""
+        return p.grad is not None or i in self._used_loaded
 
     def place_loaded(self, bucket: dist.GradBucket, x: torch.Tensor) -> None:
-        """After a resume mid-window: add the loaded sums of this bucket's parameters."""
+        """After a resume mid-window: add the loaded sums of this bucket's parameters (the
+        gradients, views of ``x``). A parameter used earlier in the window gets its view as
+        its gradient, as it had in the saved run, where DDP would leave it without one when
+        no rank uses it again before the window ends."""
         off = 0
         for p in bucket.parameters():
-            t = self._pending.pop(self._index[id(p)], None)
+            i = self._index[id(p)]
+            t = self._pending.pop(i, None)
+            view = x[off : off + p.numel()]
             if t is not None:
-                x[off : off + p.numel()].add_(t.reshape(-1).to(x.device))
+                view.add_(t.reshape(-1).to(x.device))
+            if p.grad is None and i in self._used_loaded:
+                p.grad = view.view(p.shape)
             off += p.numel()
 
     # --- checkpoint -------------------------------------------------------------------------
@@ -277,12 +299,15 @@ class AccumulateState(HookState):
                     sums[i] = p.grad.detach().reshape(-1).float().clone()
             if self._pending:
                 sums.update({i: t.clone() for i, t in self._pending.items()})
+        used = sorted(i for i, p in enumerate(self.params) if self.used(i, p))
         return {
             "fingerprint": self.fingerprint(),
             "rank": self.rank,
             "world_size": self.world_size,
             "micro_step": self.micro_step,
             "sums": sums,
+            # parameters some rank used in the window so far (mid-window only)
+            "used": used if self.micro_step % self.accumulate_steps else [],
             "inner": self.inner.state_dict() if hasattr(self.inner, "state_dict") else {},
         }
 
@@ -299,6 +324,8 @@ class AccumulateState(HookState):
         self.micro_step = int(state["micro_step"])
         self._segments, self._home = {}, {}
         self._pending = {i: t.detach().to(torch.float32).clone() for i, t in state["sums"].items()}
+        # checkpoints without the list: every parameter with a sum counts as used
+        self._used_loaded = set(state.get("used", state["sums"].keys()))
 
 
 def accumulate_hook(
@@ -346,6 +373,8 @@ def accumulate_hook(
         if not final:
             x.zero_()
             return completed(x)
+        # decided now: the window's end (end_micro_step) forgets what a resume carried over
+        used = [state.used(i, p) for i, p in zip(seg.key, bucket.parameters())]
         fut = state.inner_hook(state.inner, _Fp32Bucket(bucket, seg.buffer))
     finally:
         state.end_micro_step(bucket)
@@ -354,7 +383,9 @@ def accumulate_hook(
         out = f.value()
         x.copy_(out)
         if state.write_grads:
-            for p, off in zip(bucket.parameters(), seg.offsets):
+            for p, off, was_used in zip(bucket.parameters(), seg.offsets, used):
+                if not was_used:  # no rank used it in the window: DDP leaves it untouched
+                    continue
                 src = x[off : off + p.numel()].view(p.shape)
                 if p.grad is None:
                     p.grad = src.clone()
