@@ -219,15 +219,23 @@ class TrainLoop:
         if scaler is not None:
             scaler.unscale_(self.optimizer)
         grads = self._grads()
+        dense = [g for g in grads if not g.is_sparse]
+        # sparse gradients (nn.Embedding(sparse=True)): reduced exactly by every hook, outside
+        # its decode norm; the norm of the coalesced values (duplicate indices summed first)
+        sparse_sq = sum(
+            float(g.coalesce()._values().double().square().sum()) for g in grads if g.is_sparse
+        )
         sq = self._hook_sqnorm()
         if sq is not None:
             norm = math.sqrt(sq) if sq >= 0 else float("nan")
             if scaler is not None:
                 norm /= float(scaler.get_scale())
-        elif grads:
-            norm = float(torch.nn.utils.get_total_norm(grads, norm_type=2.0))
+        elif dense:
+            norm = float(torch.nn.utils.get_total_norm(dense, norm_type=2.0))
         else:
             norm = 0.0
+        if len(dense) < len(grads):
+            norm = math.sqrt(norm * norm + sparse_sq)
         self.last_grad_norm = norm
         if not math.isfinite(norm):
             # The reduced gradients are the same on every rank, so is this decision.
@@ -248,7 +256,12 @@ class TrainLoop:
             self._tick()
             return
         if self.max_grad_norm is not None and norm > self.max_grad_norm and grads:
-            torch._foreach_mul_(grads, self.max_grad_norm / (norm + 1e-6))
+            clip = self.max_grad_norm / (norm + 1e-6)
+            if dense:
+                torch._foreach_mul_(dense, clip)
+            for g in grads:
+                if g.is_sparse:
+                    g.mul_(clip)
         if scaler is not None:
             scaler.step(self.optimizer)
             scaler.update()

@@ -85,13 +85,28 @@ def ddp_parameters(ddp: DDP) -> list[torch.Tensor]:
     return [p for n, p in ddp.module.named_parameters() if p.requires_grad and n not in ignored]
 
 
+def sparse_parameters(ddp: DDP) -> list[torch.Tensor]:
+    """The parameters DDP expects sparse gradients for, as DDP decides it: those of
+    ``nn.Embedding`` and ``nn.EmbeddingBag`` modules built with ``sparse=True``. DDP gives each
+    a bucket of its own, which every pycomm hook reduces exactly."""
+    kinds = (torch.nn.Embedding, torch.nn.EmbeddingBag)
+    return [
+        p
+        for m in ddp.module.modules()
+        if isinstance(m, kinds) and m.sparse
+        for p in m.parameters(recurse=False)
+        if p.requires_grad
+    ]
+
+
 def _attach(ddp: DDP, hook: str, hook_options: dict[str, Any], accumulate_steps: int) -> HookState:
     state_cls, fn = HOOKS[hook]
     state = state_cls(ddp.process_group, **hook_options)
     state.bind()
     params = ddp_parameters(ddp)
     if hasattr(state, "bind_parameters"):  # the hook's own bucket layout (resumes bit for bit)
-        state.bind_parameters(params)
+        sparse = {id(p) for p in sparse_parameters(ddp)}
+        state.bind_parameters([p for p in params if id(p) not in sparse])
     auto = state
     if accumulate_steps > 1:
         state = AccumulateState(
@@ -148,6 +163,25 @@ def register(
     return _attach(ddp, hook, hook_options, accumulate_steps)
 
 
+def _python_reducer() -> bool:
+    """Whether a DDP built now runs compiled DDP's Python reducer: it reads
+    ``torch._dynamo.config.optimize_ddp`` when built, as here."""
+    from torch._dynamo.utils import get_optimize_ddp_mode  # what DDP's constructor reads
+
+    return get_optimize_ddp_mode() == "python_reducer"
+
+
+_PYTHON_REDUCER = (
+    "torch._dynamo.config.optimize_ddp = 'python_reducer' (compiled autograd with DDP's "
+    "Python reducer) calls a communication hook once per parameter with a (gradient, "
+    "parameter) pair, inside the compiled backward, instead of with DDP's buckets; pycomm's "
+    "hooks (bucketed compression, error feedback, accumulation, stats) cannot run there. "
+    "Keep torch's default optimize_ddp = 'ddp_optimizer' (torch.compile(ddp) then compiles "
+    "the model in pieces at bucket boundaries and DDP's reducer calls the pycomm hook), or "
+    "train without a pycomm hook under 'python_reducer'"
+)
+
+
 def _forward_guard(ddp: DDP, args: Any) -> None:
     """Refuse, before DDP's forward, the setups that would run on silently wrong: this DDP
     inside another one (every gradient reduced twice), and a caller skipping synchronization
@@ -183,6 +217,8 @@ def _registration_problem(ddp: DDP) -> Optional[str]:
             "this DDP model wraps another DistributedDataParallel: every gradient would be "
             "all-reduced twice; build one DDP around the plain module"
         )
+    if getattr(ddp, "_use_python_reducer", False):
+        return f"this DDP model was built with {_PYTHON_REDUCER}"
     state = getattr(ddp, STATE_ATTR, None)
     if state is not None:
         return (
@@ -257,6 +293,7 @@ def wrap(
         )
     if not dist.is_initialized():
         raise RuntimeError("pycomm.wrap: no process group; call pycomm.init() first")
+    python_reducer = _python_reducer()
     _agree_across_ranks(
         "wrap",
         {
@@ -264,9 +301,12 @@ def wrap(
             "hook_options": sorted(hook_options.items()),
             "accumulate_steps": accumulate_steps,
             "parameters": params_signature(module),
+            "compiled DDP's Python reducer": python_reducer,
         },
         process_group,
     )
+    if python_reducer:
+        raise RuntimeError(f"pycomm.wrap: {_PYTHON_REDUCER}")
     cap = HOOKS[hook][0].default_bucket_cap_mb
     if cap is not None and "bucket_cap_mb" not in ddp_kwargs:
         ddp_kwargs["bucket_cap_mb"] = cap

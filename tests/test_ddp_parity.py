@@ -3,6 +3,7 @@ accumulation window keep no gradient (and so do not move), sparse gradients are 
 exactly, and compiled DDP (compiled autograd with DDP's Python reducer) is refused before
 any step. Each case runs against plain DDP on 2 gloo ranks."""
 
+import contextlib
 import copy
 
 import pytest
@@ -129,3 +130,221 @@ def test_unused_parameters_stay_put_with_every_hook(hook):
         assert len(no_grad) == 3 and all(n == ["c.bias", "c.weight"] for n in no_grad), no_grad
     for name in results[0][0]:
         assert torch.equal(results[0][0][name], results[1][0][name]), name
+
+
+# --- 2. sparse gradients --------------------------------------------------------------------
+
+
+class Sparse(torch.nn.Module):
+    """Two sparse-gradient modules beside a dense MLP. The loss is a sum of a dense term and
+    a linear term in the embeddings, so the embeddings' gradients do not depend on the dense
+    weights: under any hook they must move exactly as under plain DDP."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(3)
+        self.emb = torch.nn.Embedding(50, 8, sparse=True)
+        self.bag = torch.nn.EmbeddingBag(40, 8, sparse=True, mode="sum")
+        self.l1 = torch.nn.Linear(12, 32)
+        self.l2 = torch.nn.Linear(32, 1)
+        self.register_buffer("c", torch.randn(8))
+
+    def forward(self, x, i, j):
+        dense = self.l2(torch.tanh(self.l1(x)))
+        return dense, (self.emb(i).mean(1) @ self.c) + (self.bag(j) @ self.c)
+
+
+def _sparse_data(rank, n):
+    g = torch.Generator().manual_seed(rank)
+    return [
+        (
+            torch.randn(6, 12, generator=g),
+            torch.randint(0, 50, (6, 3), generator=g),
+            torch.randint(0, 40, (6, 4), generator=g),
+            torch.randn(6, 1, generator=g),
+        )
+        for _ in range(n)
+    ]
+
+
+def _sparse_loss(ddp, x, i, j, y):
+    dense, lin = ddp(x, i, j)
+    return torch.nn.functional.mse_loss(dense, y) + lin.mean()
+
+
+def _build_sparse(hook, k):
+    model = Sparse()
+    if hook == "plain":
+        return model, DDP(model), {"accumulate_steps": k}
+    opts = {"start_iter": 2} if hook in ("onebit", "auto") else {}
+    return model, pycomm.wrap(model, hook=hook, accumulate_steps=k, hook_options=opts), {}
+
+
+def _rank_sparse(hook, k, steps, max_grad_norm, cut=None):
+    """``steps`` optimizer steps through TrainLoop; ``cut``: resume mid-window there."""
+    data = _sparse_data(dist.get_rank(), steps * k)
+    model, ddp, loop_kw = _build_sparse(hook, k)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    loop = pycomm.TrainLoop(ddp, opt, max_grad_norm=max_grad_norm, **loop_kw)
+    norms = []
+    for n, batch in enumerate(data):
+        if n == cut:
+            saved = copy.deepcopy(
+                {
+                    "model": model.state_dict(),
+                    "opt": opt.state_dict(),
+                    "hook": pycomm.hook_state(ddp).state_dict(),
+                }
+            )
+            assert any(t.is_sparse for t in saved["hook"]["sums"].values())
+            model, ddp, loop_kw = _build_sparse(hook, k)
+            model.load_state_dict(saved["model"])
+            opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+            opt.load_state_dict(saved["opt"])
+            pycomm.hook_state(ddp).load_state_dict(saved["hook"])
+            loop = pycomm.TrainLoop(ddp, opt, max_grad_norm=max_grad_norm, **loop_kw)
+        before = loop.optimizer_steps
+        loop.step(lambda b=batch, ddp=ddp: _sparse_loss(ddp, *b))
+        if loop.optimizer_steps > before:
+            norms.append(loop.last_grad_norm)
+    stats = dict(pycomm.hook_state(ddp).stats) if hook != "plain" else {}
+    return {n: p.detach().clone() for n, p in model.named_parameters()}, norms, stats
+
+
+def _rank_sparse_by_hand(k, steps, max_grad_norm):
+    """The same run without pycomm: DDP's no_sync() accumulation, the norm over the dense
+    values of every gradient, clipping and SGD by hand."""
+    data = _sparse_data(dist.get_rank(), steps * k)
+    model = Sparse()
+    ddp = DDP(model)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    norms = []
+    for n, batch in enumerate(data):
+        final = (n + 1) % k == 0
+        with ddp.no_sync() if not final else contextlib.nullcontext():
+            (_sparse_loss(ddp, *batch) / k).backward()
+        if not final:
+            continue
+        grads = [p.grad.to_dense() if p.grad.is_sparse else p.grad for p in model.parameters()]
+        norm = float(torch.stack([g.double().square().sum() for g in grads]).sum().sqrt())
+        norms.append(norm)
+        if norm > max_grad_norm:
+            for p in model.parameters():
+                p.grad.mul_(max_grad_norm / (norm + 1e-6))
+        opt.step()
+        opt.zero_grad()
+    return {n: p.detach().clone() for n, p in model.named_parameters()}, norms
+
+
+@pytest.mark.parametrize("k", [1, K])
+def test_sparse_gradients_allreduce_is_plain_ddp(k):
+    """allreduce over sparse gradients, with TrainLoop's norm and clipping: bitwise TrainLoop
+    over plain DDP, and within float rounding of the loop written by hand."""
+    ref = run_ranks(_rank_sparse, 2, "plain", k, 4, 0.5, timeout=120)
+    ours = run_ranks(_rank_sparse, 2, "allreduce", k, 4, 0.5, timeout=120)
+    hand = run_ranks(_rank_sparse_by_hand, 2, k, 4, 0.5, timeout=120)
+    for (ref_p, ref_norms, _), (p, norms, stats), (hand_p, hand_norms) in zip(ref, ours, hand):
+        assert norms == ref_norms
+        assert all(n > 0.5 for n in norms)  # every step clipped
+        torch.testing.assert_close(norms, hand_norms, rtol=1e-6, atol=0)
+        for name in ref_p:
+            assert torch.equal(p[name], ref_p[name]), name
+            torch.testing.assert_close(p[name], hand_p[name], rtol=1e-5, atol=1e-7)
+        assert stats["buckets"] > 0 and stats["compression"] == 1.0
+
+
+@pytest.mark.parametrize("k", [1, K])
+@pytest.mark.parametrize("hook", [h for h in HOOKS if h != "allreduce"])
+def test_sparse_buckets_are_exact_under_every_hook(hook, k):
+    """The embeddings (sparse, reduced exactly) move bitwise as under plain DDP; the dense
+    buckets are compressed; the ranks agree."""
+    ref = run_ranks(_rank_sparse, 2, "plain", k, 5, None, timeout=120)
+    ours = run_ranks(_rank_sparse, 2, hook, k, 5, None, timeout=120)
+    for (ref_p, _, _), (p, _, stats) in zip(ref, ours):
+        for name in ("emb.weight", "bag.weight"):
+            assert torch.equal(p[name], ref_p[name]), name
+        assert not torch.equal(p["emb.weight"], Sparse().emb.weight.detach())
+        if hook not in ("powersgd", "auto"):  # those stay exact here (warm-up, or a choice)
+            assert stats["bytes_sent"] < stats["bytes_fp32"]
+    for name in ours[0][0]:
+        assert torch.equal(ours[0][0][name], ours[1][0][name]), name
+
+
+@pytest.mark.parametrize("hook", ["allreduce", "int8"])
+def test_sparse_accumulation_resumes_mid_window_bitwise(hook):
+    straight = run_ranks(_rank_sparse, 2, hook, K, 3, 0.5, timeout=120)
+    resumed = run_ranks(_rank_sparse, 2, hook, K, 3, 0.5, K + 1, timeout=120)
+    for (a, norms_a, _), (b, norms_b, _) in zip(straight, resumed):
+        assert norms_a == norms_b
+        for name in a:
+            assert torch.equal(a[name], b[name]), name
+
+
+# --- 3. compiled DDP ------------------------------------------------------------------------
+
+
+def _rank_python_reducer():
+    """Under optimize_ddp='python_reducer' every hook, with and without accumulate_steps, is
+    refused by wrap and by register before any step."""
+    import torch._dynamo
+
+    errors = {}
+    old = torch._dynamo.config.optimize_ddp
+    torch._dynamo.config.optimize_ddp = "python_reducer"
+    try:
+        for hook in HOOKS:
+            for k in (1, K):
+                for via in ("wrap", "register"):
+                    model = torch.nn.Linear(8, 4)
+                    with pytest.raises(RuntimeError) as err:
+                        if via == "wrap":
+                            pycomm.wrap(model, hook=hook, accumulate_steps=k)
+                        else:
+                            pycomm.register(DDP(model), hook=hook, accumulate_steps=k)
+                    assert model.weight.grad is None
+                    errors[hook, k, via] = str(err.value)
+    finally:
+        torch._dynamo.config.optimize_ddp = old
+    return errors
+
+
+def test_python_reducer_is_refused_before_any_step():
+    ranks = run_ranks(_rank_python_reducer, 2, timeout=120)
+    assert ranks[0] == ranks[1]  # the same error on every rank
+    assert len(ranks[0]) == len(HOOKS) * 4
+    for (_, _, via), message in ranks[0].items():
+        assert message.startswith(f"pycomm.{via}: "), message
+        assert "optimize_ddp = 'python_reducer'" in message
+        assert "'ddp_optimizer'" in message  # what to use instead
+
+
+def _rank_compiled(hook):
+    """torch.compile(ddp) with torch's default optimize_ddp ('ddp_optimizer'): DDP's reducer
+    calls the hook."""
+    import torch._dynamo
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 4))
+    ddp = DDP(model) if hook == "plain" else pycomm.wrap(model, hook=hook)
+    compiled = torch.compile(ddp)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    g = torch.Generator().manual_seed(dist.get_rank())
+    try:
+        for _ in range(4):
+            x, y = torch.randn(8, 16, generator=g), torch.randn(8, 4, generator=g)
+            loss = torch.nn.functional.mse_loss(compiled(x), y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    finally:
+        torch._dynamo.reset()
+    steps = pycomm.hook_state(ddp).stats["steps"] if hook != "plain" else 4
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()]), steps
+
+
+def test_compiled_ddp_with_ddp_optimizer_runs_the_hooks():
+    ref = run_ranks(_rank_compiled, 2, "plain", timeout=180)
+    ours = run_ranks(_rank_compiled, 2, "allreduce", timeout=180)
+    for (a, _), (b, steps) in zip(ref, ours):
+        assert steps == 4
+        assert torch.equal(a, b)

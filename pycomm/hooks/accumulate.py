@@ -23,7 +23,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from pycomm import ops
 from pycomm._validate import check_int
-from pycomm.hooks.state import HookState, check_bucket, completed
+from pycomm.hooks.state import HookState, check_bucket, completed, is_sparse
 
 
 class _Fp32Bucket:
@@ -274,6 +274,13 @@ class AccumulateState(HookState):
                 p.grad = view.view(p.shape)
             off += p.numel()
 
+    def place_loaded_sparse(self, bucket: dist.GradBucket) -> None:
+        """After a resume mid-window: add the loaded sum into a sparse gradient."""
+        (p,) = bucket.parameters()
+        t = self._pending.pop(self._index[id(p)], None)
+        if t is not None:
+            bucket.buffer().add_(t.to(bucket.buffer().device))
+
     # --- checkpoint -------------------------------------------------------------------------
 
     def fingerprint(self) -> dict[str, Any]:
@@ -295,7 +302,11 @@ class AccumulateState(HookState):
                 o = seg.offsets[seg.key.index(i)]
                 sums[i] = seg.buffer[o : o + self.params[i].numel()].clone()
             for i, p in enumerate(self.params):  # sums kept in the gradients themselves
-                if i not in sums and self.in_place(p.dtype) and p.grad is not None:
+                if i in sums or p.grad is None:
+                    continue
+                if p.grad.is_sparse:
+                    sums[i] = p.grad.detach().coalesce().float().clone()
+                elif self.in_place(p.dtype):
                     sums[i] = p.grad.detach().reshape(-1).float().clone()
             if self._pending:
                 sums.update({i: t.clone() for i, t in self._pending.items()})
@@ -351,10 +362,21 @@ def accumulate_hook(
         >>> ddp = pycomm.wrap(model, hook="int8", accumulate_steps=4)
         >>> pycomm.hook_state(ddp).stats["accumulate_bytes"]
     """
-    x = check_bucket(f"{state.inner_name} (accumulate)", bucket)
     k = state.accumulate_steps
     first = state.micro_step % k == 0
     final = state.boundary()
+    if is_sparse(bucket):
+        # DDP hands the sparse gradient itself, and autograd adds each micro-step into it, as
+        # under no_sync(): leave it until the k-th, whose inner hook reduces it exactly
+        try:
+            if state.loading():
+                state.place_loaded_sparse(bucket)
+            if not final:
+                return completed(bucket.buffer())
+            return state.inner_hook(state.inner, bucket)
+        finally:
+            state.end_micro_step(bucket)
+    x = check_bucket(f"{state.inner_name} (accumulate)", bucket)
     if state.in_place(x.dtype):
         try:
             if state.loading():

@@ -6,7 +6,7 @@ import torch
 import torch.distributed as dist
 
 from pycomm.hooks import hierarchy as hier
-from pycomm.hooks.state import HookState, check_bucket, completed, ring_bytes
+from pycomm.hooks.state import HookState, check_bucket, completed, is_sparse, ring_bytes
 
 
 class AllreduceState(HookState):
@@ -62,6 +62,8 @@ def allreduce_hook(
     Example:
         >>> ddp.register_comm_hook(AllreduceState(None), allreduce_hook)
     """
+    if is_sparse(bucket):
+        return sparse_allreduce(state, bucket)
     tensor = check_bucket("allreduce", bucket)
     if state.world_size == 1:
         state.count(bucket, 0, collectives=0)
@@ -94,5 +96,38 @@ def exact_allreduce(
     def done(fut: torch.futures.Future) -> torch.Tensor:
         fut.value()  # raises what the collective raised
         return tensor  # reduced in place
+
+    return work.get_future().then(done)
+
+
+def sparse_allreduce(
+    state: HookState, bucket: dist.GradBucket
+) -> torch.futures.Future[torch.Tensor]:
+    """Reduce a sparse gradient's bucket as DDP does without a hook: divide by N, then one
+    asynchronous sparse all-reduce on the state's process group (gloo gathers every rank's
+    indices and values). Every pycomm hook sends its sparse buckets this way, exactly and
+    uncompressed: their bytes count as sent and as the fp32 baseline alike.
+
+    It must take the same place among the group's collectives on every rank: issued from the
+    hook call itself (DDP calls the hooks in bucket order on every rank) where the hook issues
+    nothing on that group from callbacks, else in the hook's own chain (powersgd's).
+
+    Example:
+        >>> if pycomm.hooks.is_sparse(bucket):
+        ...     return sparse_allreduce(state, bucket)
+    """
+    grad = bucket.buffer()
+    n = state.world_size
+    if n == 1:
+        state.count(bucket, 0, collectives=0, bytes_fp32=0)
+        return completed(grad)
+    # what this rank puts on the wire: its indices and values, to every other rank
+    payload = grad._indices().numel() * 8 + grad._values().numel() * grad.element_size()
+    state.count(bucket, (n - 1) * payload, bytes_fp32=(n - 1) * payload)
+    grad.div_(n)
+    work = dist.all_reduce(grad, group=state.process_group, async_op=True)
+
+    def done(fut: torch.futures.Future) -> torch.Tensor:
+        return fut.value()[0]  # a new sparse tensor: the input is not reduced in place
 
     return work.get_future().then(done)

@@ -72,7 +72,12 @@ import torch.distributed as dist
 
 from pycomm._validate import check_int
 from pycomm.hooks import hierarchy as hier
-from pycomm.hooks.allreduce import AllreduceState, allreduce_hook, exact_allreduce
+from pycomm.hooks.allreduce import (
+    AllreduceState,
+    allreduce_hook,
+    exact_allreduce,
+    sparse_allreduce,
+)
 from pycomm.hooks.compressed import (
     Codec,
     CompressedState,
@@ -84,7 +89,7 @@ from pycomm.hooks.compressed import (
 )
 from pycomm.hooks.lowprec import Bf16State, Fp16State
 from pycomm.hooks.quantized import Int8State, OneBitState
-from pycomm.hooks.state import HookState, check_bucket, ring_bytes
+from pycomm.hooks.state import HookState, check_bucket, is_sparse, ring_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -659,6 +664,12 @@ def auto_hook(state: AutoState, bucket: dist.GradBucket) -> torch.futures.Future
         state._decide_now()  # on one rank at once: nothing to measure
     if state.chosen is not None:
         return state._chosen_fn(state.chosen, bucket)
+    if is_sparse(bucket):  # exact in every hook, so neither measured nor a candidate's
+        try:
+            return sparse_allreduce(state, bucket)
+        finally:
+            if bucket.is_last():
+                state.iter += 1
     x = check_bucket("auto", bucket)
     state.device = x.device
     it = state.iter

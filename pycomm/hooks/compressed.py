@@ -24,10 +24,10 @@ from pycomm import ops
 from pycomm._validate import check_bool, check_int
 from pycomm.hooks import advice
 from pycomm.hooks import hierarchy as hier
-from pycomm.hooks.allreduce import exact_allreduce
+from pycomm.hooks.allreduce import exact_allreduce, sparse_allreduce
 from pycomm.hooks.layout import BucketLayout
 from pycomm.hooks.residuals import ResidualStore
-from pycomm.hooks.state import HookState, check_bucket, completed, ring_bytes
+from pycomm.hooks.state import HookState, check_bucket, completed, is_sparse, ring_bytes
 
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -607,6 +607,13 @@ def compressed_hook(
         >>> state = pycomm.hooks.Int8State(process_group=None, block=64)
         >>> ddp.register_comm_hook(state, pycomm.hooks.compressed_hook)
     """
+    if is_sparse(bucket):  # exact, as DDP reduces it; at its place in the step
+        state.new_step()
+        try:
+            return sparse_allreduce(state, bucket)
+        finally:
+            if bucket.is_last():
+                state.end_step()
     x = check_bucket(state.hook_name, bucket)
     if x.dtype not in _FLOATS:
         raise TypeError(

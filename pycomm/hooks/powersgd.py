@@ -10,7 +10,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as _psgd
 
-from pycomm.hooks.state import HookState, completed, ring_bytes
+from pycomm.hooks.allreduce import sparse_allreduce
+from pycomm.hooks.state import HookState, completed, is_sparse, ring_bytes
 
 # PowerSGDState's options and their defaults, read from its signature (it does not keep all of
 # them as attributes, random_seed for one).
@@ -101,12 +102,18 @@ def powersgd_hook(
         >>> ddp.register_comm_hook(PowerSGDHookState(None), powersgd_hook)
     """
     s = state.torch_state
-    # before start_powerSGD_iter one all-reduce; then the uncompressed tensors, P and Q
-    state.count(
-        bucket, state.payload_bytes(bucket), collectives=1 if s.iter < s.start_powerSGD_iter else 3
-    )
+    sparse = is_sparse(bucket)  # exact, as DDP reduces it (sparse_allreduce counts it)
+    if not sparse:
+        # before start_powerSGD_iter one all-reduce; then the uncompressed tensors, P and Q
+        state.count(
+            bucket,
+            state.payload_bytes(bucket),
+            collectives=1 if s.iter < s.start_powerSGD_iter else 3,
+        )
+    if sparse:
+        s.maybe_increase_iter(bucket)  # torch's hook counts its iterations at the last bucket
     if state.world_size == 1:
-        return _psgd.powerSGD_hook(s, bucket)
+        return sparse_allreduce(state, bucket) if sparse else _psgd.powerSGD_hook(s, bucket)
     # torch's hook issues a bucket's P and Q all-reduces from callbacks, in the order the
     # buckets' earlier all-reduces complete, which differs from rank to rank: on one group gloo
     # then pairs one bucket's collective with another bucket's (a hang, an abort, or, where the
@@ -118,7 +125,7 @@ def powersgd_hook(
 
     def run(_previous: torch.futures.Future) -> None:
         try:
-            inner = _psgd.powerSGD_hook(s, bucket)
+            inner = sparse_allreduce(state, bucket) if sparse else _psgd.powerSGD_hook(s, bucket)
         except BaseException as e:  # noqa: BLE001 - handed to DDP through the future
             result.set_exception(e)
             return

@@ -137,4 +137,6 @@ class ResidualStore:
     def load(self, loaded: dict[tuple, Residuals]) -> None:
         """Forget the residuals and take ``loaded``'s, placed as their buckets come."""
         self.residuals, self.next, self.touched = {}, {}, set()
-        self.pending = {k: {n: t.clone() for n, t in r.items()} for k, r in loaded.items()}
+        # none saved (before the first compressed step): every bucket starts from zeros, as
+        # in the run that saved them
+        self.pending = {k: {n: t.clone() for n, t in r.items()} for k, r in loaded.items()} or None

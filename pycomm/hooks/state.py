@@ -115,18 +115,27 @@ class HookState:
         return {"hook": self.hook_name, "options": self.options(), "world_size": self.world_size}
 
     def count(
-        self, bucket: dist.GradBucket, bytes_sent: int, collectives: int = 1, **levels: int
+        self,
+        bucket: dist.GradBucket,
+        bytes_sent: int,
+        collectives: int = 1,
+        bytes_fp32: Optional[int] = None,
+        **levels: int,
     ) -> None:
         """Account one hook call on ``bucket`` that put ``bytes_sent`` bytes on the wire in
         ``collectives`` collective calls; ``levels`` split them, e.g. ``bytes_intra=...,
-        bytes_inter=...`` (added to those counters)."""
+        bytes_inter=...`` (added to those counters). ``bytes_fp32``: what DDP's own reduction
+        of the bucket sends, where that is not an fp32 ring all-reduce of its elements (a
+        sparse gradient's)."""
         s = self._stats
         for name, value in levels.items():
             s[name] = s.get(name, 0) + value
         s["buckets"] += 1
         s["collectives"] += collectives
         s["bytes_sent"] += bytes_sent
-        s["bytes_fp32"] += ring_bytes(bucket.buffer().numel() * 4, self.world_size)
+        if bytes_fp32 is None:
+            bytes_fp32 = ring_bytes(bucket.buffer().numel() * 4, self.world_size)
+        s["bytes_fp32"] += bytes_fp32
         s["compression"] = s["bytes_fp32"] / s["bytes_sent"] if s["bytes_sent"] else 1.0
         if bucket.is_last():
             s["steps"] += 1
@@ -180,6 +189,14 @@ def check_owner(hook: str, state: dict[str, Any], rank: int, world_size: int) ->
             f"{rank}: error-feedback residuals differ per rank; hand each rank its own "
             "(pycomm.checkpoint.load_hook_state does)"
         )
+
+
+def is_sparse(bucket: dist.GradBucket) -> bool:
+    """Whether ``bucket`` holds a sparse gradient (``nn.Embedding(sparse=True)``,
+    ``nn.EmbeddingBag(sparse=True)``): DDP gives each such gradient a bucket of its own, whose
+    buffer is the gradient itself. Every pycomm hook reduces it exactly
+    (:func:`pycomm.hooks.allreduce.sparse_allreduce`), as DDP does."""
+    return bucket.buffer().is_sparse
 
 
 def check_bucket(hook: str, bucket: dist.GradBucket) -> torch.Tensor:
