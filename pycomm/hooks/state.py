@@ -8,6 +8,10 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
+from pycomm.hooks.groups import completed
+
+__all__ = ["HookState", "check_bucket", "check_owner", "completed", "ring_bytes"]
+
 logger = logging.getLogger(__name__)
 
 
@@ -191,10 +195,3 @@ def check_bucket(hook: str, bucket: dist.GradBucket) -> torch.Tensor:
             f"{t.layout}, expected a dense floating-point gradient bucket"
         )
     return t
-
-
-def completed(t: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
-    """A future already holding ``t``: what a hook returns when it does not communicate."""
-    fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
-    fut.set_result(t)
-    return fut
