@@ -155,10 +155,11 @@ def pycomm_hooks() -> list[str]:
 
 
 def registered_descriptions() -> dict[str, str]:
-    """The registry's one-line descriptions, by hook name (empty ones left out)."""
+    """The one-line descriptions of the hooks registered outside pycomm, by name."""
     from pycomm.hooks import hook_names, hook_spec
 
-    return {n: hook_spec(n).description for n in hook_names() if hook_spec(n).description}
+    specs = [hook_spec(n) for n in hook_names()]
+    return {s.name: s.description for s in specs if not s.module.startswith("pycomm.")}
 
 
 def available_hooks() -> list[str]:
