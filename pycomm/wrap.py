@@ -48,7 +48,8 @@ def hook_pair(hook: Any) -> tuple[HookState, Callable]:
     registered, or a pair), or a ValueError naming what is wrong."""
     if isinstance(hook, tuple):
         if len(hook) != 2 or not isinstance(hook[0], HookState) or not callable(hook[1]):
-            raise ValueError(f"pycomm: hook={hook!r}, expected (HookState instance, hook function)")
+            got = ", ".join(type(h).__name__ for h in hook)
+            raise ValueError(f"pycomm: hook=({got}), expected (HookState instance, hook function)")
         return hook
     if isinstance(hook, HookState):
         from pycomm.hooks.registry import hook_names

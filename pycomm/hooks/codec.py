@@ -271,6 +271,19 @@ def _check_out(where: str, call: str, name: str, t: Any, dtype, nbytes: int) -> 
         )
 
 
+def _check_stats_type(where: str, stats: Any) -> None:
+    if (
+        not isinstance(stats, torch.Tensor)
+        or stats.dtype != torch.float64
+        or tuple(stats.shape) != (2,)
+    ):
+        got = stats if not isinstance(stats, torch.Tensor) else f"{stats.dtype} {list(stats.shape)}"
+        _fail(
+            where,
+            f"decode_sum returned {got}, expected float64 [2] (squared norm, non-finite count)",
+        )
+
+
 def check_codec(codec: Any, where: str = "pycomm.hooks.check_codec") -> None:
     """Run ``codec`` once on a few CPU blocks and raise a ValueError naming what breaks the
     :class:`Codec` protocol: its attributes, byte counts, the dtypes and sizes ``encode``
@@ -307,7 +320,7 @@ def check_codec(codec: Any, where: str = "pycomm.hooks.check_codec") -> None:
     x = torch.randn(rows, m - 1, generator=gen)  # one element short: the padding rule
     residual = torch.randn(rows, m, generator=gen) * 1e-3
     before = residual.clone()
-    out_res = torch.empty_like(residual)
+    out_res = torch.full_like(residual, float("nan"))  # what encode does not write stays NaN
     packed = torch.empty(rows, cb + sb, dtype=torch.uint8)
     for r in range(rows):
         call = f"encode(x of {m - 1}, residual, 0.5, {m}, residual_out)"
@@ -323,7 +336,10 @@ def check_codec(codec: Any, where: str = "pycomm.hooks.check_codec") -> None:
     y = torch.nn.functional.pad(x * 0.5, (0, 1)) + before
     for r in range(rows):
         one = torch.empty(m)
-        codec.decode_sum(codes[r : r + 1], None if scales is None else scales[r : r + 1], 1.0, one)
+        st = codec.decode_sum(
+            codes[r : r + 1], None if scales is None else scales[r : r + 1], 1.0, one
+        )
+        _check_stats_type(where, st)
         if not torch.allclose(one + out_res[r], y[r], rtol=1e-3, atol=1e-5):
             worst = (one + out_res[r] - y[r]).abs().max().item()
             _fail(
@@ -333,16 +349,7 @@ def check_codec(codec: Any, where: str = "pycomm.hooks.check_codec") -> None:
             )
     out = torch.full((m - 3,), float("nan"))  # shorter than a chunk: the last rank's part
     stats = codec.decode_sum(codes, scales, 0.5, out)
-    if (
-        not isinstance(stats, torch.Tensor)
-        or stats.dtype != torch.float64
-        or tuple(stats.shape) != (2,)
-    ):
-        got = stats if not isinstance(stats, torch.Tensor) else f"{stats.dtype} {list(stats.shape)}"
-        _fail(
-            where,
-            f"decode_sum returned {got}, expected float64 [2] (squared norm, non-finite count)",
-        )
+    _check_stats_type(where, stats)
     sq, bad = out.double().pow(2).sum().item(), float((~torch.isfinite(out)).sum())
     if bad or not torch.allclose(stats, torch.tensor([sq, bad], dtype=torch.float64), rtol=1e-4):
         _fail(

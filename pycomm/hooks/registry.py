@@ -18,11 +18,14 @@ Example:
 
 from __future__ import annotations
 
+import importlib
 import inspect
 import re
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
+from pycomm.hooks.codec import check_codec
+from pycomm.hooks.compressed import CompressedState, compressed_hook
 from pycomm.hooks.state import HookState
 
 __all__ = ["HookSpec", "hook_names", "hook_spec", "register_hook", "unregister_hook"]
@@ -70,8 +73,6 @@ def _where(name: Any) -> str:
 def _codec_state(name: str, factory: Callable[..., Any]) -> type:
     """A CompressedState subclass for a registered codec: ``factory``'s keyword parameters
     are the hook's codec options."""
-    from pycomm.hooks.compressed import CompressedState
-
     params = [
         p
         for p in inspect.signature(factory).parameters.values()
@@ -127,8 +128,6 @@ def register_hook(
         >>> spec = pycomm.hooks.register_hook("topk", codec=TopKCodec)
         >>> pycomm.hooks.register_hook("mine", MyState, my_hook)
     """
-    from pycomm.hooks.codec import check_codec
-
     where = _where(name)
     if not isinstance(name, str) or not _NAME.match(name):
         raise ValueError(
@@ -151,8 +150,6 @@ def register_hook(
             raise ValueError(f"{where}: expected codec=..., or state=... and hook=...")
         if hook is not None:
             raise ValueError(f"{where}: hook={hook!r} without state=...; expected both or neither")
-        from pycomm.hooks.compressed import compressed_hook
-
         state, hook = _codec_state(name, codec), compressed_hook
     if not (isinstance(state, type) and issubclass(state, HookState)):
         raise ValueError(f"{where}: state={state!r}, expected a pycomm.hooks.HookState subclass")
@@ -247,8 +244,6 @@ def import_modules(modules: Any, where: str = "--import") -> None:
     Example:
         >>> import_modules(["topk"])  # topk.py calls pycomm.hooks.register_hook("topk", ...)
     """
-    import importlib
-
     for name in modules or ():
         try:
             importlib.import_module(name)
