@@ -145,15 +145,7 @@ def _parser() -> argparse.ArgumentParser:
         "register); compute and ddp are always run, as references. default: "
         f"{','.join(default_hooks_set())}",
     )
-    run.add_argument(
-        "--import",
-        dest="imports",
-        action="append",
-        default=[],
-        metavar="MODULE",
-        help="import MODULE first, here and on every rank (repeatable): a module that "
-        "registers hooks (pycomm.hooks.register_hook), run by name in --hooks",
-    )
+    add_import_argument(run)
     run.add_argument(
         "--list-hooks", action="store_true", help="list the hooks with what each one runs; exit"
     )
@@ -316,6 +308,20 @@ def _parser() -> argparse.ArgumentParser:
     )
     ap.add_argument(_NETNS_FLAG, action="store_true", help=argparse.SUPPRESS)
     return ap
+
+
+def add_import_argument(group: Any) -> None:
+    """``--import MODULE`` (repeatable): modules that register hooks, imported in this process
+    before ``--hooks`` is read and on every rank (the bench's and the quality suite's)."""
+    group.add_argument(
+        "--import",
+        dest="imports",
+        action="append",
+        default=[],
+        metavar="MODULE",
+        help="import MODULE first, here and on every rank (repeatable): a module that "
+        "registers hooks (pycomm.hooks.register_hook), run by name in --hooks",
+    )
 
 
 def _hooks(ap: argparse.ArgumentParser, text: str) -> list[str]:

@@ -35,7 +35,7 @@ from typing import Any, Optional
 import torch
 
 import pycomm
-from pycomm.bench.__main__ import positive_int
+from pycomm.bench.__main__ import add_import_argument, positive_int
 from pycomm.bench.quality_tasks import (
     DEFAULT_HOOKS,
     DEFAULT_OPTIMIZERS,
@@ -88,15 +88,7 @@ def _parser() -> argparse.ArgumentParser:
         f"{','.join(DEFAULT_HOOKS)}; also: {','.join(h for h in HOOKS if h not in DEFAULT_HOOKS)}"
         ", and any registered hook (see --import)",
     )
-    ap.add_argument(
-        "--import",
-        dest="imports",
-        action="append",
-        default=[],
-        metavar="MODULE",
-        help="import MODULE first, here and on every rank (repeatable): a module that "
-        "registers hooks (pycomm.hooks.register_hook), run by name in --hooks",
-    )
+    add_import_argument(ap)
     ap.add_argument(
         "--optimizers",
         type=_names("optimizer", OPTIMIZERS),

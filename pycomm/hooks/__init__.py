@@ -24,38 +24,24 @@ from pycomm.hooks.state import HookState
 register_hook(
     "allreduce", AllreduceState, allreduce_hook, auto=True, description="exact fp32 all-reduce"
 )
-register_hook(
-    "bf16",
-    Bf16State,
-    compressed_hook,
-    codec=lambda: Float16Codec(torch.bfloat16),
-    auto=True,
-    description="bf16 all-reduce",
-)
-register_hook(
-    "fp16",
-    Fp16State,
-    compressed_hook,
-    codec=lambda: Float16Codec(torch.float16),
-    auto=True,
-    description="fp16 all-reduce",
-)
-register_hook(
-    "int8",
-    Int8State,
-    compressed_hook,
-    codec=lambda: Int8Codec(Int8State.default_block),
-    auto=True,
-    description="int8 codes, a fp32 scale per 64, error feedback, two-phase exchange",
-)
-register_hook(
-    "onebit",
-    OneBitState,
-    compressed_hook,
-    codec=lambda: OneBitCodec(OneBitState.default_block),
-    auto=True,
-    description="sign bits, a bf16 scale per 64, error feedback, two-phase exchange",
-)
+for _name, _state, _codec, _text in (
+    ("bf16", Bf16State, lambda: Float16Codec(torch.bfloat16), "bf16 all-reduce"),
+    ("fp16", Fp16State, lambda: Float16Codec(torch.float16), "fp16 all-reduce"),
+    (
+        "int8",
+        Int8State,
+        lambda: Int8Codec(Int8State.default_block),
+        "int8 codes, a fp32 scale per 64, error feedback, two-phase exchange",
+    ),
+    (
+        "onebit",
+        OneBitState,
+        lambda: OneBitCodec(OneBitState.default_block),
+        "sign bits, a bf16 scale per 64, error feedback, two-phase exchange",
+    ),
+):
+    register_hook(_name, _state, compressed_hook, codec=_codec, auto=True, description=_text)
+del _name, _state, _codec, _text
 register_hook("powersgd", PowerSGDHookState, powersgd_hook, description="torch's PowerSGD")
 register_hook("auto", AutoState, auto_hook, description="measured choice among the hooks above")
 
