@@ -12,7 +12,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from pycomm._validate import check_int
 from pycomm.hooks import AccumulateState, AutoState, HookState, accumulate_hook
-from pycomm.hooks.registry import hook_spec
+from pycomm.hooks.registry import hook_names, hook_spec
 
 logger = logging.getLogger(__name__)
 
@@ -26,10 +26,17 @@ STATE_ATTR = "_pycomm_hook_state"
 _REGISTERED: weakref.WeakSet[HookState] = weakref.WeakSet()
 
 
-def check_args(hook: Any, accumulate_steps: Any, hook_options: Optional[dict] = None) -> None:
+def check_args(
+    hook: Any, accumulate_steps: Any, hook_options: Optional[dict] = None, unknown_ok: bool = False
+) -> None:
     """Raise the error, the same on every rank, for a bad ``hook``, ``hook_options`` or
-    ``accumulate_steps``, before any collective or DDP is built."""
+    ``accumulate_steps``, before any collective or DDP is built. ``unknown_ok``: let a name
+    this process has not registered pass (wrap and register first compare the registrations
+    across ranks, so that a name registered on some ranks only fails on every rank)."""
     if isinstance(hook, str):
+        if unknown_ok and hook not in hook_names():
+            check_int("pycomm", "accumulate_steps", accumulate_steps)
+            return
         spec = hook_spec(hook)
         if spec.state is AutoState:
             AutoState.check_options(dict(hook_options or {}))
@@ -52,8 +59,6 @@ def hook_pair(hook: Any) -> tuple[HookState, Callable]:
             raise ValueError(f"pycomm: hook=({got}), expected (HookState instance, hook function)")
         return hook
     if isinstance(hook, HookState):
-        from pycomm.hooks.registry import hook_names
-
         for name in hook_names():
             spec = hook_spec(name)
             if type(hook) is spec.state:
@@ -73,7 +78,16 @@ def hook_label(hook: HookArg, hook_options: dict[str, Any]) -> dict[str, Any]:
     """What every rank must agree on about ``hook``: its name and options, or its state's
     class, name, options and function."""
     if isinstance(hook, str):
-        return {"hook": hook, "hook_options": sorted(hook_options.items())}
+        known = hook in hook_names()
+        spec = hook_spec(hook) if known else None
+        return {
+            "hook": hook,
+            "hook_options": sorted(hook_options.items()),
+            # a name registered on some ranks only: an error on every rank, not a hang
+            "registration of the hook": (
+                f"{spec.state.__module__}.{spec.state.__qualname__}" if spec else "none"
+            ),
+        }
     state, fn = hook_pair(hook)
     cls = type(state)
     return {
@@ -187,7 +201,7 @@ def register(
         >>> state = pycomm.register(ddp, hook="allreduce")
         >>> state = pycomm.register(ddp2, hook=(MyState(None), my_hook), accumulate_steps=4)
     """
-    check_args(hook, accumulate_steps, hook_options)
+    check_args(hook, accumulate_steps, hook_options, unknown_ok=True)
     if not isinstance(ddp, DDP):
         raise TypeError(f"pycomm.register: expected a DistributedDataParallel, got {type(ddp)}")
     # Compared across ranks with the rest, so that every rank raises the same error instead
@@ -203,6 +217,7 @@ def register(
         },
         ddp.process_group,
     )
+    check_args(hook, accumulate_steps, hook_options)  # unknown on every rank, if at all
     if problem is not None:
         raise RuntimeError(f"pycomm.register: {problem}")
     return _attach(ddp, hook, hook_options, accumulate_steps)
@@ -331,7 +346,7 @@ def wrap(
         >>> pycomm.hook_state(ddp).stats
     """
     hook_options = dict(hook_options or {})
-    check_args(hook, accumulate_steps, hook_options)
+    check_args(hook, accumulate_steps, hook_options, unknown_ok=True)
     if isinstance(module, DDP):
         raise TypeError(
             "pycomm.wrap: module is already a DistributedDataParallel; wrapping it again "
@@ -350,6 +365,7 @@ def wrap(
         },
         process_group,
     )
+    check_args(hook, accumulate_steps, hook_options)  # unknown on every rank, if at all
     if problem is not None:
         raise RuntimeError(f"pycomm.wrap: {problem}")
     state_cls = hook_spec(hook).state if isinstance(hook, str) else type(hook_pair(hook)[0])

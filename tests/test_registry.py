@@ -72,7 +72,13 @@ def _drop_residual(self, x, residual, scale, numel, residual_out=None):
     return codes, None  # the residual left as it was: error feedback would drift
 
 
+def _meta_codes(self, x, residual, scale, numel, residual_out=None):
+    codes, _ = PlainCodec.encode(self, x, residual, scale, numel, residual_out)
+    return codes.to("meta"), None
+
+
 _BAD = [
+    (_broken(encode=_meta_codes), "returned codes on meta, expected the input's cpu"),
     (_broken(code_bytes=lambda self, m: 4 * m + 4), "encode(.*) returned codes .* of 36 bytes"),
     (_broken(code_bytes=lambda self, m: 4.0 * m), r"code_bytes\(8\) returned 32.0"),
     (_broken(scale_bytes=lambda self, m: m), "returned 8 with scale_dtype None, expected 0"),
@@ -115,6 +121,12 @@ def test_built_in_codecs_pass_the_self_check():
         factory = hook_spec(name).codec
         if factory is not None:
             check_codec(factory())
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+def test_codecs_pass_the_self_check_on_cuda():
+    for codec in (Float16Codec(torch.float16), Int8Codec(64), OneBitCodec(64), PlainCodec()):
+        check_codec(codec, device="cuda")
 
 
 class MyState(HookState):
@@ -275,6 +287,8 @@ def _rank_user_state(tmp):
     finally:
         unregister_hook("counting")
     # errors, the same on every rank
+    if rank == 0:
+        register_hook("solo", CountingState, counting_hook)
     for name, call in {
         "options_differ": lambda: pycomm.wrap(
             _model(), hook=(CountingState(None, scale=1.0 + rank), counting_hook)
@@ -285,6 +299,7 @@ def _rank_user_state(tmp):
         ),
         "reused": lambda: pycomm.wrap(_model(), hook=(state, counting_hook)),
         "not_a_state": lambda: pycomm.wrap(_model(), hook=(object(), counting_hook)),
+        "registered_on_rank_0": lambda: pycomm.wrap(_model(), hook="solo"),
         "other_group": lambda: pycomm.wrap(
             _model(), hook=(CountingState(dist.new_group([0, 1])), counting_hook)
         ),
@@ -294,6 +309,8 @@ def _rank_user_state(tmp):
             out[name] = None
         except Exception as e:  # noqa: BLE001 - the test inspects type and message
             out[name] = f"{type(e).__name__}: {e}"
+    if rank == 0:
+        unregister_hook("solo")
     return out
 
 
@@ -315,6 +332,10 @@ def test_a_users_state_and_hook_get_accumulation_checks_and_checkpoints(tmp_path
     assert "already registered on a DDP model" in out["reused"]
     assert "expected (HookState instance, hook function)" in out["not_a_state"]
     assert "another process group than the DDP model's" in out["other_group"]
+    assert (
+        "ranks disagree on registration of the hook: rank 0 has 'test_registry.CountingState', "
+        "rank 1 has 'none'" in out["registered_on_rank_0"]
+    )
 
 
 def test_no_module_imports_another_modules_private_names():

@@ -427,87 +427,22 @@ class AutoState(HookState):
         return self.warmup.measured(self.iter, self.world_size)
 
     def _probe(self, m: dict[str, Any]) -> None:
-        """The one-time measurements: the codecs' cost on this device; the link's on an
-        accelerator; each level's on several nodes."""
-        n = min(max(m["numel"]), _PROBE_MAX)
-        codecs = {h: codec_of(h) for h in self.allow}
-        m["codec_s_per_elem"] = {
-            h: codec_cost(c, n, self.device) for h, c in sorted(codecs.items()) if c is not None
-        }
-        x = torch.randn(n, device=self.device)
-        # what a collective costs whatever its size: many small buckets pay it many times
-        m["latency_s"] = timed_allreduce(torch.zeros(1, device=self.device), self._group)
-        if self.device.type != "cpu":
-            m["wire_s_per_byte"] = timed_allreduce(x, self._group) / ring_bytes(
-                4 * n, self.world_size
-            )
-        plan = self._plan
-        if plan is not None:
-            L, s = plan.local_size, hier.shard_size(n, plan.local_size)
-            rows = torch.randn(L, s, device=self.device)
-            out = torch.empty_like(rows)
-
-            def intra() -> None:
-                dist.all_to_all_single(out, rows, group=plan.intra.groups[0])
-
-            m["intra_s_per_byte"] = timed(intra, self.device) / max(1, (L - 1) * s * 4)
-            shard = rows[0].clone()
-            m["inter_s_per_byte"] = timed_allreduce(shard, plan.cross.groups[0]) / max(
-                1, ring_bytes(4 * s, plan.nodes)
-            )
+        """The one-time measurements (:func:`probe`) into ``m``."""
+        probe(m, self.allow, self.device, self._group, self.world_size, self._plan)
 
     def decide(self, local: dict[str, Any]) -> dict[str, Any]:
         """Agree on the measurements (MAX over ranks) and take the decision; the same on every
         rank. A collective on the hook's group."""
-        keys = [k for k in _MAXED if k in local]
-        flat = [float(local[k]) for k in keys] + [float(t) for t in local["ready_s"]]
-        codecs = local.get("codec_s_per_elem", {})
-        for f in sorted(codecs):
-            flat += [float(v) for v in codecs[f]]
-        t = torch.tensor(flat, dtype=torch.float64)
-        if self.world_size > 1:
-            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self._group)
-        vals = t.tolist()
-        m: dict[str, Any] = dict(zip(keys, vals[: len(keys)]))
-        nb = len(local["ready_s"])
-        m["ready_s"] = vals[len(keys) : len(keys) + nb]
-        m["numel"] = list(local["numel"])
-        rest = vals[len(keys) + nb :]
-        m["codec_s_per_elem"] = {f: rest[2 * i : 2 * i + 2] for i, f in enumerate(sorted(codecs))}
-        m["world_size"] = self.world_size
+        m = agree(local, self._group, self.world_size)
         if self._plan is not None:
             m["nodes"], m["local_size"] = self._plan.nodes, self._plan.local_size
-        predicted = predict(m, self.allow, self.hierarchies())
-        best = choose(predicted)
-        hook, h = _split(best)
-        caps = advise_bucket_cap(m, best)
-        return {
-            "choice": hook,
-            "hierarchy": h,
-            "decided_at": self.iter,
-            "measurements": m,
-            "predicted_s": predicted,
-            "allow": list(self.allow),
-            # the chosen hook's predicted step time for other DDP bucket sizes (advice: DDP
-            # cannot change its buckets once built), and the best of them
-            "bucket_cap_mb_predicted_s": caps,
-            "bucket_cap_mb_best": float(min(caps, key=lambda k: caps[k])),
-        }
+        return decision_from(m, self.allow, self.hierarchies(), self.iter)
 
     def decide_now(self) -> None:
         """Measure, agree across ranks and build the chosen hook's state (every rank, at
         the same bucket: a collective)."""
         if self.world_size == 1:
-            decision = {
-                "choice": "allreduce",
-                "hierarchy": "flat",
-                "decided_at": self.iter,
-                "measurements": None,
-                "predicted_s": None,
-                "allow": list(self.allow),
-                "bucket_cap_mb_predicted_s": None,
-                "bucket_cap_mb_best": None,
-            }
+            decision = decision_from(None, self.allow, ("flat",), self.iter)
         else:
             local = self._measured()
             self._probe(local)
@@ -515,26 +450,7 @@ class AutoState(HookState):
         self._make_chosen(decision)
         self.warmup.reset()
         if self.rank == 0:
-            pred = decision["predicted_s"] or {}
-            logger.info(
-                "pycomm auto hook: chose %s (hierarchy %s) at iteration %d; predicted step "
-                "times: %s",
-                decision["choice"],
-                decision["hierarchy"],
-                decision["decided_at"],
-                ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in pred.items()) or "one rank",
-            )
-            caps, now = decision["bucket_cap_mb_predicted_s"], pred.get(choose(pred)) if pred else 0
-            if caps and min(caps.values()) < (1 - MARGIN) * now:
-                cap = decision["bucket_cap_mb_best"]
-                logger.info(
-                    "pycomm auto hook: %s is predicted %.1f ms per step faster with DDP buckets of "
-                    "%g MB (pass bucket_cap_mb=%g; DDP cannot change its buckets once built)",
-                    decision["choice"],
-                    (now - caps[f"{cap:g}"]) * 1e3,
-                    cap,
-                    cap,
-                )
+            log_decision(decision)
 
     # --- the hook's steps ---------------------------------------------------------------
 
@@ -595,6 +511,122 @@ class AutoState(HookState):
         if decision is not None:
             self._make_chosen(dict(decision))
             self.chosen.load_state_dict(state["chosen"])
+
+
+def probe(
+    m: dict[str, Any],
+    allow: Sequence[str],
+    device: torch.device,
+    group: Any,
+    world_size: int,
+    plan: Optional[hier.NodePlan],
+) -> None:
+    """The one-time measurements, into ``m``: each allowed codec's cost on ``device``, a
+    collective's latency, the link's cost on an accelerator, each level's on several nodes.
+    Collectives on ``group`` (and the plan's groups)."""
+    n = min(max(m["numel"]), _PROBE_MAX)
+    codecs = {h: codec_of(h) for h in allow}
+    m["codec_s_per_elem"] = {
+        h: codec_cost(c, n, device) for h, c in sorted(codecs.items()) if c is not None
+    }
+    x = torch.randn(n, device=device)
+    # what a collective costs whatever its size: many small buckets pay it many times
+    m["latency_s"] = timed_allreduce(torch.zeros(1, device=device), group)
+    if device.type != "cpu":
+        m["wire_s_per_byte"] = timed_allreduce(x, group) / ring_bytes(4 * n, world_size)
+    if plan is not None:
+        L, s = plan.local_size, hier.shard_size(n, plan.local_size)
+        rows = torch.randn(L, s, device=device)
+        out = torch.empty_like(rows)
+
+        def intra() -> None:
+            dist.all_to_all_single(out, rows, group=plan.intra.groups[0])
+
+        m["intra_s_per_byte"] = timed(intra, device) / max(1, (L - 1) * s * 4)
+        shard = rows[0].clone()
+        m["inter_s_per_byte"] = timed_allreduce(shard, plan.cross.groups[0]) / max(
+            1, ring_bytes(4 * s, plan.nodes)
+        )
+
+
+def agree(local: dict[str, Any], group: Any, world_size: int) -> dict[str, Any]:
+    """This rank's measurements all-reduced with MAX over ``group`` (the slowest rank bounds
+    the step): the same measurements on every rank. A collective."""
+    keys = [k for k in _MAXED if k in local]
+    flat = [float(local[k]) for k in keys] + [float(t) for t in local["ready_s"]]
+    codecs = local.get("codec_s_per_elem", {})
+    for f in sorted(codecs):
+        flat += [float(v) for v in codecs[f]]
+    t = torch.tensor(flat, dtype=torch.float64)
+    if world_size > 1:
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    vals = t.tolist()
+    m: dict[str, Any] = dict(zip(keys, vals[: len(keys)]))
+    nb = len(local["ready_s"])
+    m["ready_s"] = vals[len(keys) : len(keys) + nb]
+    m["numel"] = list(local["numel"])
+    rest = vals[len(keys) + nb :]
+    m["codec_s_per_elem"] = {f: rest[2 * i : 2 * i + 2] for i, f in enumerate(sorted(codecs))}
+    m["world_size"] = world_size
+    return m
+
+
+def decision_from(
+    m: Optional[dict[str, Any]], allow: Sequence[str], hierarchies: Sequence[str], at: int
+) -> dict[str, Any]:
+    """The decision (``stats["auto"]``) from the agreed measurements ``m`` at iteration
+    ``at``; ``m`` None: one rank, the exact all-reduce. A pure function.
+
+    Example:
+        >>> decision_from(None, ["allreduce", "int8"], ("flat",), 5)["choice"]
+        'allreduce'
+    """
+    if m is None:
+        return {
+            "choice": "allreduce", "hierarchy": "flat", "decided_at": at, "measurements": None,
+            "predicted_s": None, "allow": list(allow), "bucket_cap_mb_predicted_s": None,
+            "bucket_cap_mb_best": None,
+        }  # fmt: skip
+    predicted = predict(m, allow, hierarchies)
+    best = choose(predicted)
+    hook, h = _split(best)
+    caps = advise_bucket_cap(m, best)
+    return {
+        "choice": hook,
+        "hierarchy": h,
+        "decided_at": at,
+        "measurements": m,
+        "predicted_s": predicted,
+        "allow": list(allow),
+        # the chosen hook's predicted step time for other DDP bucket sizes (advice: DDP
+        # cannot change its buckets once built), and the best of them
+        "bucket_cap_mb_predicted_s": caps,
+        "bucket_cap_mb_best": float(min(caps, key=lambda k: caps[k])),
+    }
+
+
+def log_decision(decision: dict[str, Any]) -> None:
+    """Log the decision once (rank 0): the choice, every candidate's predicted step time, and
+    a better DDP bucket size when one is predicted faster."""
+    pred = decision["predicted_s"] or {}
+    logger.info(
+        "pycomm auto hook: chose %s (hierarchy %s) at iteration %d; predicted step times: %s",
+        decision["choice"],
+        decision["hierarchy"],
+        decision["decided_at"],
+        ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in pred.items()) or "one rank",
+    )
+    caps, now = decision["bucket_cap_mb_predicted_s"], pred.get(choose(pred)) if pred else 0
+    if caps and min(caps.values()) < (1 - MARGIN) * now:
+        cap = decision["bucket_cap_mb_best"]
+        logger.info(
+            "pycomm auto hook: %s is predicted %.1f ms per step faster with DDP buckets of "
+            "%g MB (pass bucket_cap_mb=%g; DDP cannot change its buckets once built)",
+            decision["choice"],
+            (now - caps[f"{cap:g}"]) * 1e3,
+            cap,
+            cap,
+        )
 
 
 def codec_cost(codec: Codec, n: int, device: torch.device) -> tuple[float, float]:

@@ -256,7 +256,7 @@ def _check_bytes(where: str, codec: Any, name: str, m: int, dtype) -> int:
     return nbytes
 
 
-def _check_out(where: str, call: str, name: str, t: Any, dtype, nbytes: int) -> None:
+def _check_out(where: str, call: str, name: str, t: Any, dtype, nbytes: int, device) -> None:
     if dtype is None:
         if t is not None:
             _fail(where, f"{call} returned {name} {type(t).__name__}, expected None")
@@ -269,23 +269,32 @@ def _check_out(where: str, call: str, name: str, t: Any, dtype, nbytes: int) -> 
             f"{call} returned {name} of dtype {t.dtype} and shape {list(t.shape)}, expected "
             f"a 1-D {dtype} tensor of {nbytes} bytes (the codec's byte count)",
         )
+    if t.device != device:
+        _fail(where, f"{call} returned {name} on {t.device}, expected the input's {device}")
 
 
-def _check_stats_type(where: str, stats: Any) -> None:
+def _check_stats_type(where: str, stats: Any, device) -> None:
     if (
         not isinstance(stats, torch.Tensor)
         or stats.dtype != torch.float64
         or tuple(stats.shape) != (2,)
+        or stats.device != device
     ):
-        got = stats if not isinstance(stats, torch.Tensor) else f"{stats.dtype} {list(stats.shape)}"
+        got = (
+            stats
+            if not isinstance(stats, torch.Tensor)
+            else f"{stats.dtype} {list(stats.shape)} on {stats.device}"
+        )
         _fail(
             where,
-            f"decode_sum returned {got}, expected float64 [2] (squared norm, non-finite count)",
+            f"decode_sum returned {got}, expected float64 [2] (squared norm, non-finite count) "
+            f"on out's device ({device})",
         )
 
 
-def check_codec(codec: Any, where: str = "pycomm.hooks.check_codec") -> None:
-    """Run ``codec`` once on a few CPU blocks and raise a ValueError naming what breaks the
+def check_codec(codec: Any, where: str = "pycomm.hooks.check_codec", device: Any = "cpu") -> None:
+    """Run ``codec`` once on a few blocks on ``device`` (default the CPU; pass "cuda" to check
+    a codec there too) and raise a ValueError naming what breaks the
     :class:`Codec` protocol: its attributes, byte counts, the dtypes and sizes ``encode``
     returns, the residual it leaves (``y - decode(codes)``) and the statistics of
     ``decode_sum``. :func:`pycomm.hooks.register_hook` runs it on every codec it registers.
@@ -317,16 +326,17 @@ def check_codec(codec: Any, where: str = "pycomm.hooks.check_codec") -> None:
     if cb + sb == 0:
         _fail(where, f"code_bytes({m}) + scale_bytes({m}) is 0, expected bytes to send")
     gen = torch.Generator().manual_seed(0)
-    x = torch.randn(rows, m - 1, generator=gen)  # one element short: the padding rule
-    residual = torch.randn(rows, m, generator=gen) * 1e-3
+    x = torch.randn(rows, m - 1, generator=gen).to(device)  # one short: the padding rule
+    dev = x.device  # "cuda" resolved to "cuda:0"
+    residual = (torch.randn(rows, m, generator=gen) * 1e-3).to(dev)
     before = residual.clone()
     out_res = torch.full_like(residual, float("nan"))  # what encode does not write stays NaN
-    packed = torch.empty(rows, cb + sb, dtype=torch.uint8)
+    packed = torch.empty(rows, cb + sb, dtype=torch.uint8, device=dev)
     for r in range(rows):
         call = f"encode(x of {m - 1}, residual, 0.5, {m}, residual_out)"
         codes, scales = codec.encode(x[r], residual[r], 0.5, m, out_res[r])
-        _check_out(where, call, "codes", codes, code_dtype, cb)
-        _check_out(where, call, "scales", scales, scale_dtype, sb)
+        _check_out(where, call, "codes", codes, code_dtype, cb, x.device)
+        _check_out(where, call, "scales", scales, scale_dtype, sb, x.device)
         codec.pack(codes, scales, 1, out=packed[r : r + 1])
     if not torch.equal(residual, before):
         _fail(where, "encode(..., residual_out) changed residual, expected it only read")
@@ -335,11 +345,11 @@ def check_codec(codec: Any, where: str = "pycomm.hooks.check_codec") -> None:
         _fail(where, f"split() gave codes {codes.dtype} {list(codes.shape)}, expected {rows} rows")
     y = torch.nn.functional.pad(x * 0.5, (0, 1)) + before
     for r in range(rows):
-        one = torch.empty(m)
+        one = torch.empty(m, device=dev)
         st = codec.decode_sum(
             codes[r : r + 1], None if scales is None else scales[r : r + 1], 1.0, one
         )
-        _check_stats_type(where, st)
+        _check_stats_type(where, st, dev)
         if not torch.allclose(one + out_res[r], y[r], rtol=1e-3, atol=1e-5):
             worst = (one + out_res[r] - y[r]).abs().max().item()
             _fail(
@@ -347,11 +357,15 @@ def check_codec(codec: Any, where: str = "pycomm.hooks.check_codec") -> None:
                 "the residual encode() wrote is not y - decode(codes) (off by up to "
                 f"{worst:.3g}): error feedback would drift",
             )
-    out = torch.full((m - 3,), float("nan"))  # shorter than a chunk: the last rank's part
+    out = torch.full(
+        (m - 3,), float("nan"), device=dev
+    )  # shorter than a chunk: the last rank's part
     stats = codec.decode_sum(codes, scales, 0.5, out)
-    _check_stats_type(where, stats)
+    _check_stats_type(where, stats, dev)
     sq, bad = out.double().pow(2).sum().item(), float((~torch.isfinite(out)).sum())
-    if bad or not torch.allclose(stats, torch.tensor([sq, bad], dtype=torch.float64), rtol=1e-4):
+    if bad or not torch.allclose(
+        stats.cpu(), torch.tensor([sq, bad], dtype=torch.float64), rtol=1e-4
+    ):
         _fail(
             where,
             f"decode_sum returned stats {stats.tolist()}, expected [{sq:.6g}, {bad:g}] "

@@ -210,6 +210,7 @@ class CompressedState(HookState):
         if self.codec_factory is None:
             raise NotImplementedError(f"{type(self).__name__} has no codec_factory")
         kwargs = {k: options[k] for k in self.codec_option_names if k in options}
+        self.codec_kwargs = kwargs
         try:
             codec = self.codec_factory(**kwargs)
         except (TypeError, ValueError) as e:
@@ -223,9 +224,8 @@ class CompressedState(HookState):
         if self.codec_factory is None:
             return {}
         sig = inspect.signature(self.codec_factory)
-        return {
-            k: getattr(self.codec, k, sig.parameters[k].default) for k in self.codec_option_names
-        }
+        given = getattr(self, "codec_kwargs", {})
+        return {k: given.get(k, sig.parameters[k].default) for k in self.codec_option_names}
 
     def options(self) -> dict[str, Any]:
         return {
