@@ -28,6 +28,14 @@ class HookState:
     wire), ``bytes_fp32`` (what an fp32 ring all-reduce of the same buckets sends) and
     ``compression`` (bytes_fp32 / bytes_sent).
 
+    The contract a subclass of one's own keeps (docs/custom_hooks.md, "The contracts"): built
+    as ``State(process_group, **options)``, possibly before the group exists; :meth:`bind`
+    once the group does (a subclass sets up in ``_bound``); :meth:`options` is compared across
+    ranks by ``pycomm.wrap``/``register`` and stored in :meth:`fingerprint`; :meth:`state_dict`
+    carries the rank and world size it belongs to and :meth:`load_state_dict` refuses another
+    hook, config, rank or world size; :meth:`count` keeps ``stats``. One state serves one DDP
+    model. Pass it as ``pycomm.wrap(model, hook=(state, hook_fn))``.
+
     Example:
         >>> state = pycomm.hooks.AllreduceState(process_group=None)
         >>> ddp.register_comm_hook(state, pycomm.hooks.allreduce_hook)
