@@ -41,7 +41,8 @@ def check_args(
         if spec.state is AutoState:
             AutoState.check_options(dict(hook_options or {}))
     else:
-        hook_pair(hook)
+        if not (unknown_ok and isinstance(hook, HookState) and _registered_fn(hook) is None):
+            hook_pair(hook)
         if hook_options:
             raise ValueError(
                 f"pycomm: hook_options={dict(hook_options)!r} with a hook state instance; "
@@ -59,10 +60,9 @@ def hook_pair(hook: Any) -> tuple[HookState, Callable]:
             raise ValueError(f"pycomm: hook=({got}), expected (HookState instance, hook function)")
         return hook
     if isinstance(hook, HookState):
-        for name in hook_names():
-            spec = hook_spec(name)
-            if type(hook) is spec.state:
-                return hook, spec.hook
+        fn = _registered_fn(hook)
+        if fn is not None:
+            return hook, fn
         raise ValueError(
             f"pycomm: hook={type(hook).__name__} instance: its class is not registered, so "
             "its hook function is unknown; expected hook=(state, hook_function) or a state of "
@@ -72,6 +72,15 @@ def hook_pair(hook: Any) -> tuple[HookState, Callable]:
         f"pycomm: hook={hook!r}, expected a registered hook name, a pycomm.hooks.HookState "
         "instance or a (state, hook function) pair"
     )
+
+
+def _registered_fn(state: HookState) -> Optional[Callable]:
+    """The registered hook function of ``state``'s class, or None."""
+    for name in hook_names():
+        spec = hook_spec(name)
+        if type(state) is spec.state:
+            return spec.hook
+    return None
 
 
 def hook_label(hook: HookArg, hook_options: dict[str, Any]) -> dict[str, Any]:
@@ -88,12 +97,16 @@ def hook_label(hook: HookArg, hook_options: dict[str, Any]) -> dict[str, Any]:
                 f"{spec.state.__module__}.{spec.state.__qualname__}" if spec else "none"
             ),
         }
-    state, fn = hook_pair(hook)
+    if isinstance(hook, HookState):  # its function from the registry, which ranks may differ in
+        state, fn = hook, _registered_fn(hook)
+    else:
+        state, fn = hook_pair(hook)
     cls = type(state)
+    where = "none" if fn is None else f"{getattr(fn, '__module__', '?')}.{fn.__qualname__}"
     return {
-        "hook": f"{cls.__module__}.{cls.__qualname__} ({state.hook_name}) with "
-        f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', fn)!s}",
+        "hook": f"{cls.__module__}.{cls.__qualname__} ({state.hook_name})",
         "hook_options": sorted(state.options().items()),
+        "hook function": where,
     }
 
 
@@ -285,7 +298,7 @@ def _state_problem(group: Any, hook: HookArg) -> Optional[str]:
     """Why a user's state instance cannot serve a DDP model over ``group``, or None."""
     if isinstance(hook, str):
         return None
-    state, _ = hook_pair(hook)
+    state = hook if isinstance(hook, HookState) else hook_pair(hook)[0]
     world = dist.group.WORLD
     if (state.process_group or world) is not (group or world):
         return (

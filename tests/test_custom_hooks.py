@@ -123,3 +123,59 @@ def test_shell_blocks_run(page):
     assert re.search(r"^topk\s+[\d.]+.* ok$", bench, re.MULTILINE), bench
     quality = next(out for line, out in outputs.items() if "bench.quality" in line)
     assert "| digits-small | sgd-plain | topk | acc " in quality, quality
+
+
+def _rank_topk_engine(workdir: str) -> dict:
+    """The page's top-k codec through what the page does not show: bf16 residuals, the decode
+    statistics TrainLoop clips with, and the non-finite skip."""
+    import torch
+    import torch.distributed as dist
+
+    import pycomm
+    from pycomm.hooks import unregister_hook
+
+    sys.path.insert(0, workdir)
+    try:
+        import topk  # noqa: F401
+
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(
+            torch.nn.Linear(32, 64), torch.nn.Tanh(), torch.nn.Linear(64, 1)
+        )
+        ddp = pycomm.wrap(model, hook="topk", hook_options={"residual_dtype": "bfloat16"})
+        state = pycomm.hook_state(ddp)
+        g = torch.Generator().manual_seed(dist.get_rank())
+        out = {}
+        for step in range(5):
+            x = torch.randn(8, 32, generator=g)
+            if step == 4 and dist.get_rank() == 1:
+                x[0, 0] = float("nan")  # one rank's NaN: every rank skips the step
+            ddp.zero_grad()
+            ddp(x).square().mean().backward()
+            grads = torch.cat([p.grad.reshape(-1) for p in model.parameters()])
+            if step == 3:
+                out["sqnorm"] = (state.reduced_sqnorm(), float(grads.double().square().sum()))
+                kept = state.state_dict()["residuals"]
+                out["bf16"] = {t.dtype for r in kept.values() for t in r.values()}
+            if step == 4:
+                out["nan_everywhere"] = not bool(torch.isfinite(grads).all())
+                after = state.state_dict()["residuals"]
+                out["residuals_kept"] = all(
+                    torch.equal(kept[k][n], after[k][n]) for k in kept for n in kept[k]
+                )
+                out["nonfinite_buckets"] = state.stats["nonfinite_buckets"]
+        return out
+    finally:
+        unregister_hook("topk")
+        sys.modules.pop("topk", None)
+        sys.path.remove(workdir)
+
+
+def test_the_pages_codec_gets_bf16_residuals_the_norm_and_the_nonfinite_skip(page):
+    import torch
+
+    for out in run_ranks(_rank_topk_engine, 2, page["dir"], timeout=120):
+        reduced, exact = out["sqnorm"]
+        assert reduced == pytest.approx(exact, rel=1e-5)
+        assert out["bf16"] == {torch.bfloat16}
+        assert out["nan_everywhere"] and out["residuals_kept"] and out["nonfinite_buckets"] >= 1

@@ -84,6 +84,7 @@ _BAD = [
     (_broken(scale_bytes=lambda self, m: m), "returned 8 with scale_dtype None, expected 0"),
     (_broken(code_dtype=torch.int16), "returned codes of dtype torch.float32"),
     (_broken(two_phase=1), "two_phase=1, expected True or False"),
+    (_broken(code_dtype=None), "code_dtype=None, expected a torch.dtype"),
     (_broken(block=0), "block=0, expected a positive int"),
     (_broken(encode=_drop_residual), "is not y - decode"),
     (_broken(decode_sum=lambda self, c, s, sc, out: torch.zeros(2)), "expected float64 .2."),
@@ -256,6 +257,10 @@ def counting_hook(state, bucket):
     return fut.then(lambda f: x)
 
 
+class SoloState(CountingState):
+    hook_name = "solo"
+
+
 def _rank_user_state(tmp):
     out = {}
     rank = dist.get_rank()
@@ -288,7 +293,7 @@ def _rank_user_state(tmp):
         unregister_hook("counting")
     # errors, the same on every rank
     if rank == 0:
-        register_hook("solo", CountingState, counting_hook)
+        register_hook("solo", SoloState, counting_hook)
     for name, call in {
         "options_differ": lambda: pycomm.wrap(
             _model(), hook=(CountingState(None, scale=1.0 + rank), counting_hook)
@@ -300,6 +305,7 @@ def _rank_user_state(tmp):
         "reused": lambda: pycomm.wrap(_model(), hook=(state, counting_hook)),
         "not_a_state": lambda: pycomm.wrap(_model(), hook=(object(), counting_hook)),
         "registered_on_rank_0": lambda: pycomm.wrap(_model(), hook="solo"),
+        "instance_registered_on_rank_0": lambda: pycomm.wrap(_model(), hook=SoloState()),
         "other_group": lambda: pycomm.wrap(
             _model(), hook=(CountingState(dist.new_group([0, 1])), counting_hook)
         ),
@@ -333,7 +339,11 @@ def test_a_users_state_and_hook_get_accumulation_checks_and_checkpoints(tmp_path
     assert "expected (HookState instance, hook function)" in out["not_a_state"]
     assert "another process group than the DDP model's" in out["other_group"]
     assert (
-        "ranks disagree on registration of the hook: rank 0 has 'test_registry.CountingState', "
+        "ranks disagree on hook function: rank 0 has 'test_registry.counting_hook', rank 1 "
+        "has 'none'" in out["instance_registered_on_rank_0"]
+    )
+    assert (
+        "ranks disagree on registration of the hook: rank 0 has 'test_registry.SoloState', "
         "rank 1 has 'none'" in out["registered_on_rank_0"]
     )
 
@@ -382,3 +392,47 @@ def test_no_import_cycle_inside_pycomm_hooks():
                 assert mod in order[:i], (
                     f"pycomm/hooks/{name}.py imports {mod} (line {node.lineno})"
                 )
+
+
+class SeenState(pycomm.hooks.CompressedState):
+    """A compressed hook that records the buckets its exchange is handed."""
+
+    hook_name = "seen"
+
+    def make_codec(self, options):
+        self.seen = set()
+        return PlainCodec()
+
+    def count_exchange(self, bucket, nbytes, collectives):
+        ok = isinstance(bucket, Bucket) and all(
+            isinstance(p, torch.Tensor) for p in bucket.parameters()
+        )
+        self.seen.add((type(bucket).__name__, ok, bucket.buffer().dim() == 1))
+        super().count_exchange(bucket, nbytes, collectives)
+
+
+def _rank_buckets():
+    from pycomm.topology import set_nodes
+
+    register_hook("seen", SeenState, pycomm.hooks.compressed_hook)
+    pycomm.init(nodes=2)  # 2 nodes x 2 ranks
+    try:
+        out = {}
+        for h in ("flat", "node"):
+            ddp = pycomm.wrap(_model(), hook="seen", hook_options={"hierarchy": h})
+            for _ in range(3):
+                ddp(torch.randn(4, 12)).sum().backward()
+            out[h] = sorted(pycomm.hook_state(ddp).seen)
+        return out
+    finally:
+        unregister_hook("seen")
+        set_nodes(None)
+
+
+def test_the_buckets_pycomm_hands_an_exchange_follow_the_protocol():
+    for out in run_ranks(_rank_buckets, 4, timeout=120):
+        # the flat exchange gets DDP's buckets (or the hook's own, cut from the bound
+        # parameters, where they differ); the node hierarchy's cross-node stage a shard
+        assert out["flat"] and all(ok and flat for _, ok, flat in out["flat"]), out
+        assert {kind for kind, _, _ in out["flat"]} <= {"GradBucket", "_HookBucket"}, out
+        assert out["node"] == [("_ShardBucket", True, True)], out

@@ -65,8 +65,8 @@ class Codec:
         ...     def decode_sum(self, codes, scales, scale, out): ...
     """
 
-    block: int = 8
-    code_dtype: torch.dtype = torch.uint8
+    block: int  # set by the subclass (a class attribute or in __init__)
+    code_dtype: torch.dtype
     scale_dtype: Optional[torch.dtype] = None
     two_phase: bool = True
 
