@@ -23,6 +23,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from pycomm.checkpoint import gather_hook_state, load_hook_state
 from pycomm.hooks import HookState
+from pycomm.wrap import HookArg
 from pycomm.wrap import register as _register
 
 __all__ = ["HookStateCheckpoint", "register"]
@@ -31,13 +32,14 @@ __all__ = ["HookStateCheckpoint", "register"]
 def register(
     accelerator: Any,
     model: Any,
-    hook: str = "allreduce",
+    hook: HookArg = "allreduce",
     accumulate_steps: int = 1,
     **hook_options: Any,
 ) -> HookState:
     """Register a pycomm hook on ``model``, the DDP model ``accelerator.prepare()`` returned,
     before the first training step. Every rank calls it; the hook, options and model are
-    compared across ranks (:func:`pycomm.register`).
+    compared across ranks (:func:`pycomm.register`, which takes the same ``hook``: a
+    registered name, a HookState instance or a ``(state, hook_function)`` pair).
 
     Refused with a ValueError or TypeError naming the problem: a model Accelerate did not wrap
     in DDP, a ``comm_hook`` in Accelerate's ``DistributedDataParallelKwargs`` (it already

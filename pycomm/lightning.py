@@ -32,7 +32,7 @@ except ImportError:  # the standalone package
         raise ImportError("pycomm.lightning needs PyTorch Lightning: pip install lightning") from e
 
 from pycomm.checkpoint import gather_hook_state, load_hook_state
-from pycomm.wrap import STATE_ATTR, check_args, register
+from pycomm.wrap import STATE_ATTR, HookArg, check_args, register
 
 __all__ = ["CHECKPOINT_KEY", "DDPStrategy"]
 
@@ -43,7 +43,9 @@ CHECKPOINT_KEY = "pycomm_hook_state"  # where the gathered hook states go in the
 
 class DDPStrategy(_LightningDDPStrategy):
     """Lightning's DDPStrategy with a pycomm hook (``hook``, ``hook_options``), registered on
-    every device, its state saved in and restored from Lightning's checkpoints.
+    every device, its state saved in and restored from Lightning's checkpoints. ``hook`` takes
+    what :func:`pycomm.register` takes: a registered name, a HookState instance or a ``(state,
+    hook_function)`` pair (docs/custom_hooks.md).
 
     Other keyword arguments go to Lightning's DDPStrategy (``process_group_backend``,
     ``timeout``, and DDP's own: ``bucket_cap_mb``, ``find_unused_parameters``,
@@ -57,7 +59,7 @@ class DDPStrategy(_LightningDDPStrategy):
 
     def __init__(
         self,
-        hook: str = "allreduce",
+        hook: HookArg = "allreduce",
         *,
         accumulate_steps: int = 1,
         hook_options: Optional[dict[str, Any]] = None,

@@ -3,42 +3,111 @@
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable, Optional
+import weakref
+from typing import Any, Callable, Optional, Union
 
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from pycomm._validate import check_int
-from pycomm.hooks import (
-    AccumulateState,
-    AutoState,
-    HookState,
-    PowerSGDHookState,
-    accumulate_hook,
-    auto_hook,
-    powersgd_hook,
-)
-from pycomm.hooks.auto import CHOICES
+from pycomm.hooks import AccumulateState, AutoState, HookState, accumulate_hook
+from pycomm.hooks.registry import hook_names, hook_spec
 
 logger = logging.getLogger(__name__)
 
-# name -> (state class, hook function): the hooks auto chooses among, and two more
-HOOKS: dict[str, tuple[type[HookState], Callable]] = {
-    **CHOICES,
-    "powersgd": (PowerSGDHookState, powersgd_hook),
-    "auto": (AutoState, auto_hook),
-}
+# What wrap and register take as ``hook``: a registered name (pycomm.hooks.register_hook), a
+# HookState instance (its hook function is the registered one of its class), or a
+# (state, hook function) pair.
+HookArg = Union[str, HookState, tuple[HookState, Callable]]
 
 STATE_ATTR = "_pycomm_hook_state"
+# the states registered on a DDP model: one state serves one model
+_REGISTERED: weakref.WeakSet[HookState] = weakref.WeakSet()
 
 
-def check_args(hook: Any, accumulate_steps: Any, hook_options: Optional[dict] = None) -> None:
-    if not isinstance(hook, str) or hook not in HOOKS:
-        raise ValueError(f"pycomm: hook={hook!r} is not one of {', '.join(sorted(HOOKS))}")
-    if hook == "auto":  # before any collective or DDP: the same error on every rank
-        AutoState.check_options(dict(hook_options or {}))
+def check_args(
+    hook: Any, accumulate_steps: Any, hook_options: Optional[dict] = None, unknown_ok: bool = False
+) -> None:
+    """Raise the error, the same on every rank, for a bad ``hook``, ``hook_options`` or
+    ``accumulate_steps``, before any collective or DDP is built. ``unknown_ok``: let a name
+    this process has not registered pass (wrap and register first compare the registrations
+    across ranks, so that a name registered on some ranks only fails on every rank)."""
+    if isinstance(hook, str):
+        if unknown_ok and hook not in hook_names():
+            check_int("pycomm", "accumulate_steps", accumulate_steps)
+            return
+        spec = hook_spec(hook)
+        if spec.state is AutoState:
+            AutoState.check_options(dict(hook_options or {}))
+    else:
+        if not (unknown_ok and isinstance(hook, HookState) and _registered_fn(hook) is None):
+            hook_pair(hook)
+        if hook_options:
+            raise ValueError(
+                f"pycomm: hook_options={dict(hook_options)!r} with a hook state instance; "
+                "expected no hook_options (the state carries its own options)"
+            )
     check_int("pycomm", "accumulate_steps", accumulate_steps)
+
+
+def hook_pair(hook: Any) -> tuple[HookState, Callable]:
+    """``(state, hook function)`` of a user's ``hook=`` (a HookState instance, whose class is
+    registered, or a pair), or a ValueError naming what is wrong."""
+    if isinstance(hook, tuple):
+        if len(hook) != 2 or not isinstance(hook[0], HookState) or not callable(hook[1]):
+            got = ", ".join(type(h).__name__ for h in hook)
+            raise ValueError(f"pycomm: hook=({got}), expected (HookState instance, hook function)")
+        return hook
+    if isinstance(hook, HookState):
+        fn = _registered_fn(hook)
+        if fn is not None:
+            return hook, fn
+        raise ValueError(
+            f"pycomm: hook={type(hook).__name__} instance: its class is not registered, so "
+            "its hook function is unknown; expected hook=(state, hook_function) or a state of "
+            "a registered hook (pycomm.hooks.register_hook)"
+        )
+    raise ValueError(
+        f"pycomm: hook={hook!r}, expected a registered hook name, a pycomm.hooks.HookState "
+        "instance or a (state, hook function) pair"
+    )
+
+
+def _registered_fn(state: HookState) -> Optional[Callable]:
+    """The registered hook function of ``state``'s class, or None."""
+    for name in hook_names():
+        spec = hook_spec(name)
+        if type(state) is spec.state:
+            return spec.hook
+    return None
+
+
+def hook_label(hook: HookArg, hook_options: dict[str, Any]) -> dict[str, Any]:
+    """What every rank must agree on about ``hook``: its name and options, or its state's
+    class, name, options and function."""
+    if isinstance(hook, str):
+        known = hook in hook_names()
+        spec = hook_spec(hook) if known else None
+        return {
+            "hook": hook,
+            "hook_options": sorted(hook_options.items()),
+            # a name registered on some ranks only: an error on every rank, not a hang
+            "registration of the hook": (
+                f"{spec.state.__module__}.{spec.state.__qualname__}" if spec else "none"
+            ),
+        }
+    if isinstance(hook, HookState):  # its function from the registry, which ranks may differ in
+        state, fn = hook, _registered_fn(hook)
+    else:
+        state, fn = hook_pair(hook)
+    cls = type(state)
+    where = "none" if fn is None else f"{getattr(fn, '__module__', '?')}.{fn.__qualname__}"
+    return {
+        "hook": f"{cls.__module__}.{cls.__qualname__} ({state.hook_name})",
+        "hook_options": sorted(state.options().items()),
+        "hook function": where,
+    }
 
 
 def params_signature(module: torch.nn.Module) -> list[tuple[str, tuple[int, ...], str]]:
@@ -99,9 +168,20 @@ def sparse_parameters(ddp: DDP) -> list[torch.Tensor]:
     ]
 
 
-def _attach(ddp: DDP, hook: str, hook_options: dict[str, Any], accumulate_steps: int) -> HookState:
-    state_cls, fn = HOOKS[hook]
-    state = state_cls(ddp.process_group, **hook_options)
+def _make_state(
+    ddp: DDP, hook: HookArg, hook_options: dict[str, Any]
+) -> tuple[HookState, Callable]:
+    """The hook's state over DDP's group, and its function."""
+    if isinstance(hook, str):
+        spec = hook_spec(hook)
+        return spec.state(ddp.process_group, **hook_options), spec.hook
+    return hook_pair(hook)
+
+
+def _attach(
+    ddp: DDP, hook: HookArg, hook_options: dict[str, Any], accumulate_steps: int
+) -> HookState:
+    state, fn = _make_state(ddp, hook, hook_options)
     state.bind()
     params = ddp_parameters(ddp)
     if hasattr(state, "bind_parameters"):  # the hook's own bucket layout (resumes bit for bit)
@@ -122,16 +202,24 @@ def _attach(ddp: DDP, hook: str, hook_options: dict[str, Any], accumulate_steps:
         ddp.register_forward_pre_hook(lambda _module, _args: auto.forward_start())
         ddp.register_forward_hook(lambda _module, _args, _out: auto.forward_done())
     ddp.register_comm_hook(state, fn)
+    _REGISTERED.add(auto)
     setattr(ddp, STATE_ATTR, state)
     ddp.register_forward_pre_hook(_forward_guard)
-    logger.info("pycomm: registered the %s hook with options %s", hook, state.options())
+    logger.info("pycomm: registered the %s hook with options %s", auto.hook_name, auto.options())
     return state
 
 
 def register(
-    ddp: DDP, hook: str = "allreduce", accumulate_steps: int = 1, **hook_options: Any
+    ddp: DDP, hook: HookArg = "allreduce", accumulate_steps: int = 1, **hook_options: Any
 ) -> HookState:
     """Register a pycomm hook on an existing DDP model and return its state.
+
+    ``hook``: a registered name (``pycomm.hooks.hook_names()``), a
+    :class:`~pycomm.hooks.HookState` instance of a registered hook, or a ``(state,
+    hook_function)`` pair of one's own (docs/custom_hooks.md): every form gets the cross-rank
+    check, ``accumulate_steps``, ``TrainLoop``, ``pycomm.checkpoint`` and the framework
+    integrations. A state instance must be built over DDP's process group (or None for the
+    default group) and not be used by another model.
 
     Every rank must call it with the same hook, options and model: that is checked across ranks
     first, and a difference raises a ValueError on every rank naming it.
@@ -139,25 +227,25 @@ def register(
     Example:
         >>> ddp = DistributedDataParallel(model)
         >>> state = pycomm.register(ddp, hook="allreduce")
-        >>> state.stats["bytes_sent"]
+        >>> state = pycomm.register(ddp2, hook=(MyState(None), my_hook), accumulate_steps=4)
     """
-    check_args(hook, accumulate_steps, hook_options)
+    check_args(hook, accumulate_steps, hook_options, unknown_ok=True)
     if not isinstance(ddp, DDP):
         raise TypeError(f"pycomm.register: expected a DistributedDataParallel, got {type(ddp)}")
     # Compared across ranks with the rest, so that every rank raises the same error instead
     # of one raising while the others wait for it in the next collective.
-    problem = _registration_problem(ddp)
+    problem = _registration_problem(ddp) or _state_problem(ddp.process_group, hook)
     _agree_across_ranks(
         "register",
         {
-            "hook": hook,
-            "hook_options": sorted(hook_options.items()),
+            **hook_label(hook, hook_options),
             "accumulate_steps": accumulate_steps,
             "parameters": params_signature(ddp.module),
             "state of the DDP model": problem,
         },
         ddp.process_group,
     )
+    check_args(hook, accumulate_steps, hook_options)  # unknown on every rank, if at all
     if problem is not None:
         raise RuntimeError(f"pycomm.register: {problem}")
     return _attach(ddp, hook, hook_options, accumulate_steps)
@@ -242,6 +330,26 @@ def _registration_problem(ddp: DDP) -> Optional[str]:
     return None
 
 
+def _state_problem(group: Any, hook: HookArg) -> Optional[str]:
+    """Why a user's state instance cannot serve a DDP model over ``group``, or None."""
+    if isinstance(hook, str):
+        return None
+    state = hook if isinstance(hook, HookState) else hook_pair(hook)[0]
+    world = dist.group.WORLD
+    if (state.process_group or world) is not (group or world):
+        return (
+            f"the {state.hook_name} hook state was built over another process group than the "
+            "DDP model's; build it with the DDP model's process_group (or None for the "
+            "default group)"
+        )
+    if state in _REGISTERED:
+        return (
+            f"the {state.hook_name} hook state is already registered on a DDP model; a state "
+            "keeps one model's residuals and counters: build one per model"
+        )
+    return None
+
+
 def _training_started(ddp: DDP) -> bool:
     """Whether a backward pass has run through ``ddp`` (DDP itself does not refuse a hook
     registered afterwards). Reads DDP internals defensively: any sign is enough."""
@@ -263,7 +371,7 @@ def _training_started(ddp: DDP) -> bool:
 def wrap(
     module: torch.nn.Module,
     *,
-    hook: str = "allreduce",
+    hook: HookArg = "allreduce",
     accumulate_steps: int = 1,
     process_group: Optional[dist.ProcessGroup] = None,
     hook_options: Optional[dict[str, Any]] = None,
@@ -278,6 +386,8 @@ def wrap(
     pass False for DDP's behaviour). The hook name,
     its options, ``accumulate_steps`` and the parameters' shapes and dtypes are compared across
     ranks before DDP is built, so a mismatch is a ValueError on every rank, not a hang.
+    ``hook`` takes what :func:`register` takes: a registered name, a HookState instance or a
+    ``(state, hook_function)`` pair.
 
     Example:
         >>> info = pycomm.init()
@@ -285,7 +395,7 @@ def wrap(
         >>> pycomm.hook_state(ddp).stats
     """
     hook_options = dict(hook_options or {})
-    check_args(hook, accumulate_steps, hook_options)
+    check_args(hook, accumulate_steps, hook_options, unknown_ok=True)
     if isinstance(module, DDP):
         raise TypeError(
             "pycomm.wrap: module is already a DistributedDataParallel; wrapping it again "
@@ -294,20 +404,25 @@ def wrap(
     if not dist.is_initialized():
         raise RuntimeError("pycomm.wrap: no process group; call pycomm.init() first")
     python_reducer = _python_reducer()
+    problem = _state_problem(process_group, hook)
     _agree_across_ranks(
         "wrap",
         {
-            "hook": hook,
-            "hook_options": sorted(hook_options.items()),
+            **hook_label(hook, hook_options),
             "accumulate_steps": accumulate_steps,
             "parameters": params_signature(module),
+            "hook state": problem,
             "compiled DDP's Python reducer": python_reducer,
         },
         process_group,
     )
+    check_args(hook, accumulate_steps, hook_options)  # unknown on every rank, if at all
+    if problem is not None:
+        raise RuntimeError(f"pycomm.wrap: {problem}")
     if python_reducer:
         raise RuntimeError(f"pycomm.wrap: {_PYTHON_REDUCER}")
-    cap = HOOKS[hook][0].default_bucket_cap_mb
+    state_cls = hook_spec(hook).state if isinstance(hook, str) else type(hook_pair(hook)[0])
+    cap = state_cls.default_bucket_cap_mb
     if cap is not None and "bucket_cap_mb" not in ddp_kwargs:
         ddp_kwargs["bucket_cap_mb"] = cap
         logger.info("pycomm.wrap: bucket_cap_mb=%s for the %s hook", cap, hook)

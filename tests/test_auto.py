@@ -27,7 +27,12 @@ def _m(wire, codec16=1e-10, int8=(3e-10, 1.5e-10), onebit=(3e-10, 1.5e-10), read
         "ready_s": ready,
         "numel": [2 * MB] * len(ready),
         "wire_s_per_byte": wire,
-        "codec_s_per_elem": {"16": (codec16, codec16), "int8": int8, "onebit": onebit},
+        "codec_s_per_elem": {
+            "bf16": (codec16, codec16),
+            "fp16": (codec16, codec16),
+            "int8": int8,
+            "onebit": onebit,
+        },
         "world_size": 2,
         "latency_s": 0.0,
     }

@@ -438,12 +438,12 @@ def test_decode16_sum(be, rows, chunk_dtype, out_dtype):
 def test_decoders_read_row_slices_of_a_packed_buffer(be, hook, rows, m):
     # As the hooks decode: codes and scales are column slices of one [R, codes | scales] uint8
     # receive buffer (Codec.pack / Codec.split), read in place, no contiguous copy.
-    from pycomm.hooks import compressed
+    from pycomm.hooks import codec as codec_mod
 
     codec = {
-        "bf16": lambda: compressed.Float16Codec(torch.bfloat16),
-        "int8": lambda: compressed.Int8Codec(256),
-        "onebit": lambda: compressed.OneBitCodec(64),
+        "bf16": lambda: codec_mod.Float16Codec(torch.bfloat16),
+        "int8": lambda: codec_mod.Int8Codec(256),
+        "onebit": lambda: codec_mod.OneBitCodec(64),
     }[hook]()
     x = torch.stack(
         [codec_input(m, torch.float32, codec.block, seed=r) * (r + 1) for r in range(rows)]

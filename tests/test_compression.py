@@ -8,7 +8,7 @@ from harness import run_ranks
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import pycomm
-from pycomm.wrap import HOOKS
+from pycomm.hooks import hook_spec
 
 # hook, options, bound on the relative L2 error of one step's gradient vs the exact mean
 CASES = [
@@ -66,7 +66,7 @@ RUNS = [(2, *case) for case in CASES] + [(4, *case) for case in CASES if not cas
 
 @pytest.mark.parametrize("nprocs, hook, options, bound", RUNS, ids=lambda v: str(v))
 def test_ranks_agree_and_stay_close(nprocs, hook, options, bound):
-    start = options.get("start_iter", HOOKS[hook][0].default_start_iter)
+    start = options.get("start_iter", hook_spec(hook).state.default_start_iter)
     steps = start + 3
     results = run_ranks(_rank_against_ddp, nprocs, hook, options, steps, timeout=120)
     errors, grads, stats = results[0]

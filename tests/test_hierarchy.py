@@ -15,7 +15,7 @@ from harness import run_ranks
 from test_resume import _model
 
 import pycomm
-from pycomm.hooks.compressed import group_timeout
+from pycomm.hooks.groups import group_timeout
 from pycomm.topology import set_nodes
 
 HOOKS = ["allreduce", "fp16", "bf16", "int8", "onebit"]

@@ -61,6 +61,7 @@ from pycomm.bench.runner import (
     user_hook_factory,
 )
 from pycomm.bench.session import measure
+from pycomm.hooks.registry import import_modules, user_modules
 from pycomm.hooks.state import ring_bytes
 
 _NETNS_FLAG = "--_in-netns"
@@ -144,6 +145,7 @@ def _parser() -> argparse.ArgumentParser:
         "register); compute and ddp are always run, as references. default: "
         f"{','.join(default_hooks_set())}",
     )
+    add_import_argument(run)
     run.add_argument(
         "--list-hooks", action="store_true", help="list the hooks with what each one runs; exit"
     )
@@ -308,6 +310,20 @@ def _parser() -> argparse.ArgumentParser:
     return ap
 
 
+def add_import_argument(group: Any) -> None:
+    """``--import MODULE`` (repeatable): modules that register hooks, imported in this process
+    before ``--hooks`` is read and on every rank (the bench's and the quality suite's)."""
+    group.add_argument(
+        "--import",
+        dest="imports",
+        action="append",
+        default=[],
+        metavar="MODULE",
+        help="import MODULE first, here and on every rank (repeatable): a module that "
+        "registers hooks (pycomm.hooks.register_hook), run by name in --hooks",
+    )
+
+
 def _hooks(ap: argparse.ArgumentParser, text: str) -> list[str]:
     known = available_hooks()
     names: list[str] = []
@@ -441,6 +457,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     ap = _parser()
     args = ap.parse_args(argv)
+    try:
+        import_modules(args.imports)
+    except ValueError as exc:
+        ap.error(str(exc))
     if args.list_hooks:
         for name in (*available_hooks(), *NODE_VARIANTS):
             print(f"{name:<17}{describe(name, args.accumulate_steps)}")
@@ -525,6 +545,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         "nodes": args.nodes,
         "device": placed["device"],
         "backend": placed["backend"],
+        "imports": list(dict.fromkeys([*args.imports, *user_modules()])),
     }
     t0 = time.monotonic()
     with Nodes(args.nodes, per_rank) if args.nodes > 1 else contextlib.nullcontext() as nodes:

@@ -10,7 +10,8 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from pycomm.hooks.compressed import Codec, CompressedState
+from pycomm.hooks.codec import Codec
+from pycomm.hooks.compressed import CompressedState
 
 
 def compute_hook(state: object, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
@@ -39,9 +40,9 @@ class WireOnlyCodec(Codec):
     """
 
     def __init__(self, like: Codec) -> None:
-        super().__init__(like.block)
-        self.like = like
+        self.block, self.like = like.block, like
         self.code_dtype, self.scale_dtype = like.code_dtype, like.scale_dtype
+        self.two_phase = like.two_phase
 
     def code_bytes(self, m: int) -> int:
         return self.like.code_bytes(m)

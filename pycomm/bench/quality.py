@@ -35,7 +35,7 @@ from typing import Any, Optional
 import torch
 
 import pycomm
-from pycomm.bench.__main__ import positive_int
+from pycomm.bench.__main__ import add_import_argument, positive_int
 from pycomm.bench.quality_tasks import (
     DEFAULT_HOOKS,
     DEFAULT_OPTIMIZERS,
@@ -48,9 +48,11 @@ from pycomm.bench.quality_tasks import (
     REFERENCE,
     TASKS,
     VARIANTS,
+    all_hooks,
     check_names,
     run_rank,
 )
+from pycomm.hooks.registry import import_modules, user_modules
 
 
 def _names(what: str, valid: tuple[str, ...]):
@@ -80,11 +82,13 @@ def _parser() -> argparse.ArgumentParser:
     )
     ap.add_argument(
         "--hooks",
-        type=_names("hook", HOOKS),
+        type=lambda text: [t.strip() for t in text.split(",") if t.strip()],
         default=list(DEFAULT_HOOKS),
         help=f"comma-separated; {REFERENCE} (the reference) is always run; default: "
-        f"{','.join(DEFAULT_HOOKS)}; also: {','.join(h for h in HOOKS if h not in DEFAULT_HOOKS)}",
+        f"{','.join(DEFAULT_HOOKS)}; also: {','.join(h for h in HOOKS if h not in DEFAULT_HOOKS)}"
+        ", and any registered hook (see --import)",
     )
+    add_import_argument(ap)
     ap.add_argument(
         "--optimizers",
         type=_names("optimizer", OPTIMIZERS),
@@ -234,8 +238,13 @@ def main(argv: Optional[list[str]] = None) -> int:
         for task in TASKS.values():
             print(f"{task.name:18} {task.description}")
         return 0
+    try:
+        import_modules(args.imports)
+        check_names("hook", args.hooks, all_hooks())
+    except ValueError as exc:
+        ap.error(f"--hooks: {exc}" if "--import" not in str(exc) else str(exc))
     tasks = args.tasks or list(QUICK_TASKS if args.quick else DEFAULT_TASKS)
-    hooks = [REFERENCE] + [h for h in args.hooks if h != REFERENCE]
+    hooks = [REFERENCE] + list(dict.fromkeys(h for h in args.hooks if h != REFERENCE))
     if args.tasks is None or any(TASKS[t].kind == "digits" for t in tasks):
         try:
             import sklearn  # noqa: F401 - the digits tasks need it
@@ -249,6 +258,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         "quick": args.quick,
         "threads": args.threads,
         "progress": not args.no_progress,
+        "imports": list(dict.fromkeys([*args.imports, *user_modules()])),
     }
     t0 = time.monotonic()
     results = pycomm.launch(run_rank, args.nprocs, plan, backend="gloo", timeout=args.timeout)

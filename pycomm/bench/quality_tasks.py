@@ -21,10 +21,26 @@ import torch.nn.functional as F
 
 import pycomm
 from pycomm.bench.models import GPT, ModelSpec
+from pycomm.hooks.registry import import_modules
 
 DEFAULT_HOOKS = ("allreduce", "fp16", "bf16", "int8", "onebit", "powersgd")
 HOOKS = (*DEFAULT_HOOKS, "onebit-local", "int8-nolocal", "int8-noef", "int8-warm20", "int8-b256")
 REFERENCE = "allreduce"
+
+
+def all_hooks() -> tuple[str, ...]:
+    """Every name ``--hooks`` takes: the built-in ones and variants above, then every other
+    registered hook (pycomm.hooks.register_hook; read now, hooks get added).
+
+    Example:
+        >>> all_hooks()[:3]
+        ('allreduce', 'fp16', 'bf16')
+    """
+    from pycomm.hooks import hook_names
+
+    return tuple(dict.fromkeys([*HOOKS, *hook_names()]))
+
+
 OPTIMIZERS = ("sgd", "adamw", "sgd-plain")
 DEFAULT_OPTIMIZERS = ("sgd", "adamw")  # sgd-plain: only when named
 
@@ -345,6 +361,7 @@ def run_rank(plan: dict[str, Any]) -> list[dict[str, Any]]:
         ...               "hooks": ["allreduce", "int8"], "seeds": [0], "quick": True})
     """
     torch.set_num_threads(plan.get("threads", 1))
+    import_modules(plan.get("imports", ()))  # the modules registering the caller's hooks
     world = dist.get_world_size()
     tasks = [TASKS[t] for t in plan["tasks"]]
     runs = len(plan["optimizers"]) * len(plan["seeds"]) * len(plan["hooks"])

@@ -33,6 +33,7 @@ from pycomm.bench.hooks import compute_hook, wire_state
 from pycomm.bench.link import lo_tx_bytes, tx_bytes
 from pycomm.bench.models import ModelSpec, batches, build, count_params, loss_fn
 from pycomm.bench.nodes import uplink
+from pycomm.hooks.registry import import_modules
 from pycomm.hooks.state import ring_bytes
 
 COMPUTE = "compute"  # the bucket comes back untouched: no communication at all
@@ -148,9 +149,17 @@ def pycomm_hooks() -> list[str]:
         >>> pycomm_hooks()[:2]
         ['allreduce', 'bf16']
     """
-    from pycomm.wrap import HOOKS
+    from pycomm.hooks import hook_names
 
-    return sorted(HOOKS, key=lambda name: (name != "allreduce", name))
+    return sorted(hook_names(), key=lambda name: (name != "allreduce", name))
+
+
+def registered_descriptions() -> dict[str, str]:
+    """The one-line descriptions of the hooks registered outside pycomm, by name."""
+    from pycomm.hooks import hook_names, hook_spec
+
+    specs = [hook_spec(n) for n in hook_names()]
+    return {s.name: s.description for s in specs if not s.module.startswith("pycomm.")}
 
 
 def available_hooks() -> list[str]:
@@ -212,6 +221,8 @@ def describe(name: str, accumulate_steps: int = 1) -> str:
     else:
         hook, options = _hook_and_options(name)
         text = f"pycomm {hook} hook" + (f" {options}" if options else "")
+        if hook in registered_descriptions():
+            text += f": {registered_descriptions()[hook]}"
         if accumulate_steps > 1:
             return f"{text}, wrap(accumulate_steps={accumulate_steps})"
     if accumulate_steps > 1:
@@ -226,10 +237,9 @@ def _build(
     the state its byte count is read from."""
     kw = {} if cap is None else {"bucket_cap_mb": cap}
     if name in WIRE_HOOKS:
-        from pycomm.hooks import compressed_hook
-        from pycomm.wrap import HOOKS
+        from pycomm.hooks import compressed_hook, hook_spec
 
-        cls = HOOKS[WIRE_HOOKS[name]][0]
+        cls = hook_spec(WIRE_HOOKS[name]).state
         if cap is None and cls.default_bucket_cap_mb is not None:
             kw["bucket_cap_mb"] = cls.default_bucket_cap_mb  # as pycomm.wrap builds the hook's
         ddp = DDP(module, gradient_as_bucket_view=True, **kw)
@@ -385,6 +395,7 @@ def run_rank(cfg: dict[str, Any]) -> dict[str, Any]:
         ...                             "steps": 2, "warmup": 1})
     """
     rank, world = dist.get_rank(), dist.get_world_size()
+    import_modules(cfg.get("imports", ()))  # the modules registering the caller's hooks
     spec = ModelSpec(**cfg.get("model", {}))
     hooks: list[str] = list(cfg["hooks"])
     steps, warmup = cfg["steps"], cfg.get("warmup", 0)

@@ -1,13 +1,49 @@
-"""pycomm's DDP communication hooks and their states, usable with ``ddp.register_comm_hook``."""
+"""pycomm's DDP communication hooks, their states, the codec protocol and the hook registry.
+
+Every hook here works with ``ddp.register_comm_hook(state, hook)``; ``pycomm.wrap`` and
+``pycomm.register`` take a registered name (:func:`register_hook`), a :class:`HookState`
+instance, or a ``(state, hook)`` pair.
+"""
+
+import torch
 
 from pycomm.hooks.accumulate import AccumulateState, accumulate_hook
 from pycomm.hooks.allreduce import AllreduceState, allreduce_hook
 from pycomm.hooks.auto import AutoState, auto_hook
+from pycomm.hooks.bucket import Bucket
+from pycomm.hooks.codec import Codec, Float16Codec, Int8Codec, OneBitCodec, check_codec
 from pycomm.hooks.compressed import CompressedState, compressed_hook
 from pycomm.hooks.lowprec import Bf16State, Fp16State
 from pycomm.hooks.powersgd import PowerSGDHookState, powersgd_hook
 from pycomm.hooks.quantized import Int8State, OneBitState
+from pycomm.hooks.registry import HookSpec, hook_names, hook_spec, register_hook, unregister_hook
 from pycomm.hooks.state import HookState
+
+# The built-in hooks, in auto's order of exactness (the tie-break): the most exact first.
+# The codec factories are the hooks' codecs at their defaults, for auto's cost model.
+register_hook(
+    "allreduce", AllreduceState, allreduce_hook, auto=True, description="exact fp32 all-reduce"
+)
+for _name, _state, _codec, _text in (
+    ("bf16", Bf16State, lambda: Float16Codec(torch.bfloat16), "bf16 all-reduce"),
+    ("fp16", Fp16State, lambda: Float16Codec(torch.float16), "fp16 all-reduce"),
+    (
+        "int8",
+        Int8State,
+        lambda: Int8Codec(Int8State.default_block),
+        "int8 codes, a fp32 scale per 64, error feedback, two-phase exchange",
+    ),
+    (
+        "onebit",
+        OneBitState,
+        lambda: OneBitCodec(OneBitState.default_block),
+        "sign bits, a bf16 scale per 64, error feedback, two-phase exchange",
+    ),
+):
+    register_hook(_name, _state, compressed_hook, codec=_codec, auto=True, description=_text)
+del _name, _state, _codec, _text
+register_hook("powersgd", PowerSGDHookState, powersgd_hook, description="torch's PowerSGD")
+register_hook("auto", AutoState, auto_hook, description="measured choice among the hooks above")
 
 __all__ = [
     "AccumulateState",
@@ -16,13 +52,24 @@ __all__ = [
     "AutoState",
     "auto_hook",
     "Bf16State",
+    "Bucket",
+    "Codec",
     "CompressedState",
+    "check_codec",
+    "Float16Codec",
     "Fp16State",
+    "HookSpec",
+    "hook_names",
+    "hook_spec",
+    "Int8Codec",
     "Int8State",
+    "OneBitCodec",
     "OneBitState",
     "compressed_hook",
     "HookState",
     "PowerSGDHookState",
     "allreduce_hook",
     "powersgd_hook",
+    "register_hook",
+    "unregister_hook",
 ]

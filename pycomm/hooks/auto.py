@@ -72,44 +72,36 @@ import torch.distributed as dist
 
 from pycomm._validate import check_int
 from pycomm.hooks import hierarchy as hier
-from pycomm.hooks.allreduce import (
-    AllreduceState,
-    allreduce_hook,
-    exact_allreduce,
-    sparse_allreduce,
-)
-from pycomm.hooks.compressed import (
-    Codec,
-    CompressedState,
-    Float16Codec,
-    Int8Codec,
-    OneBitCodec,
-    _phase_groups,
-    compressed_hook,
-)
-from pycomm.hooks.lowprec import Bf16State, Fp16State
-from pycomm.hooks.quantized import Int8State, OneBitState
+from pycomm.hooks.allreduce import exact_allreduce, sparse_allreduce
+from pycomm.hooks.codec import Codec
+from pycomm.hooks.compressed import CompressedState
+from pycomm.hooks.groups import phase_groups
+from pycomm.hooks.registry import hook_names, hook_spec
 from pycomm.hooks.state import HookState, check_bucket, is_sparse, ring_bytes
+from pycomm.hooks.warmup import Warmup, timed, timed_allreduce
 
 logger = logging.getLogger(__name__)
 
-# the hooks auto can run, most exact first (the tie-break order)
-CHOICES: dict[str, tuple[type[HookState], Callable]] = {
-    "allreduce": (AllreduceState, allreduce_hook),
-    "bf16": (Bf16State, compressed_hook),
-    "fp16": (Fp16State, compressed_hook),
-    "int8": (Int8State, compressed_hook),
-    "onebit": (OneBitState, compressed_hook),
-}
+
+def choices() -> dict[str, tuple[type[HookState], Callable]]:
+    """The hooks auto can run (registered with ``auto=True``), most exact first (the
+    tie-break order): name -> (state class, hook function).
+
+    Example:
+        >>> list(choices())
+        ['allreduce', 'bf16', 'fp16', 'int8', 'onebit']
+    """
+    return {n: (hook_spec(n).state, hook_spec(n).hook) for n in hook_names(auto=True)}
+
+
+def codec_of(hook: str) -> Optional[Codec]:
+    """The codec hook ``hook`` runs at its defaults (None: the exact all-reduce)."""
+    factory = hook_spec(hook).codec
+    return None if factory is None else factory()
+
+
 # within 0.5 points or 1% of the exact all-reduce in the quality suite (onebit: 1 point or 3%)
 DEFAULT_ALLOW = ("allreduce", "bf16", "fp16", "int8")
-# the codec each hook runs at its defaults, and whether it takes the two-phase exchange
-_FORMAT = {"bf16": "16", "fp16": "16", "int8": "int8", "onebit": "onebit"}
-_CODECS: dict[str, Callable[[], Codec]] = {
-    "16": lambda: Float16Codec(torch.bfloat16),
-    "int8": lambda: Int8Codec(Int8State.default_block),
-    "onebit": lambda: OneBitCodec(OneBitState.default_block),
-}
 _PROBE_MAX = 1 << 21
 # the scalar measurements, all-reduced with MAX in this order
 _MAXED = (
@@ -121,19 +113,20 @@ _MAXED = (
 def check_allow(value: Any) -> tuple[str, ...]:
     """``allow`` as a tuple of hook names, or a ValueError naming the argument, the value and
     the valid names."""
-    valid = ", ".join(CHOICES)
+    known = choices()
+    valid = ", ".join(known)
     if isinstance(value, str) or not isinstance(value, Sequence) or not value:
         raise ValueError(
             f"pycomm auto hook: allow={value!r}, expected a non-empty list of hook names "
             f"from: {valid}"
         )
     for name in value:
-        if not isinstance(name, str) or name not in CHOICES:
+        if not isinstance(name, str) or name not in known:
             raise ValueError(
                 f"pycomm auto hook: allow={list(value)!r} names {name!r}, which auto cannot "
                 f"choose; valid names: {valid}"
             )
-    return tuple(n for n in CHOICES if n in value)
+    return tuple(n for n in known if n in value)
 
 
 def candidate_name(hook: str, hierarchy: str, hierarchies: Sequence[str]) -> str:
@@ -143,17 +136,16 @@ def candidate_name(hook: str, hierarchy: str, hierarchies: Sequence[str]) -> str
 
 
 def _exchange(
-    hook: str, n: int, ranks: int, codec_cost: dict[str, Sequence[float]]
+    hook: str, codec: Optional[Codec], n: int, ranks: int, codec_cost: dict[str, Sequence[float]]
 ) -> tuple[int, float, float, float]:
     """(bytes one rank sends, pre, mid, post seconds) of ``hook``'s exchange of n elements
-    among ``ranks`` ranks."""
-    if hook == "allreduce":
+    among ``ranks`` ranks, with its ``codec`` (None: the exact fp32 all-reduce)."""
+    if codec is None:
         return ring_bytes(4 * n, ranks), 0.0, 0.0, 0.0
-    fmt = _FORMAT[hook]
-    enc, dec = codec_cost[fmt]
-    if fmt == "16":  # one 16-bit all-reduce
-        return ring_bytes(2 * n, ranks), enc * n, 0.0, dec * n
-    codec = _CODECS[fmt]()
+    enc, dec = codec_cost[hook]
+    if not codec.two_phase:  # one all-reduce of the codes
+        numel = max(1, math.ceil(n / codec.block)) * codec.block
+        return ring_bytes(codec.code_bytes(numel), ranks), enc * n, 0.0, dec * n
     c = max(1, math.ceil(n / (ranks * codec.block))) * codec.block
     row = codec.code_bytes(c) + codec.scale_bytes(c)
     # encode the bucket; decode-sum N rows and re-encode the chunk; decode-sum N rows
@@ -169,7 +161,7 @@ def predict(
     Example:
         >>> m = {"step_s": 0.2, "exposed_s": 0.05, "ready_s": [0.05, 0.1], "numel": [2**20] * 2,
         ...      "wire_s_per_byte": 1e-8, "world_size": 2,
-        ...      "codec_s_per_elem": {"16": (1e-9, 1e-9), "int8": (2e-9, 2e-9)}}
+        ...      "codec_s_per_elem": {"bf16": (1e-9, 1e-9), "int8": (2e-9, 2e-9)}}
         >>> {k: round(v, 4) for k, v in predict(m, ["allreduce", "int8"]).items()}
         {'allreduce': 0.1919, 'int8': 0.1701}
     """
@@ -183,18 +175,19 @@ def predict(
     base = float(m["step_s"]) - float(m["exposed_s"])
     out: dict[str, float] = {}
     for hook in allow:
+        codec = codec_of(hook)
+        calls = 1 if codec is None or not codec.two_phase else 2
         for h in hierarchies:
             finish, shift, end = 0.0, 0.0, 0.0
             for t, n in zip(ready, numel):
                 if h == "node":
                     L, M = int(m["local_size"]), int(m["nodes"])
                     s = hier.shard_size(n, L)
-                    nbytes, pre, mid, post = _exchange(hook, s, M, codecs)
+                    nbytes, pre, mid, post = _exchange(hook, codec, s, M, codecs)
                     intra = 2 * (L - 1) * s * 4 * float(m["intra_s_per_byte"])
                     wire = nbytes * float(m["inter_s_per_byte"]) + intra + 3 * latency
                 else:
-                    nbytes, pre, mid, post = _exchange(hook, n, world, codecs)
-                    calls = 1 if hook == "allreduce" or _FORMAT[hook] == "16" else 2
+                    nbytes, pre, mid, post = _exchange(hook, codec, n, world, codecs)
                     wire = nbytes * float(m["wire_s_per_byte"]) + calls * latency
                 shift += pre
                 start = max(t + shift, end)
@@ -320,11 +313,7 @@ class AutoState(HookState):
         self._params: Optional[list[torch.Tensor]] = None
         self._plan: Optional[hier.NodePlan] = None
         # per measured iteration: forward end, bucket ready and reduced times, numels
-        self._fwd: dict[int, tuple[float, float]] = {}  # forward start and end
-        self._fwd_start = 0.0
-        self._ready: dict[int, list[float]] = {}
-        self._done: dict[int, list[float]] = {}
-        self._numel: dict[int, list[int]] = {}
+        self.warmup = Warmup()
         self.device = torch.device("cpu")
         self._group: Optional[dist.ProcessGroup] = None
         super().__init__(process_group)
@@ -351,7 +340,7 @@ class AutoState(HookState):
             # the warm-up, the probes and the decision run on a group of their own (the
             # compressed hooks' first phase group, shared with them), never on DDP's, where
             # DDP issues collectives of its own (bucket rebuilds, a new DDP's broadcasts)
-            self._group = _phase_groups(self.process_group).groups[0]
+            self._group = phase_groups(self.process_group).groups[0]
 
     def hierarchies(self) -> tuple[str, ...]:
         """The hierarchies the decision chooses among."""
@@ -381,14 +370,13 @@ class AutoState(HookState):
         """Mark the start of a training forward (``pycomm.wrap`` registers it as a forward
         pre-hook), for the measurements."""
         if self.chosen is None and torch.is_grad_enabled():
-            self._fwd_start = time.perf_counter()
+            self.warmup.forward_start()
 
     def forward_done(self) -> None:
         """Mark the end of a training forward (``pycomm.wrap`` registers it as a forward hook):
         the start of backward, for the measurements."""
         if self.chosen is None and torch.is_grad_enabled():
-            now = time.perf_counter()
-            self._fwd[self.iter] = (self._fwd_start or now, now)
+            self.warmup.forward_done(self.iter)
 
     # --- the chosen hook ---------------------------------------------------------------
 
@@ -399,7 +387,8 @@ class AutoState(HookState):
 
     def _make_chosen(self, decision: dict[str, Any]) -> None:
         hook, h = decision["choice"], decision["hierarchy"]
-        cls, fn = CHOICES[hook]
+        spec = hook_spec(hook)
+        cls, fn = spec.state, spec.hook
         state = cls(self.process_group, hierarchy=h)
         state.bind()
         if self._params is not None and hasattr(state, "bind_parameters"):
@@ -433,146 +422,72 @@ class AutoState(HookState):
 
     # --- measuring and deciding ----------------------------------------------------------
 
-    def _measured_iters(self) -> list[int]:
-        """The warm-up iterations measured whole: all but the first this DDP ran (DDP rebuilds
-        its buckets after it; iteration 0, or the first after a resume)."""
-        first = min(self._ready, default=None)
-        return sorted(i for i in self._ready if i not in (first, self.iter) and self._done.get(i))
-
     def _measured(self) -> dict[str, Any]:
-        """This rank's measurements (the module's docstring) over :meth:`_measured_iters`."""
-        iters = self._measured_iters()
-        if not iters:
-            raise RuntimeError("pycomm auto hook: no warm-up iteration was measured")
-        numel = self._numel[iters[-1]]
-        fwd, exposed, ready, spb = [], [], [], []
-        for i in iters:
-            r, d = self._ready[i], self._done[i]
-            # backward starts where the forward ends (at the first bucket without the hooks)
-            start, end = self._fwd.get(i, (r[0], r[0]))
-            fwd.append(end - start)
-            exposed.append(max(0.0, max(d) - max(r)))
-            if len(r) == len(numel):
-                ready.append([t - end for t in r])
-            sent = sum(ring_bytes(4 * n, self.world_size) for n in self._numel[i])
-            spb.append(_union(list(zip(r, d))) / sent if sent else 0.0)
-        # The fastest of the iterations, each number on its own: on a shared machine other
-        # processes only ever add time, and the first iterations run on cold caches.
-        m: dict[str, Any] = {
-            "forward_s": min(fwd),
-            "exposed_s": min(exposed),
-            "ready_s": [min(col) for col in zip(*ready)],
-            "numel": list(numel),
-            "wire_s_per_byte": min(spb),
-        }
-        m["step_s"] = m["forward_s"] + max(m["ready_s"]) + m["exposed_s"]
-        return m
+        """This rank's measurements (the module's docstring) over the measured iterations."""
+        return self.warmup.measured(self.iter, self.world_size)
 
     def _probe(self, m: dict[str, Any]) -> None:
-        """The one-time measurements: the codecs' cost on this device; the link's on an
-        accelerator; each level's on several nodes."""
-        n = min(max(m["numel"]), _PROBE_MAX)
-        formats = sorted({_FORMAT[h] for h in self.allow if h in _FORMAT})
-        m["codec_s_per_elem"] = {f: codec_cost(f, n, self.device) for f in formats}
-        x = torch.randn(n, device=self.device)
-        # what a collective costs whatever its size: many small buckets pay it many times
-        m["latency_s"] = _timed_allreduce(torch.zeros(1, device=self.device), self._group)
-        if self.device.type != "cpu":
-            m["wire_s_per_byte"] = _timed_allreduce(x, self._group) / ring_bytes(
-                4 * n, self.world_size
-            )
-        plan = self._plan
-        if plan is not None:
-            L, s = plan.local_size, hier.shard_size(n, plan.local_size)
-            rows = torch.randn(L, s, device=self.device)
-            out = torch.empty_like(rows)
-
-            def intra() -> None:
-                dist.all_to_all_single(out, rows, group=plan.intra.groups[0])
-
-            m["intra_s_per_byte"] = _timed(intra, self.device) / max(1, (L - 1) * s * 4)
-            shard = rows[0].clone()
-            m["inter_s_per_byte"] = _timed_allreduce(shard, plan.cross.groups[0]) / max(
-                1, ring_bytes(4 * s, plan.nodes)
-            )
+        """The one-time measurements (:func:`probe`) into ``m``."""
+        probe(m, self.allow, self.device, self._group, self.world_size, self._plan)
 
     def decide(self, local: dict[str, Any]) -> dict[str, Any]:
         """Agree on the measurements (MAX over ranks) and take the decision; the same on every
         rank. A collective on the hook's group."""
-        keys = [k for k in _MAXED if k in local]
-        flat = [float(local[k]) for k in keys] + [float(t) for t in local["ready_s"]]
-        codecs = local.get("codec_s_per_elem", {})
-        for f in sorted(codecs):
-            flat += [float(v) for v in codecs[f]]
-        t = torch.tensor(flat, dtype=torch.float64)
-        if self.world_size > 1:
-            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self._group)
-        vals = t.tolist()
-        m: dict[str, Any] = dict(zip(keys, vals[: len(keys)]))
-        nb = len(local["ready_s"])
-        m["ready_s"] = vals[len(keys) : len(keys) + nb]
-        m["numel"] = list(local["numel"])
-        rest = vals[len(keys) + nb :]
-        m["codec_s_per_elem"] = {f: rest[2 * i : 2 * i + 2] for i, f in enumerate(sorted(codecs))}
-        m["world_size"] = self.world_size
+        m = agree(local, self._group, self.world_size)
         if self._plan is not None:
             m["nodes"], m["local_size"] = self._plan.nodes, self._plan.local_size
-        predicted = predict(m, self.allow, self.hierarchies())
-        best = choose(predicted)
-        hook, h = _split(best)
-        caps = advise_bucket_cap(m, best)
-        return {
-            "choice": hook,
-            "hierarchy": h,
-            "decided_at": self.iter,
-            "measurements": m,
-            "predicted_s": predicted,
-            "allow": list(self.allow),
-            # the chosen hook's predicted step time for other DDP bucket sizes (advice: DDP
-            # cannot change its buckets once built), and the best of them
-            "bucket_cap_mb_predicted_s": caps,
-            "bucket_cap_mb_best": float(min(caps, key=lambda k: caps[k])),
-        }
+        return decision_from(m, self.allow, self.hierarchies(), self.iter)
 
-    def _decide_now(self) -> None:
+    def decide_now(self) -> None:
+        """Measure, agree across ranks and build the chosen hook's state (every rank, at
+        the same bucket: a collective)."""
         if self.world_size == 1:
-            decision = {
-                "choice": "allreduce",
-                "hierarchy": "flat",
-                "decided_at": self.iter,
-                "measurements": None,
-                "predicted_s": None,
-                "allow": list(self.allow),
-                "bucket_cap_mb_predicted_s": None,
-                "bucket_cap_mb_best": None,
-            }
+            decision = decision_from(None, self.allow, ("flat",), self.iter)
         else:
             local = self._measured()
             self._probe(local)
             decision = self.decide(local)
         self._make_chosen(decision)
-        self._fwd, self._ready, self._done, self._numel = {}, {}, {}, {}
+        self.warmup.reset()
         if self.rank == 0:
-            pred = decision["predicted_s"] or {}
-            logger.info(
-                "pycomm auto hook: chose %s (hierarchy %s) at iteration %d; predicted step "
-                "times: %s",
-                decision["choice"],
-                decision["hierarchy"],
-                decision["decided_at"],
-                ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in pred.items()) or "one rank",
-            )
-            caps, now = decision["bucket_cap_mb_predicted_s"], pred.get(choose(pred)) if pred else 0
-            if caps and min(caps.values()) < (1 - MARGIN) * now:
-                cap = decision["bucket_cap_mb_best"]
-                logger.info(
-                    "pycomm auto hook: %s is predicted %.1f ms per step faster with DDP buckets of "
-                    "%g MB (pass bucket_cap_mb=%g; DDP cannot change its buckets once built)",
-                    decision["choice"],
-                    (now - caps[f"{cap:g}"]) * 1e3,
-                    cap,
-                    cap,
-                )
+            log_decision(decision)
+
+    # --- the hook's steps ---------------------------------------------------------------
+
+    def due(self) -> bool:
+        """Whether to decide at this bucket: at the first bucket of an iteration (where every
+        rank has the same history; later in one, whether its first exchange has completed yet
+        differs between ranks) once ``start_iter`` iterations ran and one was measured whole
+        (a resume before the decision measures again); at once on one rank."""
+        if self.chosen is not None or self.warmup.started(self.iter):
+            return False
+        if self.world_size == 1:
+            return True
+        return self.iter >= self.start_iter and bool(self.warmup.measured_iters(self.iter))
+
+    def run_chosen(self, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+        """Hand ``bucket`` to the chosen hook (after the decision)."""
+        if self.chosen is None or self._chosen_fn is None:
+            raise RuntimeError("pycomm auto hook: run_chosen() before the decision")
+        return self._chosen_fn(self.chosen, bucket)
+
+    def measure_bucket(self, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+        """A warm-up bucket: the exact all-reduce on auto's own group, its ready and reduced
+        times recorded."""
+        x = check_bucket("auto", bucket)
+        self.device = x.device
+        try:
+            done = self.warmup.bucket_ready(self.iter, x.numel())
+            fut = exact_allreduce(self, bucket, x, self._group)
+
+            def reduced(f: torch.futures.Future) -> torch.Tensor:
+                done.append(time.perf_counter())
+                return f.value()
+
+            return fut.then(reduced)
+        finally:
+            if bucket.is_last():
+                self.iter += 1
 
     # --- checkpoint ----------------------------------------------------------------------
 
@@ -590,7 +505,7 @@ class AutoState(HookState):
         state (no new measurement). Another world size or topology is a ValueError."""
         super().load_state_dict(state)
         self.iter = int(state["iter"])
-        self._fwd, self._ready, self._done, self._numel = {}, {}, {}, {}
+        self.warmup.reset()
         self.chosen, self._chosen_fn, self.decision = None, None, None
         decision = state.get("decision")
         if decision is not None:
@@ -598,50 +513,138 @@ class AutoState(HookState):
             self.chosen.load_state_dict(state["chosen"])
 
 
-def _union(intervals: list[tuple[float, float]]) -> float:
-    """Total length of the union of [start, end] intervals."""
-    total, end = 0.0, -math.inf
-    for a, b in sorted(intervals):
-        if b <= end:
-            continue
-        total += b - max(a, end)
-        end = b
-    return total
+def probe(
+    m: dict[str, Any],
+    allow: Sequence[str],
+    device: torch.device,
+    group: Any,
+    world_size: int,
+    plan: Optional[hier.NodePlan],
+) -> None:
+    """The one-time measurements, into ``m``: each allowed codec's cost on ``device``, a
+    collective's latency, the link's cost on an accelerator, each level's on several nodes.
+    Collectives on ``group`` (and the plan's groups)."""
+    n = min(max(m["numel"]), _PROBE_MAX)
+    codecs = {h: codec_of(h) for h in allow}
+    m["codec_s_per_elem"] = {
+        h: codec_cost(c, n, device) for h, c in sorted(codecs.items()) if c is not None
+    }
+    x = torch.randn(n, device=device)
+    # what a collective costs whatever its size: many small buckets pay it many times
+    m["latency_s"] = timed_allreduce(torch.zeros(1, device=device), group)
+    if device.type != "cpu":
+        m["wire_s_per_byte"] = timed_allreduce(x, group) / ring_bytes(4 * n, world_size)
+    if plan is not None:
+        L, s = plan.local_size, hier.shard_size(n, plan.local_size)
+        rows = torch.randn(L, s, device=device)
+        out = torch.empty_like(rows)
+
+        def intra() -> None:
+            dist.all_to_all_single(out, rows, group=plan.intra.groups[0])
+
+        m["intra_s_per_byte"] = timed(intra, device) / max(1, (L - 1) * s * 4)
+        shard = rows[0].clone()
+        m["inter_s_per_byte"] = timed_allreduce(shard, plan.cross.groups[0]) / max(
+            1, ring_bytes(4 * s, plan.nodes)
+        )
 
 
-def _timed(fn: Callable[[], None], device: torch.device, reps: int = 3) -> float:
-    """The fastest of ``reps`` runs of ``fn`` (after one untimed), synchronized on an
-    accelerator."""
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    fn()
-    best = math.inf
-    for _ in range(reps):
-        sync()
-        t0 = time.perf_counter()
-        fn()
-        sync()
-        best = min(best, time.perf_counter() - t0)
-    return best
+def agree(local: dict[str, Any], group: Any, world_size: int) -> dict[str, Any]:
+    """This rank's measurements all-reduced with MAX over ``group`` (the slowest rank bounds
+    the step): the same measurements on every rank. A collective."""
+    keys = [k for k in _MAXED if k in local]
+    flat = [float(local[k]) for k in keys] + [float(t) for t in local["ready_s"]]
+    codecs = local.get("codec_s_per_elem", {})
+    for f in sorted(codecs):
+        flat += [float(v) for v in codecs[f]]
+    t = torch.tensor(flat, dtype=torch.float64)
+    if world_size > 1:
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    vals = t.tolist()
+    m: dict[str, Any] = dict(zip(keys, vals[: len(keys)]))
+    nb = len(local["ready_s"])
+    m["ready_s"] = vals[len(keys) : len(keys) + nb]
+    m["numel"] = list(local["numel"])
+    rest = vals[len(keys) + nb :]
+    m["codec_s_per_elem"] = {f: rest[2 * i : 2 * i + 2] for i, f in enumerate(sorted(codecs))}
+    m["world_size"] = world_size
+    return m
 
 
-def _timed_allreduce(x: torch.Tensor, group) -> float:
-    return _timed(lambda: dist.all_reduce(x, group=group), x.device)
+def decision_from(
+    m: Optional[dict[str, Any]], allow: Sequence[str], hierarchies: Sequence[str], at: int
+) -> dict[str, Any]:
+    """The decision (``stats["auto"]``) from the agreed measurements ``m`` at iteration
+    ``at``; ``m`` None: one rank, the exact all-reduce. A pure function.
+
+    Example:
+        >>> decision_from(None, ["allreduce", "int8"], ("flat",), 5)["choice"]
+        'allreduce'
+    """
+    if m is None:
+        return {
+            "choice": "allreduce", "hierarchy": "flat", "decided_at": at, "measurements": None,
+            "predicted_s": None, "allow": list(allow), "bucket_cap_mb_predicted_s": None,
+            "bucket_cap_mb_best": None,
+        }  # fmt: skip
+    predicted = predict(m, allow, hierarchies)
+    best = choose(predicted)
+    hook, h = _split(best)
+    caps = advise_bucket_cap(m, best)
+    return {
+        "choice": hook,
+        "hierarchy": h,
+        "decided_at": at,
+        "measurements": m,
+        "predicted_s": predicted,
+        "allow": list(allow),
+        # the chosen hook's predicted step time for other DDP bucket sizes (advice: DDP
+        # cannot change its buckets once built), and the best of them
+        "bucket_cap_mb_predicted_s": caps,
+        "bucket_cap_mb_best": float(min(caps, key=lambda k: caps[k])),
+    }
 
 
-def codec_cost(fmt: str, n: int, device: torch.device) -> tuple[float, float]:
-    """(encode, decode-sum) seconds per element of format ``fmt`` ("16", "int8", "onebit") on
-    ``device``, timed on n elements (int8 with its error-feedback residual, as it runs)."""
-    codec = _CODECS[fmt]()
+def log_decision(decision: dict[str, Any]) -> None:
+    """Log the decision once (rank 0): the choice, every candidate's predicted step time, and
+    a better DDP bucket size when one is predicted faster."""
+    pred = decision["predicted_s"] or {}
+    logger.info(
+        "pycomm auto hook: chose %s (hierarchy %s) at iteration %d; predicted step times: %s",
+        decision["choice"],
+        decision["hierarchy"],
+        decision["decided_at"],
+        ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in pred.items()) or "one rank",
+    )
+    caps, now = decision["bucket_cap_mb_predicted_s"], pred.get(choose(pred)) if pred else 0
+    if caps and min(caps.values()) < (1 - MARGIN) * now:
+        cap = decision["bucket_cap_mb_best"]
+        logger.info(
+            "pycomm auto hook: %s is predicted %.1f ms per step faster with DDP buckets of "
+            "%g MB (pass bucket_cap_mb=%g; DDP cannot change its buckets once built)",
+            decision["choice"],
+            (now - caps[f"{cap:g}"]) * 1e3,
+            cap,
+            cap,
+        )
+
+
+def codec_cost(codec: Codec, n: int, device: torch.device) -> tuple[float, float]:
+    """(encode, decode-sum) seconds per element of ``codec`` on ``device``, timed on n
+    elements, with an error-feedback residual (as the compressed hooks run by default).
+
+    Example:
+        >>> codec_cost(pycomm.hooks.Int8Codec(64), 1 << 20, torch.device("cpu"))
+        (1.1e-09, 6e-10)
+    """
     x = torch.randn(n, device=device)
     n_pad = max(1, math.ceil(n / codec.block)) * codec.block
-    r = r_out = None
-    if fmt == "int8":
-        r, r_out = torch.zeros(n_pad, device=device), torch.empty(n_pad, device=device)
+    r, r_out = torch.zeros(n_pad, device=device), torch.empty(n_pad, device=device)
     out = torch.empty(n_pad, device=device)
     codes, scales = codec.encode(x, r, 1.0, n_pad, r_out)
     rows = codec.split(codec.pack(codes, scales, 1), n_pad)
-    enc = _timed(lambda: codec.encode(x, r, 1.0, n_pad, r_out), device)
-    dec = _timed(lambda: codec.decode_sum(rows[0], rows[1], 1.0, out), device)
+    enc = timed(lambda: codec.encode(x, r, 1.0, n_pad, r_out), device)
+    dec = timed(lambda: codec.decode_sum(rows[0], rows[1], 1.0, out), device)
     return enc / n, dec / n
 
 
@@ -653,37 +656,14 @@ def auto_hook(state: AutoState, bucket: dist.GradBucket) -> torch.futures.Future
     Example:
         >>> ddp.register_comm_hook(AutoState(None, allow=["allreduce", "int8"]), auto_hook)
     """
-    # (a resume before the decision measures again: at least one iteration after its first)
-    # Only at the first bucket of an iteration, where every rank has the same history: later
-    # in one, whether its first exchange has completed yet differs between ranks.
-    if (
-        state.chosen is None
-        and state.iter not in state._ready
-        and (state.world_size == 1 or state.iter >= state.start_iter and state._measured_iters())
-    ):
-        state._decide_now()  # on one rank at once: nothing to measure
+    if state.due():
+        state.decide_now()
     if state.chosen is not None:
-        return state._chosen_fn(state.chosen, bucket)
+        return state.run_chosen(bucket)
     if is_sparse(bucket):  # exact in every hook, so neither measured nor a candidate's
         try:
             return sparse_allreduce(state, bucket)
         finally:
             if bucket.is_last():
                 state.iter += 1
-    x = check_bucket("auto", bucket)
-    state.device = x.device
-    it = state.iter
-    try:
-        state._ready.setdefault(it, []).append(time.perf_counter())
-        state._numel.setdefault(it, []).append(x.numel())
-        done = state._done.setdefault(it, [])
-        fut = exact_allreduce(state, bucket, x, state._group)
-
-        def reduced(f: torch.futures.Future) -> torch.Tensor:
-            done.append(time.perf_counter())
-            return f.value()
-
-        return fut.then(reduced)
-    finally:
-        if bucket.is_last():
-            state.iter += 1
+    return state.measure_bucket(bucket)

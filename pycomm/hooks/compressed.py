@@ -12,7 +12,7 @@ phase 2 was issued. So every rank issues the same collectives in the same order 
 however its phase 1s happen to complete (the trap that aborts torch's PowerSGD on gloo).
 """
 
-import datetime
+import inspect
 import logging
 import math
 from typing import Any, Optional
@@ -20,11 +20,12 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from pycomm import ops
 from pycomm._validate import check_bool, check_int
 from pycomm.hooks import advice
 from pycomm.hooks import hierarchy as hier
 from pycomm.hooks.allreduce import exact_allreduce, sparse_allreduce
+from pycomm.hooks.codec import Codec, check_codec
+from pycomm.hooks.groups import Stage, phase_groups
 from pycomm.hooks.layout import BucketLayout
 from pycomm.hooks.residuals import ResidualStore
 from pycomm.hooks.state import HookState, check_bucket, completed, is_sparse, ring_bytes
@@ -32,159 +33,6 @@ from pycomm.hooks.state import HookState, check_bucket, completed, is_sparse, ri
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 
 logger = logging.getLogger(__name__)
-
-
-class Codec:
-    """How one format encodes a flat fp32 sequence and decodes-and-sums rows of it.
-
-    ``block``: elements per scale (and the unit every chunk is padded to); codes and scales of
-    ``m`` elements take ``code_bytes(m)`` and ``scale_bytes(m)`` bytes.
-    """
-
-    code_dtype: torch.dtype
-    scale_dtype: Optional[torch.dtype] = None
-
-    def __init__(self, block: int) -> None:
-        self.block = block
-
-    def code_bytes(self, m: int) -> int:
-        raise NotImplementedError
-
-    def scale_bytes(self, m: int) -> int:
-        return 0
-
-    def encode(self, x, residual, scale, numel, residual_out=None):
-        raise NotImplementedError
-
-    def decode_sum(self, codes, scales, scale, out):
-        raise NotImplementedError
-
-    def pack(
-        self,
-        codes: torch.Tensor,
-        scales: Optional[torch.Tensor],
-        rows: int,
-        out: Optional[torch.Tensor] = None,
-    ) -> torch.Tensor:
-        """Codes and scales of ``rows`` equal chunks as one [rows, bytes] uint8 tensor (written
-        into ``out`` when given)."""
-        cb = codes.numel() * codes.element_size() // rows
-        if out is None:
-            out = torch.empty(
-                rows,
-                cb + (0 if scales is None else scales.numel() * scales.element_size() // rows),
-                dtype=torch.uint8,
-                device=codes.device,
-            )
-        out[:, :cb] = codes.view(torch.uint8).view(rows, cb)
-        if scales is not None:
-            out[:, cb:] = scales.view(torch.uint8).view(rows, -1)
-        return out
-
-    def split(self, rows: torch.Tensor, m: int):
-        """The inverse of :meth:`pack` for chunks of ``m`` elements: ([R, m] codes, scales)."""
-        cb = self.code_bytes(m)
-        # row slices, read in place by the decoders (CPU and CUDA): no copy
-        codes, scales = rows[:, :cb], None if self.scale_dtype is None else rows[:, cb:]
-        codes = codes.view(self.code_dtype)
-        return codes, None if scales is None else scales.view(self.scale_dtype)
-
-
-class Float16Codec(Codec):
-    scale_dtype = None
-
-    def __init__(self, dtype: torch.dtype) -> None:
-        super().__init__(block=8)  # 16-byte aligned chunks
-        self.code_dtype = dtype
-
-    def code_bytes(self, m: int) -> int:
-        return 2 * m
-
-    def encode(self, x, residual, scale, numel, residual_out=None):
-        return ops.encode16(x, residual, scale, self.code_dtype, numel, residual_out), None
-
-    def decode_sum(self, codes, scales, scale, out):
-        return ops.decode16_sum(codes, scale, out)
-
-
-class Int8Codec(Codec):
-    code_dtype, scale_dtype = torch.int8, torch.float32
-
-    def code_bytes(self, m: int) -> int:
-        return m
-
-    def scale_bytes(self, m: int) -> int:
-        return 4 * (m // self.block)
-
-    def encode(self, x, residual, scale, numel, residual_out=None):
-        return ops.quantize_int8(x, residual, scale, self.block, numel, residual_out)
-
-    def decode_sum(self, codes, scales, scale, out):
-        return ops.dequantize_int8_sum(codes, scales, self.block, scale, out)
-
-
-class OneBitCodec(Codec):
-    code_dtype, scale_dtype = torch.uint8, torch.bfloat16
-
-    def code_bytes(self, m: int) -> int:
-        return m // 8
-
-    def scale_bytes(self, m: int) -> int:
-        return 2 * (m // self.block)
-
-    def encode(self, x, residual, scale, numel, residual_out=None):
-        return ops.quantize_onebit(x, residual, scale, self.block, numel, residual_out)
-
-    def decode_sum(self, codes, scales, scale, out):
-        return ops.dequantize_onebit_sum(codes, scales, self.block, scale, out)
-
-
-class _PhaseGroups:
-    """The two process groups of the two-phase exchange over one parent group, and the chain
-    that keeps phase 2 issued in bucket order.
-
-    Shared by every state over the same parent group and kept for the life of that group: a
-    process group must never be released from inside one of its own callbacks (gloo would
-    join its own worker thread and abort), so no hook state owns one.
-    """
-
-    def __init__(self, parent: Optional[dist.ProcessGroup]) -> None:
-        self.parent = parent
-        world = parent or dist.group.WORLD
-        ranks = dist.get_process_group_ranks(world)
-        # new_group() would give them torch's default timeout (30 minutes), not the one the
-        # user set on the group the hook reduces over: a stalled peer must fail phase 1 or 2
-        # within that group's timeout, as it fails DDP's own all-reduce.
-        timeout = group_timeout(world)
-        self.groups = tuple(
-            dist.new_group(ranks, timeout=timeout, use_local_synchronization=True) for _ in range(2)
-        )
-        self.nccl = dist.get_backend(self.groups[1]) == "nccl"
-        self.issued: torch.futures.Future = completed(torch.empty(0))
-
-
-def group_timeout(group: dist.ProcessGroup) -> Optional[datetime.timedelta]:
-    """The timeout ``group`` was created with (None: unknown, torch's default applies)."""
-    device = torch.device("cuda" if dist.get_backend(group) == "nccl" else "cpu")
-    try:  # torch keeps it only in the backend's options (private, checked by a test)
-        timeout = group._get_backend(device).options._timeout
-    except (AttributeError, RuntimeError):
-        return None
-    return timeout if isinstance(timeout, datetime.timedelta) else None
-
-
-_PHASE_GROUPS: dict[int, _PhaseGroups] = {}
-
-
-def _phase_groups(parent: Optional[dist.ProcessGroup]) -> _PhaseGroups:
-    # Keyed by the parent object (held by the entry, so its id cannot be reused); a new
-    # default group after destroy_process_group() gets new phase groups.
-    world = parent or dist.group.WORLD
-    entry = _PHASE_GROUPS.get(id(world))
-    if entry is None or (entry.parent or dist.group.WORLD) is not world:
-        entry = _PHASE_GROUPS[id(world)] = _PhaseGroups(parent)
-        entry.parent = world
-    return entry
 
 
 _RESIDUAL_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16"}
@@ -290,7 +138,7 @@ class CompressedState(HookState):
         # when no parameters were bound: a state registered with plain register_comm_hook
         self._advice_buckets: set[int] = set()
 
-    phases: Optional[_PhaseGroups] = None  # set when the state binds to its group
+    phases: Optional[Stage] = None  # set when the state binds to its group
     node_plan: Optional[hier.NodePlan] = None  # the node hierarchy, when it resolves to it
 
     @property
@@ -312,9 +160,8 @@ class CompressedState(HookState):
         if self.world_size > 1:
             self.node_plan = hier.resolve(self.hook_name, self.process_group, self.hierarchy)
             # with the node hierarchy the exchange runs across nodes only, on its own groups
-            self.phases = _phase_groups(self.process_group) if self.node_plan is None else None
-            if self.node_plan is not None:
-                self.phases = self.node_plan.cross
+            plan = self.node_plan
+            self.phases = phase_groups(self.process_group) if plan is None else plan.cross
 
     @property
     def exchange_size(self) -> int:
@@ -352,8 +199,33 @@ class CompressedState(HookState):
             fp["parameters"] = [list(p.shape) for p in self.bucket_layout.params]
         return fp
 
+    # A registered codec's factory (pycomm.hooks.register_hook(name, codec=...)): its keyword
+    # parameters are the hook's codec options, and make_codec calls it with them.
+    codec_factory: Optional[Any] = None
+    codec_option_names: tuple = ()
+
     def make_codec(self, options: dict[str, Any]) -> Codec:
-        raise NotImplementedError
+        """The codec of this state for ``options`` (the subclass's format). The default
+        calls :attr:`codec_factory` with the codec's own options (set by ``register_hook``)."""
+        if self.codec_factory is None:
+            raise NotImplementedError(f"{type(self).__name__} has no codec_factory")
+        kwargs = {k: options[k] for k in self.codec_option_names if k in options}
+        self.codec_kwargs = kwargs
+        try:
+            codec = self.codec_factory(**kwargs)
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"{self.where}: the codec refused options {kwargs}: {e}") from e
+        check_codec(codec, self.where)
+        return codec
+
+    def codec_options(self) -> dict[str, Any]:
+        """A registered codec's options as this state runs them (its factory's defaults
+        filled in): part of :meth:`options`, so compared across ranks and checkpointed."""
+        if self.codec_factory is None:
+            return {}
+        sig = inspect.signature(self.codec_factory)
+        given = getattr(self, "codec_kwargs", {})
+        return {k: given.get(k, sig.parameters[k].default) for k in self.codec_option_names}
 
     def options(self) -> dict[str, Any]:
         return {
@@ -362,6 +234,7 @@ class CompressedState(HookState):
             "local_feedback": self.local_feedback,
             "residual_dtype": _RESIDUAL_DTYPES[self.residual_dtype],
             "hierarchy": self.hierarchy,
+            **self.codec_options(),
         }
 
     # --- layout ------------------------------------------------------------------------
@@ -374,8 +247,8 @@ class CompressedState(HookState):
     def residual_sizes(self, n: int) -> dict[str, int]:
         """Residual elements kept for a bucket of ``n``: r1 on the whole padded bucket (phase 1;
         none with ``local_feedback=False``), r2 on this rank's chunk (phase 2)."""
-        if not getattr(self, "two_phase", True):
-            return {"r1": n}
+        if not self.codec.two_phase:
+            return {"r1": summed_numel(self.codec, n)}
         c = self.chunk(n)
         if not self.local_feedback:
             return {"r2": c}
@@ -562,29 +435,37 @@ def _two_phase(
     return result
 
 
-def _plain16(
+def _summed(
     state: CompressedState,
     bucket: dist.GradBucket,
     x: torch.Tensor,
     index: Optional[int] = None,
     step: Optional[int] = None,
 ):
-    """16-bit all-reduce: encode (pre-scaled, optional residual), sum in 16 bits, decode."""
-    n, w = x.numel(), state.exchange_size
+    """A ``two_phase=False`` codec's exchange: encode (pre-scaled, optional residual), sum
+    the codes in their own dtype with one all-reduce, decode once."""
+    codec, n, w = state.codec, x.numel(), state.exchange_size
     step = state.iter if step is None else step
     index = bucket.index() if index is None else index
     state.device = x.device
+    numel = summed_numel(codec, n)
     r1, _, r1_out, _ = state.residual((index, n, str(x.dtype)), n)
-    enc = ops.encode16(x, r1, 1.0 / w, state.codec.code_dtype, n, r1_out)
-    state.count_exchange(bucket, ring_bytes(2 * n, w), collectives=1)
+    enc, _ = codec.encode(x, r1, 1.0 / w, numel, r1_out)
+    state.count_exchange(bucket, ring_bytes(codec.code_bytes(numel), w), collectives=1)
     work = dist.all_reduce(enc, group=state.phases.groups[0], async_op=True)
 
     def decode(fut: torch.futures.Future) -> torch.Tensor:
         fut.value()
-        state.note_decode(ops.decode16_sum(enc.view(1, -1), 1.0, x), step)
+        state.note_decode(codec.decode_sum(enc.view(1, -1), None, 1.0, x), step)
         return x
 
     return work.get_future().then(decode)
+
+
+def summed_numel(codec: Codec, n: int) -> int:
+    """Elements a ``two_phase=False`` codec encodes for a bucket of ``n``: n rounded up to
+    whole blocks (what the exchange sums, and the size of its residual)."""
+    return max(1, math.ceil(n / codec.block)) * codec.block
 
 
 def compressed_hook(
@@ -630,7 +511,7 @@ def compressed_hook(
             return _node(state, bucket, x)
         if state.iter < state.start_iter:
             return exact_allreduce(state, bucket, x, state.phases.groups[0])
-        reduce = _two_phase if getattr(state, "two_phase", True) else _plain16
+        reduce = _two_phase if state.codec.two_phase else _summed
         if state.bucket_layout.bound:
             return state.bucket_layout.run(bucket, x, lambda b, t, i: reduce(state, b, t, i))
         return reduce(state, bucket, x)
@@ -662,13 +543,14 @@ def _node(state: CompressedState, bucket: dist.GradBucket, x: torch.Tensor):
 
     def reduce(state: CompressedState, bucket, x: torch.Tensor, index: int):
         s = hier.shard_size(x.numel(), L)
-        if getattr(state, "two_phase", True):
+        if state.codec.two_phase:
             c = state.chunk(s)
             row = state.codec.code_bytes(c) + state.codec.scale_bytes(c)
             nbytes, calls = 2 * (m - 1) * row, 2
             path = _two_phase
         else:
-            nbytes, calls, path = ring_bytes(2 * s, m), 1, _plain16
+            numel = summed_numel(state.codec, s)
+            nbytes, calls, path = ring_bytes(state.codec.code_bytes(numel), m), 1, _summed
 
         step = state.iter  # now, in the hook: stage 2 runs later, from a callback
 

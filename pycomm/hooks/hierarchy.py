@@ -27,7 +27,8 @@ from typing import Any, Callable, Optional
 import torch
 import torch.distributed as dist
 
-from pycomm.hooks.state import completed, ring_bytes
+from pycomm.hooks.groups import Stage, completed, new_groups
+from pycomm.hooks.state import ring_bytes
 from pycomm.topology import Topology, topology
 
 logger = logging.getLogger(__name__)
@@ -44,16 +45,6 @@ def check_hierarchy(hook: str, value: Any) -> str:
     return value
 
 
-class _Stage:
-    """Process groups of one level and the chain that keeps a stage issued in bucket order.
-    Has the attributes the two-phase exchange reads from its phase groups."""
-
-    def __init__(self, groups: tuple, nccl: bool) -> None:
-        self.groups = groups
-        self.nccl = nccl
-        self.issued: torch.futures.Future = completed(torch.empty(0))
-
-
 @dataclass
 class NodePlan:
     """The resolved node hierarchy of one parent group, shared by every state over it."""
@@ -62,8 +53,8 @@ class NodePlan:
     local_size: int  # L, the same on every node
     position: int  # this rank's place on its node (its shard)
     node_index: int  # its node's place among the group's nodes
-    intra: _Stage  # two groups over this node's ranks
-    cross: _Stage  # two groups over the ranks with this position on every node
+    intra: Stage  # two groups over this node's ranks
+    cross: Stage  # two groups over the ranks with this position on every node
     cross_issued: torch.futures.Future  # stage 2 of the latest bucket was issued
     gather_issued: torch.futures.Future  # stage 3 of the latest bucket was issued
 
@@ -151,8 +142,6 @@ def resolve(hook: str, parent: Optional[dist.ProcessGroup], hierarchy: str) -> O
 
 
 def _make_plan(world, everyone: list[Topology], nodes: dict) -> NodePlan:
-    from pycomm.hooks.compressed import group_timeout
-
     me = dist.get_rank(world)
     global_ranks = dist.get_process_group_ranks(world)
     order = sorted(nodes)
@@ -161,13 +150,9 @@ def _make_plan(world, everyone: list[Topology], nodes: dict) -> NodePlan:
     mine = members[order[node_index]]
     position = mine.index(me)
     cross = [members[n][position] for n in order]
-    timeout = group_timeout(world)
 
     def groups(ranks: list[int]) -> tuple:
-        ranks = [global_ranks[r] for r in ranks]
-        return tuple(
-            dist.new_group(ranks, timeout=timeout, use_local_synchronization=True) for _ in range(2)
-        )
+        return new_groups(world, [global_ranks[r] for r in ranks])
 
     # every rank creates its node's groups, then its position's: the same order everywhere
     intra = groups(mine)
@@ -178,15 +163,19 @@ def _make_plan(world, everyone: list[Topology], nodes: dict) -> NodePlan:
         local_size=len(mine),
         position=position,
         node_index=node_index,
-        intra=_Stage(intra, nccl),
-        cross=_Stage(crossg, nccl),
+        intra=Stage(intra, nccl),
+        cross=Stage(crossg, nccl),
         cross_issued=completed(torch.empty(0)),
         gather_issued=completed(torch.empty(0)),
     )
 
 
 class _ShardBucket:
-    """The bucket as the cross-node exchange sees it: DDP's index and last flag, the shard."""
+    """The bucket as the cross-node exchange sees it (:class:`pycomm.hooks.Bucket`): DDP's
+    index, last flag and parameters, the shard as its buffer."""
+
+    def parameters(self) -> list[torch.Tensor]:
+        return self._bucket.parameters()
 
     def __init__(self, bucket, shard: torch.Tensor) -> None:
         self._bucket, self._shard = bucket, shard

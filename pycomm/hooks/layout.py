@@ -108,7 +108,8 @@ class BucketLayout:
         for r in complete:
             # the step is counted once: on DDP's last bucket, by the last hook bucket it completes
             last = bucket.is_last() and r == complete[-1]
-            reduced = reduce(_HookBucket(r, rb.buffers[r], last), rb.buffers[r], r)
+            hb = _HookBucket(r, rb.buffers[r], last, [self.params[i] for i in self.buckets[r]])
+            reduced = reduce(hb, rb.buffers[r], r)
             reduced.then(lambda f, r=r: self._scatter(rb, r, f))
         if bucket.is_last():
             self.rebucket = None
@@ -165,10 +166,15 @@ class _Rebucket:
 
 
 class _HookBucket:
-    """A hook bucket as the exchange sees it (index, buffer, is_last)."""
+    """A hook bucket as the exchange sees it (:class:`pycomm.hooks.Bucket`)."""
 
-    def __init__(self, index: int, buffer: torch.Tensor, last: bool) -> None:
-        self._index, self._buffer, self._last = index, buffer, last
+    def __init__(
+        self, index: int, buffer: torch.Tensor, last: bool, params: list[torch.Tensor]
+    ) -> None:
+        self._index, self._buffer, self._last, self._params = index, buffer, last, params
+
+    def parameters(self) -> list[torch.Tensor]:
+        return list(self._params)
 
     def index(self) -> int:
         return self._index

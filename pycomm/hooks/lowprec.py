@@ -5,7 +5,8 @@ from typing import Any
 import torch
 
 from pycomm._validate import check_bool
-from pycomm.hooks.compressed import Codec, CompressedState, Float16Codec
+from pycomm.hooks.codec import Codec, Float16Codec
+from pycomm.hooks.compressed import CompressedState
 
 
 class _Float16State(CompressedState):
@@ -20,8 +21,13 @@ class _Float16State(CompressedState):
     option_names = (*CompressedState.option_names, "two_phase")
 
     def make_codec(self, options: dict[str, Any]) -> Codec:
-        self.two_phase = check_bool(self.where, "two_phase", options.get("two_phase", False))
-        return Float16Codec(self.dtype)
+        two_phase = check_bool(self.where, "two_phase", options.get("two_phase", False))
+        return Float16Codec(self.dtype, two_phase=two_phase)
+
+    @property
+    def two_phase(self) -> bool:
+        """Whether this hook takes the two-phase exchange (its codec's ``two_phase``)."""
+        return self.codec.two_phase
 
     def options(self) -> dict[str, Any]:
         return {**super().options(), "two_phase": self.two_phase}

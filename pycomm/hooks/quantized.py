@@ -3,7 +3,8 @@
 from typing import Any, Optional
 
 from pycomm._validate import check_int
-from pycomm.hooks.compressed import Codec, CompressedState, Int8Codec, OneBitCodec
+from pycomm.hooks.codec import Codec, Int8Codec, OneBitCodec
+from pycomm.hooks.compressed import CompressedState
 
 
 class Int8State(CompressedState):

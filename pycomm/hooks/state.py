@@ -8,6 +8,10 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
+from pycomm.hooks.groups import completed
+
+__all__ = ["HookState", "check_bucket", "check_owner", "completed", "ring_bytes"]
+
 logger = logging.getLogger(__name__)
 
 
@@ -23,6 +27,14 @@ class HookState:
     ``collectives`` (collective calls issued), ``bytes_sent`` (the payload this rank put on the
     wire), ``bytes_fp32`` (what an fp32 ring all-reduce of the same buckets sends) and
     ``compression`` (bytes_fp32 / bytes_sent).
+
+    The contract a subclass of one's own keeps (docs/custom_hooks.md, "The contracts"): built
+    as ``State(process_group, **options)``, possibly before the group exists; :meth:`bind`
+    once the group does (a subclass sets up in ``_bound``); :meth:`options` is compared across
+    ranks by ``pycomm.wrap``/``register`` and stored in :meth:`fingerprint`; :meth:`state_dict`
+    carries the rank and world size it belongs to and :meth:`load_state_dict` refuses another
+    hook, config, rank or world size; :meth:`count` keeps ``stats``. One state serves one DDP
+    model. Pass it as ``pycomm.wrap(model, hook=(state, hook_fn))``.
 
     Example:
         >>> state = pycomm.hooks.AllreduceState(process_group=None)
@@ -208,10 +220,3 @@ def check_bucket(hook: str, bucket: dist.GradBucket) -> torch.Tensor:
             f"{t.layout}, expected a dense floating-point gradient bucket"
         )
     return t
-
-
-def completed(t: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
-    """A future already holding ``t``: what a hook returns when it does not communicate."""
-    fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
-    fut.set_result(t)
-    return fut

@@ -1,0 +1,373 @@
+"""The codec protocol of pycomm's compression engine, its built-in implementations, and the
+self-check a codec passes when it is registered.
+
+A codec turns a flat gradient into codes (and optional scales) and decodes-and-sums rows of
+them. The engine (:func:`pycomm.hooks.compressed_hook`) does everything else: the two-phase
+exchange, error feedback (the residuals' storage, ``residual_dtype``, keeping a step's new
+residuals apart until the step is known finite), ``start_iter``, ``hierarchy="node"``, the
+statistics, ``state_dict`` and resume, the accumulate stage and ``TrainLoop``'s norm.
+
+The rules every codec follows (:class:`Codec` states each one):
+
+- **Blocks and padding.** ``block`` is the unit of a chunk: every length the engine hands to
+  :meth:`~Codec.encode` (``numel``) or decodes (``m``) is a multiple of ``block``. The engine
+  pads the bucket with zeros up to that length; the codec reads ``x`` (``n <= numel``
+  elements) as if zero-padded.
+- **Bytes.** ``code_bytes(m)`` and ``scale_bytes(m)`` are the bytes of the codes and scales of
+  ``m`` elements (multiples of the dtypes' sizes); the engine packs both into one uint8 row per
+  rank, so they must be exact.
+- **Statistics.** :meth:`~Codec.decode_sum` returns a float64 tensor of 2 on ``out``'s device:
+  the sum of ``out**2`` over its finite elements and the count of its non-finite elements. The
+  residual store keeps a step's residuals only when every count is 0 (the non-finite skip),
+  and ``TrainLoop`` clips with the summed squares (no extra pass over the gradients).
+- **Non-finite input.** A NaN or Inf in ``x`` must decode to a non-finite value (not a finite
+  one), so that every rank sees it and skips the step; where it is, the residual keeps its
+  old value.
+- **Devices.** Every call runs on the bucket's device (CPU or CUDA), with every tensor it
+  gets and returns there; a codec never synchronizes with the host (no ``.item()``): on an
+  accelerator the engine only enqueues work.
+
+Example:
+    >>> codec = pycomm.hooks.Int8Codec(block=64)
+    >>> pycomm.hooks.check_codec(codec)  # what register_hook runs on a user's codec
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+
+from pycomm import ops
+
+__all__ = ["Codec", "Float16Codec", "Int8Codec", "OneBitCodec", "check_codec"]
+
+
+class Codec:
+    """A compression format for :func:`pycomm.hooks.compressed_hook`: subclass it (or write
+    a class with the same attributes and methods) and register it with
+    :func:`pycomm.hooks.register_hook`.
+
+    Attributes:
+        block: elements per scale, and the unit every chunk is padded to (a positive int).
+        code_dtype: dtype of the codes (e.g. torch.int8).
+        scale_dtype: dtype of the scales, or None when the format has none.
+        two_phase: True (default): the two-phase exchange (each rank decodes and sums its
+            chunk of every rank's codes in fp32, re-encodes the sum and sends it to all).
+            False: the codes themselves are summed by one all-reduce in ``code_dtype`` (a
+            linear format without scales, as fp16), then decoded once.
+
+    Example:
+        >>> class Half(pycomm.hooks.Codec):
+        ...     code_dtype, block = torch.float16, 8
+        ...     def code_bytes(self, m): return 2 * m
+        ...     def encode(self, x, residual, scale, numel, residual_out=None): ...
+        ...     def decode_sum(self, codes, scales, scale, out): ...
+    """
+
+    block: int  # set by the subclass (a class attribute or in __init__)
+    code_dtype: torch.dtype
+    scale_dtype: Optional[torch.dtype] = None
+    two_phase: bool = True
+
+    def code_bytes(self, m: int) -> int:
+        """Bytes of the codes of ``m`` elements (``m`` a multiple of ``block``)."""
+        raise NotImplementedError
+
+    def scale_bytes(self, m: int) -> int:
+        """Bytes of the scales of ``m`` elements (0 without scales)."""
+        return 0
+
+    def encode(
+        self,
+        x: torch.Tensor,
+        residual: Optional[torch.Tensor],
+        scale: float,
+        numel: int,
+        residual_out: Optional[torch.Tensor] = None,
+    ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """Encode ``y = x * scale + residual`` over ``numel`` elements.
+
+        Args:
+            x: the flat input, fp32, bf16 or fp16, ``n <= numel`` elements (read as if
+                zero-padded to ``numel``); never written.
+            residual: the error-feedback residual (fp32 or bf16, ``numel`` elements), or None
+                for no error feedback.
+            scale: multiplies ``x`` first (the engine passes 1/N in phase 1, 1 in phase 2).
+            numel: elements to encode, a multiple of ``block``.
+            residual_out: where the new residual ``y - decode(codes)`` goes (same size and
+                dtype as ``residual``); None: into ``residual`` in place. Where ``y`` is not
+                finite the new residual keeps the old value.
+
+        Returns:
+            ``(codes, scales)``: 1-D tensors of ``code_dtype`` and ``scale_dtype`` with
+            ``code_bytes(numel)`` and ``scale_bytes(numel)`` bytes; scales None without a
+            ``scale_dtype``.
+        """
+        raise NotImplementedError
+
+    def decode_sum(
+        self,
+        codes: torch.Tensor,
+        scales: Optional[torch.Tensor],
+        scale: float,
+        out: torch.Tensor,
+    ) -> torch.Tensor:
+        """Write ``out = scale * sum_r decode(codes[r], scales[r])`` (summed in fp32, in row
+        order, so every rank gets the same bits) for the first ``out.numel()`` elements.
+
+        Args:
+            codes: ``[R, code_bytes(m) / itemsize]`` of ``code_dtype``: R rows of ``m``
+                elements each; possibly a strided view (rows of a packed receive buffer).
+            scales: ``[R, scale_bytes(m) / itemsize]`` of ``scale_dtype``, or None.
+            scale: multiplies the sum.
+            out: the destination, ``<= m`` elements, fp32, bf16 or fp16 (the bucket's
+                dtype); may have 0 elements (the padding past a bucket's end).
+
+        Returns:
+            float64 ``[sum of out**2 over finite out, count of non-finite out]`` on ``out``'s
+            device.
+        """
+        raise NotImplementedError
+
+    def pack(
+        self,
+        codes: torch.Tensor,
+        scales: Optional[torch.Tensor],
+        rows: int,
+        out: Optional[torch.Tensor] = None,
+    ) -> torch.Tensor:
+        """Codes and scales of ``rows`` equal chunks as one [rows, bytes] uint8 tensor (written
+        into ``out`` when given)."""
+        cb = codes.numel() * codes.element_size() // rows
+        if out is None:
+            out = torch.empty(
+                rows,
+                cb + (0 if scales is None else scales.numel() * scales.element_size() // rows),
+                dtype=torch.uint8,
+                device=codes.device,
+            )
+        out[:, :cb] = codes.view(torch.uint8).view(rows, cb)
+        if scales is not None:
+            out[:, cb:] = scales.view(torch.uint8).view(rows, -1)
+        return out
+
+    def split(self, rows: torch.Tensor, m: int) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """The inverse of :meth:`pack` for chunks of ``m`` elements: ([R, m] codes, scales)."""
+        cb = self.code_bytes(m)
+        # row slices, read in place by the decoders (CPU and CUDA): no copy
+        codes, scales = rows[:, :cb], None if self.scale_dtype is None else rows[:, cb:]
+        codes = codes.view(self.code_dtype)
+        return codes, None if scales is None else scales.view(self.scale_dtype)
+
+
+class Float16Codec(Codec):
+    """fp16 or bf16 codes (``dtype``), no scales, 16-byte aligned chunks (block 8).
+
+    ``two_phase`` (default False): one 16-bit all-reduce of the codes; True: the two-phase
+    exchange, which sums in fp32.
+
+    Example:
+        >>> codec = Float16Codec(torch.bfloat16, two_phase=True)
+    """
+
+    scale_dtype = None
+
+    def __init__(self, dtype: torch.dtype = torch.bfloat16, two_phase: bool = False) -> None:
+        if dtype not in (torch.float16, torch.bfloat16):
+            raise ValueError(f"pycomm Float16Codec: dtype={dtype}, expected float16 or bfloat16")
+        self.block = 8
+        self.code_dtype = dtype
+        self.two_phase = bool(two_phase)
+
+    def code_bytes(self, m: int) -> int:
+        return 2 * m
+
+    def encode(self, x, residual, scale, numel, residual_out=None):
+        return ops.encode16(x, residual, scale, self.code_dtype, numel, residual_out), None
+
+    def decode_sum(self, codes, scales, scale, out):
+        return ops.decode16_sum(codes, scale, out)
+
+
+class Int8Codec(Codec):
+    """Symmetric int8 codes, one fp32 scale (absmax / 127) per ``block`` elements.
+
+    Example:
+        >>> codec = Int8Codec(block=64)
+    """
+
+    code_dtype, scale_dtype = torch.int8, torch.float32
+
+    def __init__(self, block: int = 64) -> None:
+        self.block = block
+
+    def code_bytes(self, m: int) -> int:
+        return m
+
+    def scale_bytes(self, m: int) -> int:
+        return 4 * (m // self.block)
+
+    def encode(self, x, residual, scale, numel, residual_out=None):
+        return ops.quantize_int8(x, residual, scale, self.block, numel, residual_out)
+
+    def decode_sum(self, codes, scales, scale, out):
+        return ops.dequantize_int8_sum(codes, scales, self.block, scale, out)
+
+
+class OneBitCodec(Codec):
+    """One sign bit per element, one bf16 scale (mean |y|) per ``block`` (a multiple of 8).
+
+    Example:
+        >>> codec = OneBitCodec(block=64)
+    """
+
+    code_dtype, scale_dtype = torch.uint8, torch.bfloat16
+
+    def __init__(self, block: int = 64) -> None:
+        self.block = block
+
+    def code_bytes(self, m: int) -> int:
+        return m // 8
+
+    def scale_bytes(self, m: int) -> int:
+        return 2 * (m // self.block)
+
+    def encode(self, x, residual, scale, numel, residual_out=None):
+        return ops.quantize_onebit(x, residual, scale, self.block, numel, residual_out)
+
+    def decode_sum(self, codes, scales, scale, out):
+        return ops.dequantize_onebit_sum(codes, scales, self.block, scale, out)
+
+
+def _fail(where: str, what: str) -> None:
+    raise ValueError(f"{where}: {what}")
+
+
+def _check_bytes(where: str, codec: Any, name: str, m: int, dtype) -> int:
+    nbytes = getattr(codec, name)(m)
+    if not isinstance(nbytes, int) or isinstance(nbytes, bool) or nbytes < 0:
+        _fail(where, f"{name}({m}) returned {nbytes!r}, expected a non-negative int")
+    if dtype is None and nbytes:
+        _fail(where, f"{name}({m}) returned {nbytes} with scale_dtype None, expected 0")
+    size = 1 if dtype is None else torch.empty(0, dtype=dtype).element_size()
+    if nbytes % size:
+        _fail(where, f"{name}({m}) returned {nbytes}, expected a multiple of {size} ({dtype})")
+    return nbytes
+
+
+def _check_out(where: str, call: str, name: str, t: Any, dtype, nbytes: int, device) -> None:
+    if dtype is None:
+        if t is not None:
+            _fail(where, f"{call} returned {name} {type(t).__name__}, expected None")
+        return
+    if not isinstance(t, torch.Tensor):
+        _fail(where, f"{call} returned {name}={type(t).__name__}, expected a tensor")
+    if t.dtype != dtype or t.dim() != 1 or t.numel() * t.element_size() != nbytes:
+        _fail(
+            where,
+            f"{call} returned {name} of dtype {t.dtype} and shape {list(t.shape)}, expected "
+            f"a 1-D {dtype} tensor of {nbytes} bytes (the codec's byte count)",
+        )
+    if t.device != device:
+        _fail(where, f"{call} returned {name} on {t.device}, expected the input's {device}")
+
+
+def _check_stats_type(where: str, stats: Any, device) -> None:
+    if (
+        not isinstance(stats, torch.Tensor)
+        or stats.dtype != torch.float64
+        or tuple(stats.shape) != (2,)
+        or stats.device != device
+    ):
+        got = (
+            stats
+            if not isinstance(stats, torch.Tensor)
+            else f"{stats.dtype} {list(stats.shape)} on {stats.device}"
+        )
+        _fail(
+            where,
+            f"decode_sum returned {got}, expected float64 [2] (squared norm, non-finite count) "
+            f"on out's device ({device})",
+        )
+
+
+def check_codec(codec: Any, where: str = "pycomm.hooks.check_codec", device: Any = "cpu") -> None:
+    """Run ``codec`` once on a few blocks on ``device`` (default the CPU; pass "cuda" to check
+    a codec there too) and raise a ValueError naming what breaks the
+    :class:`Codec` protocol: its attributes, byte counts, the dtypes and sizes ``encode``
+    returns, the residual it leaves (``y - decode(codes)``) and the statistics of
+    ``decode_sum``. :func:`pycomm.hooks.register_hook` runs it on every codec it registers.
+
+    Example:
+        >>> check_codec(pycomm.hooks.Int8Codec(block=64))
+    """
+    name = type(codec).__name__
+    where = f"{where}: codec {name}"
+    block = getattr(codec, "block", None)
+    if not isinstance(block, int) or isinstance(block, bool) or block < 1:
+        _fail(where, f"block={block!r}, expected a positive int")
+    for attr in ("code_bytes", "scale_bytes", "encode", "decode_sum", "pack", "split"):
+        if not callable(getattr(codec, attr, None)):
+            _fail(where, f"has no method {attr}(), expected the pycomm.hooks.Codec protocol")
+    code_dtype, scale_dtype = getattr(codec, "code_dtype", None), getattr(codec, "scale_dtype", 0)
+    if not isinstance(code_dtype, torch.dtype):
+        _fail(where, f"code_dtype={code_dtype!r}, expected a torch.dtype")
+    if scale_dtype is not None and not isinstance(scale_dtype, torch.dtype):
+        _fail(where, f"scale_dtype={scale_dtype!r}, expected a torch.dtype or None")
+    two_phase = getattr(codec, "two_phase", None)
+    if not isinstance(two_phase, bool):
+        _fail(where, f"two_phase={two_phase!r}, expected True or False")
+    if not two_phase and scale_dtype is not None:
+        _fail(where, "two_phase=False with scales: only scale-free codes can be summed as they are")
+    m, rows = 2 * block, 2
+    cb = _check_bytes(where, codec, "code_bytes", m, code_dtype)
+    sb = _check_bytes(where, codec, "scale_bytes", m, scale_dtype)
+    if cb + sb == 0:
+        _fail(where, f"code_bytes({m}) + scale_bytes({m}) is 0, expected bytes to send")
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(rows, m - 1, generator=gen).to(device)  # one short: the padding rule
+    dev = x.device  # "cuda" resolved to "cuda:0"
+    residual = (torch.randn(rows, m, generator=gen) * 1e-3).to(dev)
+    before = residual.clone()
+    out_res = torch.full_like(residual, float("nan"))  # what encode does not write stays NaN
+    packed = torch.empty(rows, cb + sb, dtype=torch.uint8, device=dev)
+    for r in range(rows):
+        call = f"encode(x of {m - 1}, residual, 0.5, {m}, residual_out)"
+        codes, scales = codec.encode(x[r], residual[r], 0.5, m, out_res[r])
+        _check_out(where, call, "codes", codes, code_dtype, cb, x.device)
+        _check_out(where, call, "scales", scales, scale_dtype, sb, x.device)
+        codec.pack(codes, scales, 1, out=packed[r : r + 1])
+    if not torch.equal(residual, before):
+        _fail(where, "encode(..., residual_out) changed residual, expected it only read")
+    codes, scales = codec.split(packed, m)
+    if codes.dtype != code_dtype or codes.shape[0] != rows:
+        _fail(where, f"split() gave codes {codes.dtype} {list(codes.shape)}, expected {rows} rows")
+    y = torch.nn.functional.pad(x * 0.5, (0, 1)) + before
+    for r in range(rows):
+        one = torch.empty(m, device=dev)
+        st = codec.decode_sum(
+            codes[r : r + 1], None if scales is None else scales[r : r + 1], 1.0, one
+        )
+        _check_stats_type(where, st, dev)
+        if not torch.allclose(one + out_res[r], y[r], rtol=1e-3, atol=1e-5):
+            worst = (one + out_res[r] - y[r]).abs().max().item()
+            _fail(
+                where,
+                "the residual encode() wrote is not y - decode(codes) (off by up to "
+                f"{worst:.3g}): error feedback would drift",
+            )
+    out = torch.full(
+        (m - 3,), float("nan"), device=dev
+    )  # shorter than a chunk: the last rank's part
+    stats = codec.decode_sum(codes, scales, 0.5, out)
+    _check_stats_type(where, stats, dev)
+    sq, bad = out.double().pow(2).sum().item(), float((~torch.isfinite(out)).sum())
+    if bad or not torch.allclose(
+        stats.cpu(), torch.tensor([sq, bad], dtype=torch.float64), rtol=1e-4
+    ):
+        _fail(
+            where,
+            f"decode_sum returned stats {stats.tolist()}, expected [{sq:.6g}, {bad:g}] "
+            "(sum of out**2 over finite out, count of non-finite out) for the out it wrote",
+        )

@@ -1,0 +1,90 @@
+"""Process-group helpers of the hooks: a leaf module (it imports no other hook module).
+
+:class:`Stage` is one level's pair of process groups and the chain of futures that keeps a
+stage's collectives issued in bucket order: the compressed hooks' two-phase exchange runs on
+one (:func:`phase_groups`), the node hierarchy on two (inside the node, across nodes).
+"""
+
+from __future__ import annotations
+
+import datetime
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+
+def completed(t: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
+    """A future already holding ``t``: what a hook returns when it does not communicate.
+
+    Example:
+        >>> completed(torch.zeros(1)).value()
+        tensor([0.])
+    """
+    fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+    fut.set_result(t)
+    return fut
+
+
+def group_timeout(group: dist.ProcessGroup) -> Optional[datetime.timedelta]:
+    """The timeout ``group`` was created with (None: unknown, torch's default applies).
+
+    Example:
+        >>> group_timeout(dist.group.WORLD)
+        datetime.timedelta(seconds=1800)
+    """
+    device = torch.device("cuda" if dist.get_backend(group) == "nccl" else "cpu")
+    try:  # torch keeps it only in the backend's options (private, checked by a test)
+        timeout = group._get_backend(device).options._timeout
+    except (AttributeError, RuntimeError):
+        return None
+    return timeout if isinstance(timeout, datetime.timedelta) else None
+
+
+def new_groups(parent: dist.ProcessGroup, ranks: list[int], count: int = 2) -> tuple:
+    """``count`` new process groups over ``ranks`` (global ranks), with ``parent``'s timeout:
+    new_group() alone would give them torch's default (30 minutes), and a stalled peer must
+    fail them within the timeout the user set, as it fails DDP's own all-reduce."""
+    timeout = group_timeout(parent)
+    return tuple(
+        dist.new_group(ranks, timeout=timeout, use_local_synchronization=True) for _ in range(count)
+    )
+
+
+class Stage:
+    """The two process groups of one level and the chain that keeps its second collective
+    issued in bucket order (``issued``: the latest bucket's was issued).
+
+    Shared by every state over the same groups and kept for the life of the parent group: a
+    process group must never be released from inside one of its own callbacks (gloo would
+    join its own worker thread and abort), so no hook state owns one.
+
+    Example:
+        >>> stage = Stage(new_groups(dist.group.WORLD, [0, 1]))
+        >>> stage.groups[0], stage.nccl
+    """
+
+    def __init__(self, groups: tuple, nccl: Optional[bool] = None) -> None:
+        self.groups = groups
+        self.nccl = dist.get_backend(groups[-1]) == "nccl" if nccl is None else nccl
+        self.issued: torch.futures.Future = completed(torch.empty(0))
+
+
+_PHASE_GROUPS: dict[int, tuple[dist.ProcessGroup, Stage]] = {}
+
+
+def phase_groups(parent: Optional[dist.ProcessGroup]) -> Stage:
+    """The :class:`Stage` of the two-phase exchange over ``parent`` (None: the default group),
+    created at the first call on every rank of it (a collective) and shared afterwards.
+
+    Example:
+        >>> g1, g2 = phase_groups(None).groups
+    """
+    # Keyed by the parent object (held by the entry, so its id cannot be reused); a new
+    # default group after destroy_process_group() gets new phase groups.
+    world = parent or dist.group.WORLD
+    entry = _PHASE_GROUPS.get(id(world))
+    if entry is None or entry[0] is not world:
+        stage = Stage(new_groups(world, dist.get_process_group_ranks(world)))
+        entry = _PHASE_GROUPS[id(world)] = (world, stage)
+    return entry[1]

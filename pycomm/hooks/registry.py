@@ -1,0 +1,255 @@
+"""The one registry of pycomm's hooks: what ``pycomm.wrap(hook=name)``, ``pycomm.register``,
+``hook="auto"``'s candidates, ``python -m pycomm.bench --hooks/--list-hooks`` and
+``python -m pycomm.bench.quality --hooks`` read.
+
+A hook is a :class:`HookSpec`: a name, its state class, its hook function, its codec for the
+compressed hooks, and whether ``auto`` may choose it. :func:`register_hook` checks a spec
+(and runs the codec once, :func:`pycomm.hooks.check_codec`) when it is registered, so a bad
+one is an error there, not at the first backward.
+
+A name registered in a module is known in every process that imports the module: import it
+on every rank (the bench and the quality suite take ``--import MODULE`` for that, and import
+the modules of the hooks registered in the calling process on their ranks themselves).
+
+Example:
+    >>> pycomm.hooks.register_hook("topk", codec=TopKCodec, description="top-k, 1%")
+    >>> ddp = pycomm.wrap(model, hook="topk", hook_options={"ratio": 0.01})
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import re
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+from pycomm.hooks.codec import check_codec
+from pycomm.hooks.compressed import CompressedState, compressed_hook
+from pycomm.hooks.state import HookState
+
+__all__ = ["HookSpec", "hook_names", "hook_spec", "register_hook", "unregister_hook"]
+
+_NAME = re.compile(r"^[a-z][a-z0-9_]*$")
+
+
+@dataclass(frozen=True)
+class HookSpec:
+    """A registered hook.
+
+    Attributes:
+        name: what ``pycomm.wrap(hook=...)`` and the bench take.
+        state: the :class:`~pycomm.hooks.HookState` subclass, built as
+            ``state(process_group, **hook_options)``.
+        hook: the hook function, ``hook(state, bucket) -> Future[Tensor]``.
+        codec: for a compressed hook, a factory of its codec at the hook's defaults (auto
+            times it, and counts its bytes, to predict the hook's step time); else None.
+        auto: whether ``hook="auto"`` may choose it (``allow=[...]``); its candidates are
+            tried in registration order, the most exact first.
+        description: one line, shown by ``python -m pycomm.bench --list-hooks``.
+        module: the module that registered it: what the bench's ranks import to know it.
+
+    Example:
+        >>> pycomm.hooks.hook_spec("int8").state
+        <class 'pycomm.hooks.quantized.Int8State'>
+    """
+
+    name: str
+    state: type
+    hook: Callable
+    codec: Optional[Callable[[], Any]] = None
+    auto: bool = False
+    description: str = ""
+    module: str = ""
+
+
+_SPECS: dict[str, HookSpec] = {}
+
+
+def _where(name: Any) -> str:
+    return f"pycomm.hooks.register_hook({name!r})"
+
+
+def _codec_state(name: str, factory: Callable[..., Any]) -> type:
+    """A CompressedState subclass for a registered codec: ``factory``'s keyword parameters
+    are the hook's codec options."""
+    params = [
+        p
+        for p in inspect.signature(factory).parameters.values()
+        if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+    ]
+    names = tuple(p.name for p in params)
+    clash = sorted(set(names) & set(CompressedState.option_names))
+    if clash:
+        raise ValueError(
+            f"{_where(name)}: codec option {clash[0]!r} is also an option of the engine "
+            f"({', '.join(CompressedState.option_names)}); expected other parameter names"
+        )
+    title = "".join(part.title() for part in name.split("_"))
+    return type(
+        f"{title}State",
+        (CompressedState,),
+        {
+            "__doc__": f"State of the registered codec hook {name!r} ({factory.__name__}).",
+            "__module__": getattr(factory, "__module__", __name__),
+            "hook_name": name,
+            "codec_factory": staticmethod(factory),
+            "codec_option_names": names,
+            "option_names": (*CompressedState.option_names, *names),
+        },
+    )
+
+
+def register_hook(
+    name: str,
+    state: Optional[type] = None,
+    hook: Optional[Callable] = None,
+    *,
+    codec: Optional[Callable[..., Any]] = None,
+    auto: bool = False,
+    description: str = "",
+) -> HookSpec:
+    """Register a hook under ``name`` and return its :class:`HookSpec`.
+
+    Either ``codec``, a :class:`~pycomm.hooks.Codec` class (or factory) whose keyword
+    parameters, all with defaults, become the hook's options: the hook is then
+    :func:`~pycomm.hooks.compressed_hook` on a generated
+    :class:`~pycomm.hooks.CompressedState` subclass, and gets everything the built-in codecs
+    get (two-phase exchange, error feedback, ``start_iter``, ``hierarchy``, the non-finite
+    skip, stats, checkpoints). Or ``state`` (a :class:`~pycomm.hooks.HookState` subclass) and
+    ``hook`` (its function), with ``codec`` optional.
+
+    Raises ValueError (naming the argument, the value and what is expected) for a taken
+    name, a bad spec, or a codec that breaks the protocol (the self-check of
+    :func:`pycomm.hooks.check_codec`, run once on the CPU). Registering the same state and
+    function again under the same name (a module imported twice) returns the spec.
+
+    Example:
+        >>> spec = pycomm.hooks.register_hook("topk", codec=TopKCodec)
+        >>> pycomm.hooks.register_hook("mine", MyState, my_hook)
+    """
+    where = _where(name)
+    if not isinstance(name, str) or not _NAME.match(name):
+        raise ValueError(
+            f"{where}: name={name!r}, expected lowercase letters, digits and '_', starting "
+            "with a letter ('-' and ':' are the bench's variant and module:factory names)"
+        )
+    if codec is not None and not callable(codec):
+        raise ValueError(f"{where}: codec={codec!r}, expected a Codec class or factory")
+    if codec is not None:
+        try:
+            instance = codec()
+        except TypeError as e:
+            raise ValueError(
+                f"{where}: codec={getattr(codec, '__name__', codec)!r} cannot be built "
+                f"without arguments ({e}); expected defaults for every parameter"
+            ) from e
+        check_codec(instance, where)
+    if state is None:
+        if codec is None:
+            raise ValueError(f"{where}: expected codec=..., or state=... and hook=...")
+        if hook is not None:
+            raise ValueError(f"{where}: hook={hook!r} without state=...; expected both or neither")
+        state, hook = _codec_state(name, codec), compressed_hook
+    if not (isinstance(state, type) and issubclass(state, HookState)):
+        raise ValueError(f"{where}: state={state!r}, expected a pycomm.hooks.HookState subclass")
+    if not callable(hook):
+        raise ValueError(f"{where}: hook={hook!r}, expected a function hook(state, bucket)")
+    try:
+        inspect.signature(hook).bind(None, None)
+    except TypeError as e:
+        raise ValueError(
+            f"{where}: hook={getattr(hook, '__qualname__', hook)!r} cannot take (state, "
+            f"bucket): {e}"
+        ) from e
+    except ValueError:  # a builtin without a signature: DDP will tell
+        pass
+    if not isinstance(auto, bool):
+        raise ValueError(f"{where}: auto={auto!r}, expected True or False")
+    if auto and codec is None and name != "allreduce":
+        raise ValueError(
+            f"{where}: auto=True without a codec; expected codec=... (auto predicts a hook's "
+            "step time from its codec's measured cost and bytes)"
+        )
+    module = getattr(state, "__module__", "") or ""
+    old = _SPECS.get(name)
+    if old is not None:
+        same = old.module == module and getattr(old.state, "__qualname__", None) == getattr(
+            state, "__qualname__", None
+        )
+        if not same:
+            raise ValueError(
+                f"{where}: the name is taken by {old.state.__module__}."
+                f"{old.state.__qualname__}; expected a new name (or unregister_hook first)"
+            )
+    spec = HookSpec(name, state, hook, codec, auto, description, module)
+    if getattr(state, "hook_name", None) == "base":  # a user's state without a name of its own
+        state.hook_name = name
+    _SPECS[name] = spec
+    return spec
+
+
+def unregister_hook(name: str) -> None:
+    """Remove ``name`` from the registry (a KeyError if it is not there).
+
+    Example:
+        >>> pycomm.hooks.unregister_hook("topk")
+    """
+    del _SPECS[name]
+
+
+def hook_spec(name: Any, where: str = "pycomm") -> HookSpec:
+    """The spec of hook ``name``, or a ValueError naming it and the registered names.
+
+    Example:
+        >>> pycomm.hooks.hook_spec("int8").hook
+        <function compressed_hook ...>
+    """
+    spec = _SPECS.get(name) if isinstance(name, str) else None
+    if spec is None:
+        raise ValueError(
+            f"{where}: hook={name!r} is not one of {', '.join(sorted(_SPECS))} (the registered "
+            "hooks; pycomm.hooks.register_hook adds one)"
+        )
+    return spec
+
+
+def hook_names(auto: Optional[bool] = None) -> list[str]:
+    """The registered names in registration order; ``auto=True``: those auto may choose.
+
+    Example:
+        >>> pycomm.hooks.hook_names(auto=True)
+        ['allreduce', 'bf16', 'fp16', 'int8', 'onebit']
+    """
+    return [n for n, s in _SPECS.items() if auto is None or s.auto == auto]
+
+
+def user_modules() -> list[str]:
+    """The modules, outside pycomm, that registered hooks: what another process imports to
+    know the same names (the bench's and quality suite's ranks do).
+
+    Example:
+        >>> user_modules()
+        ['topk']
+    """
+    mods = {s.module for s in _SPECS.values()}
+    return sorted(m for m in mods if m and not m.startswith("pycomm.") and m != "__main__")
+
+
+def import_modules(modules: Any, where: str = "--import") -> None:
+    """Import each of ``modules`` (names), whose top level registers hooks: what a process
+    that did not run the caller's code (a bench or quality rank) does to know its hooks.
+    Raises ValueError naming the module that fails.
+
+    Example:
+        >>> import_modules(["topk"])  # topk.py calls pycomm.hooks.register_hook("topk", ...)
+    """
+    for name in modules or ():
+        try:
+            importlib.import_module(name)
+        except Exception as exc:  # noqa: BLE001 - any import failure is the user's to see
+            raise ValueError(
+                f"{where} {name}: cannot import module {name!r} ({type(exc).__name__}: {exc}); "
+                "expected an importable module that registers hooks (run from where it "
+                "imports, or set PYTHONPATH)"
+            ) from exc

@@ -1,0 +1,438 @@
+"""The hook registry, the codec protocol's self-check and a user's own state and hook:
+registration errors name what is wrong; every registered hook trains through pycomm.wrap; a
+HookState instance or a (state, fn) pair gets the cross-rank check, accumulation and
+checkpoints; every pycomm bucket satisfies the Bucket protocol."""
+
+import ast
+import importlib
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+from harness import run_ranks
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import pycomm
+from pycomm.hooks import (
+    Bucket,
+    Codec,
+    Float16Codec,
+    HookState,
+    Int8Codec,
+    OneBitCodec,
+    check_codec,
+    hook_names,
+    hook_spec,
+    register_hook,
+    unregister_hook,
+)
+from pycomm.hooks.state import completed
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+class PlainCodec(Codec):
+    """fp32 codes, no scales, no loss: the smallest codec that follows the protocol."""
+
+    code_dtype, block = torch.float32, 4
+
+    def __init__(self, block: int = 4) -> None:
+        self.block = block
+
+    def code_bytes(self, m):
+        return 4 * m
+
+    def encode(self, x, residual, scale, numel, residual_out=None):
+        y = torch.zeros(numel, device=x.device)
+        y[: x.numel()] = x.float() * scale
+        if residual is not None:
+            y += residual.float()
+            (residual if residual_out is None else residual_out).zero_()
+        return y, None
+
+    def decode_sum(self, codes, scales, scale, out):
+        s = codes.float().sum(0)[: out.numel()] * scale
+        out.copy_(s)
+        o = out.float()
+        fin = torch.isfinite(o)
+        return torch.stack(
+            [torch.where(fin, o, 0.0).double().square().sum(), (~fin).sum().double()]
+        )
+
+
+def _broken(**overrides):
+    block = overrides.pop("block", 4)
+    overrides["__init__"] = lambda self: setattr(self, "block", block)
+    return type("Broken", (PlainCodec,), overrides)
+
+
+def _drop_residual(self, x, residual, scale, numel, residual_out=None):
+    codes, _ = PlainCodec.encode(self, x, None, scale, numel)
+    return codes, None  # the residual left as it was: error feedback would drift
+
+
+def _meta_codes(self, x, residual, scale, numel, residual_out=None):
+    codes, _ = PlainCodec.encode(self, x, residual, scale, numel, residual_out)
+    return codes.to("meta"), None
+
+
+_BAD = [
+    (_broken(encode=_meta_codes), "returned codes on meta, expected the input's cpu"),
+    (_broken(code_bytes=lambda self, m: 4 * m + 4), "encode(.*) returned codes .* of 36 bytes"),
+    (_broken(code_bytes=lambda self, m: 4.0 * m), r"code_bytes\(8\) returned 32.0"),
+    (_broken(scale_bytes=lambda self, m: m), "returned 8 with scale_dtype None, expected 0"),
+    (_broken(code_dtype=torch.int16), "returned codes of dtype torch.float32"),
+    (_broken(two_phase=1), "two_phase=1, expected True or False"),
+    (_broken(code_dtype=None), "code_dtype=None, expected a torch.dtype"),
+    (_broken(block=0), "block=0, expected a positive int"),
+    (_broken(encode=_drop_residual), "is not y - decode"),
+    (_broken(decode_sum=lambda self, c, s, sc, out: torch.zeros(2)), "expected float64 .2."),
+    (
+        _broken(
+            decode_sum=lambda self, c, s, sc, out: PlainCodec.decode_sum(self, c, s, sc, out) * 2
+        ),
+        "decode_sum returned stats",
+    ),
+]
+
+
+@pytest.mark.parametrize("codec, pattern", _BAD, ids=[str(i) for i in range(len(_BAD))])
+def test_a_codec_breaking_the_protocol_is_refused_at_registration(codec, pattern):
+    try:
+        with pytest.raises(ValueError, match=pattern) as info:
+            register_hook("broken", codec=codec)
+    finally:
+        if "broken" in hook_names():
+            unregister_hook("broken")
+    assert "register_hook('broken'): codec Broken" in str(info.value)
+
+
+def test_built_in_codecs_pass_the_self_check():
+    for codec in (
+        Float16Codec(torch.float16),
+        Float16Codec(torch.bfloat16, two_phase=True),
+        Int8Codec(64),
+        Int8Codec(256),
+        OneBitCodec(64),
+        PlainCodec(),
+    ):
+        check_codec(codec)
+    for name in hook_names():
+        factory = hook_spec(name).codec
+        if factory is not None:
+            check_codec(factory())
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+def test_codecs_pass_the_self_check_on_cuda():
+    for codec in (Float16Codec(torch.float16), Int8Codec(64), OneBitCodec(64), PlainCodec()):
+        check_codec(codec, device="cuda")
+
+
+class MyState(HookState):
+    hook_name = "mine"
+
+
+def my_hook(state, bucket):
+    return completed(bucket.buffer())
+
+
+@pytest.mark.parametrize(
+    "args, kwargs, pattern",
+    [
+        (("int8", MyState, my_hook), {}, "the name is taken by pycomm.hooks.quantized.Int8State"),
+        (("My-Hook", MyState, my_hook), {}, "name='My-Hook', expected lowercase letters"),
+        (("mine", object, my_hook), {}, "state=<class 'object'>, expected a pycomm.hooks.Hook"),
+        (("mine", MyState, 3), {}, "hook=3, expected a function hook"),
+        (("mine", MyState, lambda state: None), {}, r"cannot take \(state, bucket\)"),
+        (("mine", MyState, my_hook), {"auto": True}, "auto=True without a codec"),
+        (("mine",), {}, "expected codec=..., or state=... and hook=..."),
+        (("mine",), {"codec": lambda block: PlainCodec(block)}, "cannot be built without"),
+        (("mine",), {"codec": 3}, "codec=3, expected a Codec class or factory"),
+        (
+            ("mine",),
+            {"codec": lambda start_iter=2: PlainCodec()},
+            "codec option 'start_iter' is also an option of the engine",
+        ),
+    ],
+)
+def test_registration_errors_name_the_argument(args, kwargs, pattern):
+    with pytest.raises(ValueError, match=pattern):
+        register_hook(*args, **kwargs)
+    assert "mine" not in hook_names()
+
+
+def test_registering_again_from_the_same_module_returns_the_spec():
+    spec = register_hook("mine", MyState, my_hook)
+    try:
+        assert register_hook("mine", MyState, my_hook) == spec
+        assert hook_spec("mine").state is MyState and "mine" in hook_names()
+        assert "mine" not in hook_names(auto=True)
+    finally:
+        unregister_hook("mine")
+    with pytest.raises(ValueError, match="hook='mine' is not one of allreduce"):
+        hook_spec("mine")
+
+
+def test_a_registered_codec_gets_its_options_checked_and_fingerprinted():
+    register_hook("plain", codec=PlainCodec)
+    try:
+        cls = hook_spec("plain").state
+        assert "block" in cls.option_names and "residual_dtype" in cls.option_names
+        with pytest.raises(ValueError, match="unknown option 'ratio'"):
+            cls(None, ratio=2)
+    finally:
+        unregister_hook("plain")
+
+
+def _model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(12, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3))
+
+
+def _flat(m):
+    return torch.cat([p.detach().reshape(-1) for p in m.parameters()])
+
+
+def _rank_every_hook_trains():
+    register_hook("plain", codec=PlainCodec)
+    try:
+        out = {}
+        for name in hook_names():
+            model = _model()
+            ddp = pycomm.wrap(model, hook=name, accumulate_steps=2)
+            loop = pycomm.TrainLoop(ddp, torch.optim.SGD(ddp.parameters(), lr=0.1))
+            g = torch.Generator().manual_seed(dist.get_rank())
+            for _ in range(2 * 4):
+                x = torch.randn(8, 12, generator=g)
+                loop.step(lambda d=ddp, x=x: d(x).square().mean())
+            flat = _flat(model)
+            everyone = [torch.empty_like(flat) for _ in range(dist.get_world_size())]
+            dist.all_gather(everyone, flat)
+            out[name] = (
+                all(torch.equal(everyone[0], f) for f in everyone),
+                bool(torch.isfinite(flat).all()),
+                not torch.equal(flat, _flat(_model())),
+            )
+        return out
+    finally:
+        unregister_hook("plain")
+
+
+def test_every_registered_hook_trains():
+    for out in run_ranks(_rank_every_hook_trains, 2, timeout=120):
+        assert set(out) == {*hook_names(), "plain"}
+        for name, (same, finite, moved) in out.items():
+            assert same and finite and moved, (name, same, finite, moved)
+
+
+class CountingState(HookState):
+    """A user's state: counts the buckets it saw, checkpoints the count."""
+
+    hook_name = "counting"
+
+    def __init__(self, process_group=None, scale: float = 1.0):
+        super().__init__(process_group)
+        self.scale, self.seen, self.types = scale, 0, set()
+
+    def options(self):
+        return {"scale": self.scale}
+
+    def state_dict(self):
+        return {**super().state_dict(), "seen": self.seen}
+
+    def load_state_dict(self, state):
+        super().load_state_dict(state)
+        self.seen = state["seen"]
+
+
+def counting_hook(state, bucket):
+    state.seen += 1
+    state.types.add(isinstance(bucket, Bucket) and len(bucket.parameters()) > 0)
+    x = bucket.buffer()
+    state.count(bucket, 4 * x.numel())
+    x.mul_(1.0 / state.world_size)
+    fut = dist.all_reduce(x, group=state.process_group, async_op=True).get_future()
+    return fut.then(lambda f: x)
+
+
+class SoloState(CountingState):
+    hook_name = "solo"
+
+
+def _rank_user_state(tmp):
+    out = {}
+    rank = dist.get_rank()
+    # a (state, fn) pair through wrap, with accumulation and a checkpoint
+    model = _model()
+    state = CountingState()
+    ddp = pycomm.wrap(model, hook=(state, counting_hook), accumulate_steps=2)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    loop = pycomm.TrainLoop(ddp, opt)
+    for i in range(4):
+        loop.step(lambda i=i: ddp(torch.full((4, 12), float(i + rank))).square().mean())
+    out["reduced_every_second_micro_step"] = (
+        state.stats["steps"] == 2 and state.seen == state.stats["buckets"] > 0
+    )
+    out["buckets_follow_the_protocol"] = state.types == {True}
+    out["hook_state"] = pycomm.hook_state(ddp).inner is state
+    pycomm.checkpoint.save(f"{tmp}/user.ckpt", ddp, opt, step=4)
+    again = CountingState()
+    ddp2 = pycomm.wrap(_model(), hook=(again, counting_hook), accumulate_steps=2)
+    pycomm.checkpoint.load(f"{tmp}/user.ckpt", ddp2, torch.optim.SGD(ddp2.parameters(), lr=0.1))
+    out["resumed"] = again.seen == state.seen and again.stats["steps"] == state.stats["steps"]
+    # an instance of a registered class through register
+    register_hook("counting", CountingState, counting_hook)
+    try:
+        ddp3 = DDP(_model())
+        st = pycomm.register(ddp3, hook=CountingState(None, scale=2.0))
+        ddp3(torch.randn(2, 12)).sum().backward()
+        out["registered_instance"] = st.seen == 1 and st.options() == {"scale": 2.0}
+    finally:
+        unregister_hook("counting")
+    # errors, the same on every rank
+    if rank == 0:
+        register_hook("solo", SoloState, counting_hook)
+    for name, call in {
+        "options_differ": lambda: pycomm.wrap(
+            _model(), hook=(CountingState(None, scale=1.0 + rank), counting_hook)
+        ),
+        "unregistered": lambda: pycomm.register(DDP(_model()), hook=CountingState()),
+        "with_options": lambda: pycomm.wrap(
+            _model(), hook=(CountingState(), counting_hook), hook_options={"scale": 3}
+        ),
+        "reused": lambda: pycomm.wrap(_model(), hook=(state, counting_hook)),
+        "not_a_state": lambda: pycomm.wrap(_model(), hook=(object(), counting_hook)),
+        "registered_on_rank_0": lambda: pycomm.wrap(_model(), hook="solo"),
+        "instance_registered_on_rank_0": lambda: pycomm.wrap(_model(), hook=SoloState()),
+        "other_group": lambda: pycomm.wrap(
+            _model(), hook=(CountingState(dist.new_group([0, 1])), counting_hook)
+        ),
+    }.items():
+        try:
+            call()
+            out[name] = None
+        except Exception as e:  # noqa: BLE001 - the test inspects type and message
+            out[name] = f"{type(e).__name__}: {e}"
+    if rank == 0:
+        unregister_hook("solo")
+    return out
+
+
+def test_a_users_state_and_hook_get_accumulation_checks_and_checkpoints(tmp_path):
+    results = run_ranks(_rank_user_state, 2, str(tmp_path), timeout=120)
+    assert results[0] == results[1]  # every rank: the same outcome, the same errors
+    out = results[0]
+    for key in (
+        "reduced_every_second_micro_step",
+        "buckets_follow_the_protocol",
+        "hook_state",
+        "resumed",
+        "registered_instance",
+    ):
+        assert out[key] is True, (key, out)
+    assert "ranks disagree on hook_options: rank 0 has [('scale', 1.0)]" in out["options_differ"]
+    assert "CountingState instance: its class is not registered" in out["unregistered"]
+    assert "hook_options={'scale': 3} with a hook state instance" in out["with_options"]
+    assert "already registered on a DDP model" in out["reused"]
+    assert "expected (HookState instance, hook function)" in out["not_a_state"]
+    assert "another process group than the DDP model's" in out["other_group"]
+    assert (
+        "ranks disagree on hook function: rank 0 has 'test_registry.counting_hook', rank 1 "
+        "has 'none'" in out["instance_registered_on_rank_0"]
+    )
+    assert (
+        "ranks disagree on registration of the hook: rank 0 has 'test_registry.SoloState', "
+        "rank 1 has 'none'" in out["registered_on_rank_0"]
+    )
+
+
+def test_no_module_imports_another_modules_private_names():
+    bad = []
+    for folder, _, files in os.walk(os.path.join(ROOT, "pycomm")):
+        for f in files:
+            if not f.endswith(".py"):
+                continue
+            path = os.path.join(folder, f)
+            with open(path, encoding="utf-8") as fh:
+                tree = ast.parse(fh.read())
+            for node in ast.walk(tree):
+                if not isinstance(node, ast.ImportFrom) or node.module in (None, "__future__"):
+                    continue
+                for alias in node.names:
+                    if not alias.name.startswith("_"):
+                        continue
+                    try:  # a private module of the package (pycomm._validate) is fine
+                        importlib.import_module(f"{node.module}.{alias.name}")
+                    except ImportError:
+                        bad.append(f"{os.path.relpath(path, ROOT)}:{node.lineno} {alias.name}")
+    assert not bad, bad
+
+
+def test_no_import_cycle_inside_pycomm_hooks():
+    """Each hooks module imports only modules before it in this order (a leaf first)."""
+    order = [
+        "groups", "state", "bucket", "codec", "hierarchy", "allreduce", "advice", "layout",
+        "residuals", "compressed", "registry", "lowprec", "quantized", "warmup", "auto",
+        "powersgd", "accumulate",
+    ]  # fmt: skip
+    folder = os.path.join(ROOT, "pycomm", "hooks")
+    for i, name in enumerate(order):
+        with open(os.path.join(folder, f"{name}.py"), encoding="utf-8") as fh:
+            tree = ast.parse(fh.read())
+        for node in ast.walk(tree):
+            mods = []
+            if isinstance(node, ast.ImportFrom) and node.module:
+                if node.module == "pycomm.hooks":
+                    mods = [a.name for a in node.names]
+                elif node.module.startswith("pycomm.hooks."):
+                    mods = [node.module.split(".")[2]]
+            for mod in mods:
+                assert mod in order[:i], (
+                    f"pycomm/hooks/{name}.py imports {mod} (line {node.lineno})"
+                )
+
+
+class SeenState(pycomm.hooks.CompressedState):
+    """A compressed hook that records the buckets its exchange is handed."""
+
+    hook_name = "seen"
+
+    def make_codec(self, options):
+        self.seen = set()
+        return PlainCodec()
+
+    def count_exchange(self, bucket, nbytes, collectives):
+        ok = isinstance(bucket, Bucket) and all(
+            isinstance(p, torch.Tensor) for p in bucket.parameters()
+        )
+        self.seen.add((type(bucket).__name__, ok, bucket.buffer().dim() == 1))
+        super().count_exchange(bucket, nbytes, collectives)
+
+
+def _rank_buckets():
+    from pycomm.topology import set_nodes
+
+    register_hook("seen", SeenState, pycomm.hooks.compressed_hook)
+    pycomm.init(nodes=2)  # 2 nodes x 2 ranks
+    try:
+        out = {}
+        for h in ("flat", "node"):
+            ddp = pycomm.wrap(_model(), hook="seen", hook_options={"hierarchy": h})
+            for _ in range(3):
+                ddp(torch.randn(4, 12)).sum().backward()
+            out[h] = sorted(pycomm.hook_state(ddp).seen)
+        return out
+    finally:
+        unregister_hook("seen")
+        set_nodes(None)
+
+
+def test_the_buckets_pycomm_hands_an_exchange_follow_the_protocol():
+    for out in run_ranks(_rank_buckets, 4, timeout=120):
+        # the flat exchange gets DDP's buckets (or the hook's own, cut from the bound
+        # parameters, where they differ); the node hierarchy's cross-node stage a shard
+        assert out["flat"] and all(ok and flat for _, ok, flat in out["flat"]), out
+        assert {kind for kind, _, _ in out["flat"]} <= {"GradBucket", "_HookBucket"}, out
+        assert out["node"] == [("_ShardBucket", True, True)], out
