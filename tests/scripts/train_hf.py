@@ -2,13 +2,14 @@
 as one process. Runs the scenarios of tests/test_transformers.py in one launch and writes each
 rank's results as JSON into ``argv[1]/rank<rank>.json``.
 
-``argv[2]``: ``all`` (every scenario, 2 ranks), ``single`` (one process), or ``no-load`` (the
-resume scenario with the hook state left out of the resume: the check that the test can fail).
+``argv[2]``: ``all`` (every scenario, 2 ranks) or ``single`` (one process).
 """
 
+import contextlib
 import json
 import logging
 import os
+import shutil
 import sys
 import warnings
 
@@ -76,6 +77,19 @@ def error(fn) -> "str | None":
     return None
 
 
+@contextlib.contextmanager
+def _messages(name: str):
+    """The messages logged to ``name`` inside the block."""
+    said: list = []
+    handler = logging.Handler()
+    handler.emit = lambda record: said.append(record.getMessage())
+    logging.getLogger(name).addHandler(handler)
+    try:
+        yield said
+    finally:
+        logging.getLogger(name).removeHandler(handler)
+
+
 def main(out_dir: str, mode: str) -> None:
     warnings.filterwarnings("ignore")
     logging.getLogger("transformers").setLevel(logging.ERROR)
@@ -84,35 +98,41 @@ def main(out_dir: str, mode: str) -> None:
     tmp = os.path.join(out_dir, "runs")
 
     if mode == "single":
-        records = []
-        handler = logging.Handler()
-        handler.emit = lambda r: records.append(r.getMessage())
-        logging.getLogger("pycomm.transformers").addHandler(handler)
         model = Net()
         trainer = Trainer(model=model, args=args(f"{tmp}/single"), train_dataset=data())
         cb = pycomm.transformers.register(trainer, hook="int8")
-        trainer.train()
-        trainer.train()  # a second train(): still no hook, no second message
+        with _messages("pycomm.transformers") as said:
+            trainer.train()
+            trainer.train()  # a second train(): still no hook, no second message
         res["state"] = cb.state is None
         res["trained"] = not torch.equal(flat(model), flat(Net()))
-        res["messages"] = [m for m in records if "one process" in m]
+        res["messages"] = said
     else:
         # resume: int8, 3 epochs of 3 steps, a checkpoint every 4 steps; the same Trainer
         # setup resumed from checkpoint-4 must end bitwise where the uninterrupted run did
         full, cb = fit(f"{tmp}/int8", "int8", save_strategy="steps", save_steps=4)
         res["saved"] = sorted(os.listdir(f"{tmp}/int8/checkpoint-4"))
         res["compressed"] = cb.state.stats["compression"] > 1
-        if mode == "no-load":  # no hook state: the resume warns and starts the hook afresh
-            os.remove(f"{tmp}/int8/checkpoint-4/pycomm_hook_state_{rank}.pt")
-        torch.distributed.barrier()
         resumed, cb = fit(
             f"{tmp}/int8", "int8", save_strategy="steps", save_steps=4,
             resume=f"{tmp}/int8/checkpoint-4",
         )  # fmt: skip
         res["resume"] = (torch.equal(full, resumed), (full - resumed).abs().max().item())
         res["resumed_steps"] = cb.state.stats["steps"]
+        # the check that the resume can fail: the same checkpoint without pycomm's files
+        # (as one written without pycomm) warns, starts the hook afresh, and ends elsewhere
+        bare = f"{tmp}/int8-bare/checkpoint-4"
+        if rank == 0:
+            shutil.copytree(
+                f"{tmp}/int8/checkpoint-4", bare, ignore=shutil.ignore_patterns("pycomm_*")
+            )
+        torch.distributed.barrier()
+        with _messages("pycomm.transformers") as said:
+            afresh, cb = fit(f"{tmp}/int8-bare", "int8", resume=bare)
+        res["afresh"] = (torch.equal(full, afresh), (full - afresh).abs().max().item())
+        res["afresh_steps"] = cb.state.stats["steps"]
+        res["afresh_said"] = said
 
-    if mode == "all":
         # allreduce: bitwise the Trainer without pycomm, accumulation included
         plain, _ = fit(f"{tmp}/plain")
         ours, cb = fit(f"{tmp}/allreduce", "allreduce")
