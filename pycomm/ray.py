@@ -43,6 +43,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import pycomm
+from pycomm._validate import check_hook_args
 from pycomm.checkpoint import load_rank_state, save_rank_state
 
 __all__ = ["load_state", "prepare_model", "save_state"]
@@ -84,16 +85,7 @@ def prepare_model(
         >>> model = pycomm.ray.prepare_model(Net(), hook="int8", hook_options={"block": 64},
         ...                                  parallel_strategy_kwargs={"bucket_cap_mb": 8})
     """
-    if not isinstance(hook, str):
-        raise ValueError(
-            f"pycomm.ray.prepare_model: hook={hook!r}, expected a hook name such as "
-            "'allreduce', 'int8' or 'auto'"
-        )
-    if hook_options is not None and not isinstance(hook_options, dict):
-        raise ValueError(
-            f"pycomm.ray.prepare_model: hook_options={hook_options!r}, expected a dict of the "
-            "hook's options or None"
-        )
+    options = check_hook_args("pycomm.ray.prepare_model", hook, hook_options)
     strategy = prepare_kwargs.get("parallel_strategy", "ddp")
     if strategy != "ddp":
         raise ValueError(
@@ -112,7 +104,7 @@ def prepare_model(
             )
         _one_worker(f"no {hook} hook is registered")
         return prepared
-    pycomm.register(prepared, hook=hook, **dict(hook_options or {}))
+    pycomm.register(prepared, hook=hook, **options)
     return prepared
 
 

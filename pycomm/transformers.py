@@ -51,6 +51,7 @@ except ImportError as e:
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import pycomm
+from pycomm._validate import check_hook_args
 from pycomm.checkpoint import load_rank_state, save_rank_state
 from pycomm.hooks import HookState
 
@@ -99,17 +100,7 @@ def register(
             f"pycomm.transformers.register: trainer is a {type(trainer).__name__}, expected a "
             "transformers.Trainer"
         )
-    if not isinstance(hook, str):
-        raise ValueError(
-            f"pycomm.transformers.register: hook={hook!r}, expected a hook name such as "
-            "'allreduce', 'int8' or 'auto'"
-        )
-    if hook_options is not None and not isinstance(hook_options, dict):
-        raise ValueError(
-            f"pycomm.transformers.register: hook_options={hook_options!r}, expected a dict of "
-            "the hook's options or None"
-        )
-    options = dict(hook_options or {})
+    options = check_hook_args("pycomm.transformers.register", hook, hook_options)
     if "accumulate_steps" in options:
         raise ValueError(
             f"pycomm.transformers.register: hook_options has accumulate_steps="

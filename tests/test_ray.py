@@ -14,10 +14,6 @@ import pytest
 SCRIPT = os.path.join(os.path.dirname(__file__), "scripts", "train_ray.py")
 
 
-def _python(code: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-
-
 @pytest.mark.frameworks
 @pytest.mark.timeout(300)
 def test_ray_matches_plain_resumes_bitwise_and_refuses(tmp_path):
@@ -54,27 +50,3 @@ def test_ray_matches_plain_resumes_bitwise_and_refuses(tmp_path):
     assert single["world_size"] == 1 and single["bare"] == "Sequential"
     assert single["trained"] and single["saved"] is None and single["loaded"] is False
     assert len(single["messages"]) == 1 and "no int8 hook is registered" in single["messages"][0]
-
-
-def test_ray_stays_optional():
-    out = _python(
-        "import sys; sys.modules['ray'] = None\n"
-        "import pycomm\n"
-        "try:\n    import pycomm.ray\nexcept ImportError as e:\n    print(e)\n"
-    )
-    assert out.returncode == 0, out.stderr
-    assert 'pip install "ray[train]"' in out.stdout
-    out = _python("import sys, pycomm; print('ray' in sys.modules)")
-    assert out.stdout.strip() == "False", out.stderr
-
-
-@pytest.mark.frameworks
-def test_the_module_imports_the_real_package():
-    """pycomm/ray.py does not shadow the package it integrates with."""
-    pytest.importorskip("ray.train.torch")
-    out = _python(
-        "import pycomm.ray as p, ray.train.torch\n"
-        "assert p.ray is ray and ray.__name__ == 'ray' and hasattr(ray, 'init')\n"
-        "print('ok')\n"
-    )
-    assert out.stdout.strip().endswith("ok"), out.stderr[-2000:]

@@ -77,32 +77,3 @@ def test_trainer_one_process_is_a_no_op_that_says_so_once(tmp_path):
     assert r["state"]  # no hook state: nothing registered
     assert r["trained"]
     assert len(r["messages"]) == 1 and "no int8 hook is registered" in r["messages"][0]
-
-
-def _python(code: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-
-
-def test_transformers_stays_optional():
-    out = _python(
-        "import sys; sys.modules['transformers'] = None\n"
-        "import pycomm\n"
-        "try:\n    import pycomm.transformers\nexcept ImportError as e:\n    print(e)\n"
-    )
-    assert out.returncode == 0, out.stderr
-    assert "pip install transformers" in out.stdout
-    out = _python("import sys, pycomm; print('transformers' in sys.modules)")
-    assert out.stdout.strip() == "False", out.stderr
-
-
-@pytest.mark.frameworks
-def test_the_module_imports_the_real_package():
-    """pycomm/transformers.py does not shadow the package it integrates with."""
-    pytest.importorskip("transformers")
-    out = _python(
-        "import pycomm.transformers as p, transformers\n"
-        "assert transformers.__name__ == 'transformers' and hasattr(transformers, 'Trainer')\n"
-        "assert p.Trainer is transformers.Trainer\n"
-        "print('ok')\n"
-    )
-    assert out.stdout.strip().endswith("ok"), out.stderr[-2000:]
