@@ -8,6 +8,7 @@ import copy
 import pytest
 import torch
 import torch.distributed as dist
+from harness import error_message as error
 from harness import run_ranks
 
 import pycomm
@@ -177,13 +178,6 @@ def _rank_state_files(tmp):
         for _ in range(3):
             ddp(torch.randn(8, 40, generator=g)).square().mean().backward()
         return ddp
-
-    def error(fn):
-        try:
-            fn()
-        except Exception as e:  # noqa: BLE001 - the test reads it
-            return f"{type(e).__name__}: {e}"
-        return None
 
     out = {}
     ddp = trained()
