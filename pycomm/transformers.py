@@ -63,18 +63,29 @@ logger = logging.getLogger(__name__)
 def _refusal(trainer: Any) -> Optional[str]:
     """Why pycomm cannot serve this Trainer's setup, or None."""
     args = trainer.args
-    if getattr(args, "deepspeed", None) or getattr(trainer, "is_deepspeed_enabled", False):
-        return (
-            f"TrainingArguments(deepspeed={args.deepspeed!r}): DeepSpeed runs its own gradient "
-            "communication, which takes no DDP communication hook. Drop deepspeed= to train "
-            "with DDP and the pycomm hook, or drop pycomm.transformers.register to keep DeepSpeed"
+    deepspeed, fsdp = getattr(args, "deepspeed", None), getattr(args, "fsdp", None)
+    if deepspeed or getattr(trainer, "is_deepspeed_enabled", False):
+        setting = (
+            f"TrainingArguments(deepspeed={deepspeed!r})"
+            if deepspeed
+            else "the accelerator's DeepSpeed plugin (accelerate config, ACCELERATE_USE_DEEPSPEED)"
         )
-    if getattr(args, "fsdp", None) or getattr(trainer, "is_fsdp_enabled", False):
         return (
-            f"TrainingArguments(fsdp={args.fsdp!r}): FSDP shards the model and "
-            "reduce-scatters its gradients itself; pycomm's hooks are DDP communication hooks "
-            "and FSDP has none. Drop fsdp= (and fsdp_config=) to train with DDP and the pycomm "
-            "hook, or drop pycomm.transformers.register to keep FSDP"
+            f"{setting}: DeepSpeed runs its own gradient communication, which takes no DDP "
+            "communication hook. Drop deepspeed= to train with DDP and the pycomm hook, or drop "
+            "pycomm.transformers.register to keep DeepSpeed"
+        )
+    if fsdp or getattr(trainer, "is_fsdp_enabled", False):
+        setting = (
+            f"TrainingArguments(fsdp={fsdp!r})"
+            if fsdp
+            else "the accelerator's FSDP plugin (accelerate config, ACCELERATE_USE_FSDP)"
+        )
+        return (
+            f"{setting}: FSDP shards the model and reduce-scatters its gradients itself; "
+            "pycomm's hooks are DDP communication hooks and FSDP has none. Drop fsdp= (and "
+            "fsdp_config=) to train with DDP and the pycomm hook, or drop "
+            "pycomm.transformers.register to keep FSDP"
         )
     return None
 
