@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 TORCH ?= torch==2.13.0
 SOURCES := setup.py pyproject.toml $(wildcard csrc/*.cpp csrc/*.h csrc/*/*.cpp csrc/*/*.h csrc/*/*.cu)
 
-.PHONY: install test lint bench bench-kernels clean
+.PHONY: install test lint bench bench-kernels clean deps-frameworks frameworks
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -19,6 +19,12 @@ $(VENV)/.deps: $(PY)
 	$(PY) -m pip install -q lightning accelerate $(if $(TORCH),"$(TORCH)")
 	touch $@
 
+# the Hugging Face Trainer and Ray Train, for tests/test_transformers.py and tests/test_ray.py
+# (scripts/frameworks_check.sh), installed without changing the torch above
+$(VENV)/.deps-frameworks: $(VENV)/.deps
+	$(PY) -m pip install -q transformers "ray[train]" $(if $(TORCH),"$(TORCH)")
+	touch $@
+
 # --no-build-isolation: compile against the torch in the venv, never a freshly fetched one.
 $(VENV)/.built: $(VENV)/.deps $(SOURCES)
 	$(PY) -m pip install -q --no-build-isolation --no-deps -e .
@@ -26,9 +32,18 @@ $(VENV)/.built: $(VENV)/.deps $(SOURCES)
 
 install: $(VENV)/.built
 
+# the frameworks tests are left out (over make test's time): make frameworks runs them
 test: install
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -m "not frameworks"
 	$(MAKE) lint
+
+deps-frameworks: $(VENV)/.deps-frameworks
+
+# offline: no hub downloads, no usage reports; Ray on the loopback only (tests/scripts/train_ray.py)
+frameworks: install $(VENV)/.deps-frameworks
+	$(PY) -c "import transformers, ray.train.torch"
+	HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 RAY_USAGE_STATS_ENABLED=0 $(PY) -m pytest -q \
+		-m frameworks tests/test_transformers.py tests/test_ray.py tests/test_optional_clients.py
 
 lint: $(VENV)/.deps
 	$(PY) -m ruff check .

@@ -28,3 +28,18 @@ def check_bool(where: str, name: str, value: Any) -> bool:
     if not isinstance(value, bool):
         raise ValueError(f"{where}: {name}={value!r}, expected True or False")
     return value
+
+
+def check_hook_args(where: str, hook: Any, hook_options: Any) -> dict:
+    """A copy of ``hook_options`` (None: empty) if ``hook`` is a string and ``hook_options`` a
+    dict or None, else a ValueError naming the argument. Whether the name and the options are
+    the hook's is :func:`pycomm.register`'s to check."""
+    if not isinstance(hook, str):
+        raise ValueError(
+            f"{where}: hook={hook!r}, expected a hook name such as 'allreduce', 'int8' or 'auto'"
+        )
+    if hook_options is not None and not isinstance(hook_options, dict):
+        raise ValueError(
+            f"{where}: hook_options={hook_options!r}, expected a dict of the hook's options or None"
+        )
+    return dict(hook_options or {})

@@ -46,12 +46,21 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from pycomm.hooks import HookState
 from pycomm.wrap import STATE_ATTR, params_signature
 
-__all__ = ["gather_hook_state", "load", "load_hook_state", "save"]
+__all__ = [
+    "gather_hook_state",
+    "load",
+    "load_hook_state",
+    "load_rank_state",
+    "rank_state_file",
+    "save",
+    "save_rank_state",
+]
 
 logger = logging.getLogger(__name__)
 
 FORMAT = "pycomm.checkpoint/1"
 GATHERED = "pycomm.hook_state/1"
+RANK_STATE = "pycomm.rank_state/1"
 
 PathLike = Union[str, "os.PathLike[str]"]
 
@@ -322,9 +331,136 @@ def load_hook_state(obj: Any, gathered: dict[str, Any]) -> None:
             f"world_size={gathered['world_size']} ranks, this process group has "
             f"world_size={world}: the state is per rank and does not carry over"
         )
+    mine = gathered["states"][rank]
+    device = _state_device(state)
+    state.load_state_dict(mine if device is None else _to_device(mine, device))
+
+
+def _state_device(state: HookState) -> Optional[torch.device]:
     device = getattr(state, "device", None)
     params = getattr(state, "params", None) or getattr(state, "_params", None)
     if params:
         device = params[0].device
-    mine = gathered["states"][rank]
-    state.load_state_dict(mine if device is None else _to_device(mine, device))
+    return device
+
+
+# ------------------------------------------------------------- one file per rank in a folder
+
+
+def rank_state_file(directory: PathLike, rank: int) -> str:
+    """The file :func:`save_rank_state` writes for ``rank`` in ``directory``.
+
+    Example:
+        >>> pycomm.checkpoint.rank_state_file("out/checkpoint-10", 1)
+        'out/checkpoint-10/pycomm_hook_state_1.pt'
+    """
+    return os.path.join(os.fspath(directory), f"pycomm_hook_state_{rank}.pt")
+
+
+def save_rank_state(obj: Any, directory: PathLike) -> str:
+    """Write this rank's hook state into ``directory`` (created if missing), as
+    ``pycomm_hook_state_<rank>.pt``, atomically; return its path. ``obj`` is a DDP model with a
+    pycomm hook, or the hook state. Local: no collective, each rank writes its own file, so a
+    folder that every rank writes into (a framework's checkpoint folder) ends up holding every
+    rank's state, and no rank holds another's residuals in memory.
+
+    Example:
+        >>> pycomm.checkpoint.save_rank_state(ddp, "out/checkpoint-10")   # on every rank
+        'out/checkpoint-10/pycomm_hook_state_0.pt'
+    """
+    state = _state_of("save_rank_state", obj)
+    directory = os.fspath(directory)
+    os.makedirs(directory, exist_ok=True)
+    path = rank_state_file(directory, state.rank)
+    _atomic_save(
+        {
+            "format": RANK_STATE,
+            "rank": state.rank,
+            "world_size": state.world_size,
+            "state": _to_cpu(state.state_dict()),
+        },
+        path,
+    )
+    return path
+
+
+def _read_rank_state(state: HookState, directory: str) -> tuple[Optional[str], Any]:
+    """(problem, state dict): this rank's file in ``directory`` read and checked, or why not.
+    The problem is None with a None state dict when the file does not exist."""
+    path = rank_state_file(directory, state.rank)
+    if not os.path.exists(path):
+        return None, None
+    try:
+        blob = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # noqa: BLE001 - reported on every rank
+        return f"{path} cannot be read: {type(e).__name__}: {e}", None
+    if not isinstance(blob, dict) or blob.get("format") != RANK_STATE:
+        return f"{path} is not a pycomm hook state file (expected format {RANK_STATE!r})", None
+    if blob["world_size"] != state.world_size:
+        return (
+            f"{path} was saved by world_size={blob['world_size']} ranks, this process group "
+            f"has world_size={state.world_size}: the hook state is per rank and does not carry "
+            "over to another world size"
+        ), None
+    try:
+        state.check_fingerprint(blob["state"])
+    except ValueError as e:
+        return f"{path}: {e}", None
+    return None, blob["state"]
+
+
+def load_rank_state(obj: Any, directory: PathLike, *, missing: str = "error") -> bool:
+    """Load this rank's hook state from ``directory``, where :func:`save_rank_state` wrote
+    every rank's. A collective: every rank of the hook's group calls it. Each rank checks its
+    own file (present, readable, saved by this rank for this world size, this hook and these
+    options); if any rank finds a problem, every rank raises the same error naming it, and no
+    rank's state changes. Returns whether the state was loaded.
+
+    ``missing``: ``"error"`` (a FileNotFoundError when no rank finds its file) or ``"ignore"``
+    (return False then: a checkpoint written without pycomm). Some ranks finding their file and
+    others not is an error either way.
+
+    Example:
+        >>> pycomm.checkpoint.load_rank_state(ddp, "out/checkpoint-10")   # on every rank
+        True
+    """
+    if missing not in ("error", "ignore"):
+        raise ValueError(
+            f"pycomm.checkpoint.load_rank_state: missing={missing!r}, expected 'error' or 'ignore'"
+        )
+    state = _state_of("load_rank_state", obj)
+    directory = os.fspath(directory)
+    problem, sd = _read_rank_state(state, directory)
+    mine = (problem, sd is not None)
+    reports: list[Any] = [None] * state.world_size
+    if state.world_size > 1:
+        dist.all_gather_object(reports, mine, group=state.process_group)
+    else:
+        reports[0] = mine
+    problems = [f"rank {r}: {p}" for r, (p, _) in enumerate(reports) if p is not None]
+    if problems:
+        raise ValueError("pycomm.checkpoint.load_rank_state: " + "; ".join(problems))
+    found = [r for r, (_, ok) in enumerate(reports) if ok]
+    if not found:
+        if missing == "ignore":
+            return False
+        raise FileNotFoundError(
+            f"pycomm.checkpoint.load_rank_state: {directory} holds no pycomm hook state "
+            f"(no {os.path.basename(rank_state_file(directory, 0))} and the like)"
+        )
+    if len(found) != len(reports):
+        lost = [r for r in range(len(reports)) if r not in found]
+        raise FileNotFoundError(
+            f"pycomm.checkpoint.load_rank_state: {directory} holds the hook state of ranks "
+            f"{found} but not of ranks {lost} (deleted, or not on a file system those ranks "
+            "see): every rank needs its own"
+        )
+    device = _state_device(state)
+    state.load_state_dict(sd if device is None else _to_device(sd, device))
+    logger.info(
+        "pycomm.checkpoint: loaded the hook state of rank %d of %d from %s",
+        state.rank,
+        state.world_size,
+        directory,
+    )
+    return True

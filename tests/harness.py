@@ -147,6 +147,21 @@ def launched_children() -> list:
     return [p for p in multiprocessing.active_children() if p.pid not in pooled]
 
 
+def error_message(fn: Callable[[], Any]) -> Any:
+    """The message of what ``fn()`` raises, with its type; None if it returns. For per-rank
+    functions that report errors to the test instead of raising them.
+
+    Example:
+        >>> error_message(lambda: int("x"))
+        "ValueError: invalid literal for int() with base 10: 'x'"
+    """
+    try:
+        fn()
+    except Exception as e:  # noqa: BLE001 - the test inspects it
+        return f"{type(e).__name__}: {e}"
+    return None
+
+
 def run_ranks(
     fn: Callable[..., Any],
     nprocs: int,

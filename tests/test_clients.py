@@ -12,6 +12,7 @@ import warnings
 import pytest
 import torch
 import torch.distributed as dist
+from harness import error_message as _error
 from harness import run_ranks
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -35,15 +36,6 @@ def _data(n=40):
 def _net():
     torch.manual_seed(0)
     return torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1))
-
-
-def _error(fn):
-    """The message of what ``fn()`` raises, with its type; None if it returns."""
-    try:
-        fn()
-    except Exception as e:  # noqa: BLE001 - the test inspects it
-        return f"{type(e).__name__}: {e}"
-    return None
 
 
 def _quiet():

@@ -8,6 +8,7 @@ import copy
 import pytest
 import torch
 import torch.distributed as dist
+from harness import error_message as error
 from harness import run_ranks
 
 import pycomm
@@ -157,3 +158,72 @@ def test_mixed_dtypes_keep_each_bucket_dtype(hook, bound):
         assert dtypes == ["torch.bfloat16", "torch.float16", "torch.float32"]
         assert buckets >= 3 * 4  # one bucket per dtype at least, every step
         assert err <= bound, err
+
+
+# ------------------------------------- one file per rank in a folder (save/load_rank_state)
+
+
+def _rank_state_files(tmp):
+    """save_rank_state/load_rank_state round trip, and every way a folder can be wrong: the
+    same error on every rank, the state unchanged."""
+    import os
+
+    from pycomm.checkpoint import load_rank_state, rank_state_file, save_rank_state
+
+    rank = dist.get_rank()
+
+    def trained(hook="int8"):
+        ddp = pycomm.wrap(_model(), hook=hook)
+        g = torch.Generator().manual_seed(rank)
+        for _ in range(3):
+            ddp(torch.randn(8, 40, generator=g)).square().mean().backward()
+        return ddp
+
+    out = {}
+    ddp = trained()
+    path = save_rank_state(ddp, f"{tmp}/ok")
+    out["path"] = path == rank_state_file(f"{tmp}/ok", rank) and os.path.exists(path)
+    fresh = pycomm.wrap(_model(), hook="int8")
+    out["loaded"] = load_rank_state(fresh, f"{tmp}/ok")
+    out["empty"] = error(lambda: load_rank_state(fresh, f"{tmp}/none"))
+    out["ignored"] = load_rank_state(fresh, f"{tmp}/none", missing="ignore")
+    out["bad_missing"] = error(lambda: load_rank_state(fresh, f"{tmp}/ok", missing="warn"))
+    if rank == 1:  # one rank's file lost
+        save_rank_state(ddp, f"{tmp}/half")
+    dist.barrier()
+    out["half"] = error(lambda: load_rank_state(fresh, f"{tmp}/half", missing="ignore"))
+    out["other_hook"] = error(
+        lambda: load_rank_state(pycomm.wrap(_model(), hook="onebit"), f"{tmp}/ok")
+    )
+    if rank == 0:  # another rank's file under this rank's name
+        os.makedirs(f"{tmp}/swapped", exist_ok=True)
+        os.replace(rank_state_file(f"{tmp}/ok", 1), rank_state_file(f"{tmp}/swapped", 0))
+    dist.barrier()
+    out["swapped"] = error(lambda: load_rank_state(fresh, f"{tmp}/swapped", missing="ignore"))
+    # the loaded state, untouched by the refused loads, communicates as the saved one does:
+    # the same next gradients bit for bit (error feedback included)
+    x = torch.randn(8, 40, generator=torch.Generator().manual_seed(10 + rank))
+    grads = []
+    for model in (ddp, fresh):
+        model.zero_grad()
+        model(x).square().mean().backward()
+        grads.append(torch.cat([p.grad.flatten() for p in model.module.parameters()]))
+    out["same"] = torch.equal(*grads)
+    afresh = pycomm.wrap(_model(), hook="int8")
+    afresh(x).square().mean().backward()
+    out["differs_afresh"] = not torch.equal(
+        grads[0], torch.cat([p.grad.flatten() for p in afresh.module.parameters()])
+    )
+    return out
+
+
+def test_rank_state_files_round_trip_and_refuse_on_every_rank(tmp_path):
+    for r in run_ranks(_rank_state_files, 2, str(tmp_path), timeout=120):
+        assert r["path"] and r["loaded"] is True and r["same"]
+        assert "holds no pycomm hook state" in r["empty"]
+        assert r["ignored"] is False
+        assert "missing='warn', expected 'error' or 'ignore'" in r["bad_missing"]
+        assert "holds the hook state of ranks [1] but not of ranks [0]" in r["half"]
+        assert "hook is 'int8' in the checkpoint but 'onebit' here" in r["other_hook"]
+        assert "cannot load the hook state of rank 1 on rank 0" in r["swapped"]
+        assert r["differs_afresh"]  # the residuals matter: the check can fail
