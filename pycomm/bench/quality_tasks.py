@@ -24,7 +24,11 @@ from pycomm.bench.models import GPT, ModelSpec
 from pycomm.hooks.registry import import_modules
 
 DEFAULT_HOOKS = ("allreduce", "fp16", "bf16", "int8", "onebit", "powersgd")
-HOOKS = (*DEFAULT_HOOKS, "onebit-local", "int8-nolocal", "int8-noef", "int8-warm20", "int8-b256")
+HOOKS = (
+    *DEFAULT_HOOKS,
+    *("onebit-local", "int8-nolocal", "int8-noef", "int8-warm20", "int8-b256"),
+    *("int8-ef", "int8-ef-bf16"),  # under --fsdp
+)
 REFERENCE = "allreduce"
 
 
