@@ -236,3 +236,33 @@ def test_refusals_are_clear_and_the_same_on_every_rank(nprocs):
     assert "block" in e["bad value"]
     if nprocs == 4:
         assert "2-D device mesh (HSDP)" in e["hsdp"]
+
+
+def test_bench_fsdp_measures_the_reduce_scatter_on_the_wire(tmp_path):
+    """python -m pycomm.bench --fsdp under --link: the reduce-scatter's bytes on the shaped
+    loopback agree with what the hook counts (its own payload, plus TCP/IP headers)."""
+    import json
+    import subprocess
+    import sys
+
+    from pycomm.bench import link
+
+    path = tmp_path / "fsdp.json"
+    args = ["--steps", "2", "--warmup", "2", "--layers", "2", "--width", "256", "--batch", "8"]
+    args += ["--hooks", "fsdp,int8", "--json", str(path)]
+    if link.cannot_shape() is None:
+        args += ["--link", "10gbit"]
+    out = subprocess.run(
+        [sys.executable, "-m", "pycomm.bench", "--fsdp", *args],
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert out.returncode == 0, out.stderr
+    doc = json.loads(path.read_text())
+    int8 = doc["hooks"]["int8"]
+    assert int8["counted_bytes_per_step"] > 0
+    if doc["link"]["shaped"]:
+        assert int8["rs_wire_bytes_per_step"] >= int8["counted_bytes_per_step"]
+        assert int8["rs_wire_bytes_per_step"] < 1.2 * int8["counted_bytes_per_step"]
+        assert doc["hooks"]["int8"]["rs_wire_vs_fsdp"] < 0.3
