@@ -306,6 +306,12 @@ def _parser() -> argparse.ArgumentParser:
         help="no progress bar and no progress lines on stderr (the bar is also off when "
         "stderr is not a terminal)",
     )
+    ap.add_argument(
+        "--fsdp",
+        action="store_true",
+        help="benchmark FSDP2's gradient reduce-scatter against pycomm.fsdp.compress's instead "
+        "(flags of its own: python -m pycomm.bench --fsdp --help)",
+    )
     ap.add_argument(_NETNS_FLAG, action="store_true", help=argparse.SUPPRESS)
     return ap
 
@@ -455,6 +461,10 @@ def main(argv: Optional[list[str]] = None) -> int:
         >>> main(["--hooks", "int8", "--steps", "5", "--json", "out.json"])
     """
     argv = list(sys.argv[1:] if argv is None else argv)
+    if "--fsdp" in argv:  # FSDP2's reduce-scatter: a benchmark of its own, with its own flags
+        from pycomm.bench import fsdp
+
+        return fsdp.main([a for a in argv if a != "--fsdp"])
     ap = _parser()
     args = ap.parse_args(argv)
     try:

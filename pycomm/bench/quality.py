@@ -43,6 +43,7 @@ from pycomm.bench.quality_tasks import (
     HOOK_OPTIONS,
     HOOKS,
     LIMITS,
+    NOT_FSDP,
     OPTIMIZERS,
     QUICK_TASKS,
     REFERENCE,
@@ -104,6 +105,12 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--plot", metavar="PATH", help="PNG of the training-loss curves per hook")
     ap.add_argument("--timeout", type=float, default=3600.0, help="seconds; default 3600")
     ap.add_argument("--list-tasks", action="store_true", help="list the tasks and exit")
+    ap.add_argument(
+        "--fsdp",
+        action="store_true",
+        help="train under FSDP2 (fully_shard per block): allreduce is FSDP2's own reduction, "
+        "the other hooks pycomm.fsdp.compress's",
+    )
     ap.add_argument("--no-progress", action="store_true", help="no tqdm bar")
     return ap
 
@@ -243,6 +250,12 @@ def main(argv: Optional[list[str]] = None) -> int:
         check_names("hook", args.hooks, all_hooks())
     except ValueError as exc:
         ap.error(f"--hooks: {exc}" if "--import" not in str(exc) else str(exc))
+    if args.fsdp:
+        bad = [h for h in args.hooks if h in NOT_FSDP]
+        if bad and list(args.hooks) == list(DEFAULT_HOOKS):
+            args.hooks = [h for h in args.hooks if h not in NOT_FSDP]
+        elif bad:
+            ap.error(f"--fsdp: {', '.join(bad)}: no FSDP2 reduce-scatter (pycomm.fsdp)")
     tasks = args.tasks or list(QUICK_TASKS if args.quick else DEFAULT_TASKS)
     hooks = [REFERENCE] + list(dict.fromkeys(h for h in args.hooks if h != REFERENCE))
     if args.tasks is None or any(TASKS[t].kind == "digits" for t in tasks):
@@ -256,6 +269,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         "optimizers": args.optimizers,
         "seeds": list(range(args.seeds)),
         "quick": args.quick,
+        "fsdp": args.fsdp,
         "threads": args.threads,
         "progress": not args.no_progress,
         "imports": list(dict.fromkeys([*args.imports, *user_modules()])),

@@ -24,7 +24,11 @@ from pycomm.bench.models import GPT, ModelSpec
 from pycomm.hooks.registry import import_modules
 
 DEFAULT_HOOKS = ("allreduce", "fp16", "bf16", "int8", "onebit", "powersgd")
-HOOKS = (*DEFAULT_HOOKS, "onebit-local", "int8-nolocal", "int8-noef", "int8-warm20", "int8-b256")
+HOOKS = (
+    *DEFAULT_HOOKS,
+    *("onebit-local", "int8-nolocal", "int8-noef", "int8-warm20", "int8-b256"),
+    *("int8-ef", "int8-ef-bf16"),  # under --fsdp
+)
 REFERENCE = "allreduce"
 
 
@@ -60,7 +64,12 @@ VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     "int8-noef": ("int8", {"error_feedback": False}),
     "int8-warm20": ("int8", {"start_iter": 20}),
     "int8-b256": ("int8", {"block": 256}),
+    # under --fsdp, where error feedback is off by default (pycomm.fsdp)
+    "int8-ef": ("int8", {"error_feedback": True}),
+    "int8-ef-bf16": ("int8", {"error_feedback": True, "residual_dtype": "bfloat16"}),
 }
+# hooks that have no FSDP2 reduce-scatter (--fsdp refuses them)
+NOT_FSDP = ("powersgd", "onebit-local", "int8-nolocal")
 
 # How far a hook's mean may fall behind the exact all-reduce's, at its defaults: accuracy
 # points (tasks measured in accuracy) and a relative loss (tasks measured in loss).
@@ -74,6 +83,8 @@ LIMITS: dict[str, tuple[float, float]] = {
     "int8-noef": (0.5, 0.01),
     "int8-warm20": (0.5, 0.01),
     "int8-b256": (0.5, 0.01),
+    "int8-ef": (0.5, 0.01),
+    "int8-ef-bf16": (0.5, 0.01),
 }
 
 
@@ -310,6 +321,43 @@ def evaluate(task: Task, model: torch.nn.Module, data) -> float:
         model.train()
 
 
+def _train_fsdp(task, data, vocab, hook, optimizer, seed, steps, progress, label):
+    """The same run under FSDP2 (each block and the root ``fully_shard``-ed): ``allreduce``
+    is FSDP2's own reduction (the reference), every other hook
+    :func:`pycomm.fsdp.compress`'s; the loop clips as TrainLoop does."""
+    import pycomm.fsdp
+    from pycomm.bench.fsdp import shard
+
+    torch.manual_seed(seed)
+    model = shard(build_model(task, vocab))
+    comm = None
+    if hook != REFERENCE:
+        name, options = VARIANTS.get(hook, (hook, HOOK_OPTIONS.get(hook)))
+        comm = pycomm.fsdp.compress(model, hook=name, **(options or {}))
+    opt = make_optimizer(optimizer, model.parameters(), task.lr)
+    losses = []
+    for batch in _batches(task, data, steps, seed):
+        loss = _loss(task, model, batch)
+        loss.backward()
+        if task.max_grad_norm is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), task.max_grad_norm)
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+        progress.update(label)
+    value = evaluate(task, model, data)
+    model.reshard()  # the root keeps its parameters gathered after a forward without backward
+    with torch.no_grad():
+        checksum = float(sum(p.full_tensor().double().sum() for p in model.parameters()))
+    return {
+        "value": value,
+        "curve": _curve(losses),
+        "compression": comm.stats["compression"] if comm is not None else 1.0,
+        "checksum": checksum,
+        "warning": None,
+    }
+
+
 def _train_one(task, data, vocab, hook, optimizer, seed, steps, progress, label):
     torch.manual_seed(seed)
     model = build_model(task, vocab)
@@ -354,7 +402,7 @@ def run_rank(plan: dict[str, Any]) -> list[dict[str, Any]]:
     """Train every (task, optimizer, seed, hook) of ``plan`` on this rank; one record each.
 
     ``plan``: ``tasks``, ``optimizers``, ``hooks`` (names), ``seeds`` (ints), ``quick``,
-    ``threads``, ``progress``.
+    ``threads``, ``progress``, ``fsdp`` (train under FSDP2 instead of DDP).
 
     Example:
         >>> pycomm.launch(run_rank, 4, {"tasks": ["digits-small"], "optimizers": ["sgd"],
@@ -380,9 +428,8 @@ def run_rank(plan: dict[str, Any]) -> list[dict[str, Any]]:
                 for seed in plan["seeds"]:
                     for hook in plan["hooks"]:
                         label = f"{task.name} {optimizer} seed {seed} {hook}"
-                        rec = _train_one(
-                            task, data, vocab, hook, optimizer, seed, n, progress, label
-                        )
+                        train = _train_fsdp if plan.get("fsdp") else _train_one
+                        rec = train(task, data, vocab, hook, optimizer, seed, n, progress, label)
                         rec.update(task=task.name, optimizer=optimizer, seed=seed, hook=hook)
                         records.append(rec)
     finally:

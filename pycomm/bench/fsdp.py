@@ -1,0 +1,249 @@
+"""``python -m pycomm.bench --fsdp``: FSDP2 (``fully_shard``) with its own reduce-scatter beside
+pycomm's (:func:`pycomm.fsdp.compress`), the same model, data and link, side by side.
+
+Every hook gets its own copy of the model (the same seed), each transformer block (or MLP
+layer) and the root ``fully_shard``-ed; the hooks take turns step by step, so they see the same
+machine at the same moments. Per hook: the median step time, its ratio to FSDP2's own
+(``fsdp``), the bytes a rank puts on the wire per step (counted on the private loopback under
+``--link``, else the hook's own count) and against FSDP2's, and the memory per rank (sharded
+parameters and gradients, and the error-feedback residuals).
+
+Example:
+    python -m pycomm.bench --fsdp --link 1gbit --hooks fsdp,allreduce,bf16,int8
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+from torch.distributed.fsdp import FSDPModule, fully_shard
+
+import pycomm
+import pycomm.fsdp
+from pycomm.bench import link as _link
+from pycomm.bench.models import MODELS, ModelSpec, batches, build, count_params, loss_fn
+
+NATIVE = "fsdp"  # FSDP2's own reduce-scatter
+NO_RS = "no-rs"  # no reduce-scatter at all (NoReduceScatter): the rest of a step's bytes
+_NETNS_FLAG = "--_in-netns"
+
+
+def shard(model: torch.nn.Module) -> torch.nn.Module:
+    """``fully_shard`` each block (the GPT's blocks, the MLP's layers) and the root."""
+    blocks = getattr(model, "blocks", model)
+    for child in blocks.children():
+        if any(True for _ in child.parameters()):
+            fully_shard(child)
+    fully_shard(model)
+    return model
+
+
+class NoReduceScatter:
+    """A reduce-scatter that keeps this rank's own chunk and sends nothing: what a step puts
+    on the wire without one (FSDP's parameter all-gathers, the bench's barriers), subtracted
+    from every hook's wire bytes to give its reduce-scatter's. Its gradients are wrong."""
+
+    def allocate(self, size: Any, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return torch.empty(size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
+        n, r = dist.get_world_size(group), dist.get_rank(group)
+        output_tensor.copy_(input_tensor.view(n, -1)[r])
+
+
+def _sharded_bytes(model: torch.nn.Module) -> int:
+    """This rank's bytes of parameters plus gradients (fp32): its shards."""
+    return 2 * sum(p.to_local().numel() * 4 for p in model.parameters())
+
+
+def run_rank(spec: ModelSpec, hooks: list[str], steps: int, warmup: int, measure_lo: bool) -> dict:
+    """One rank: every hook's model, trained in turns; per hook its step times and bytes."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    runs: dict[str, dict[str, Any]] = {}
+    for hook in hooks:
+        model = shard(build(spec))
+        comm = None
+        if hook == NO_RS:
+            for m in model.modules():
+                if isinstance(m, FSDPModule):
+                    m.set_custom_reduce_scatter(NoReduceScatter())
+        elif hook != NATIVE:
+            comm = pycomm.fsdp.compress(model, hook=hook)
+        runs[hook] = {
+            "model": model,
+            "comm": comm,
+            "opt": torch.optim.SGD(model.parameters(), lr=1e-3),
+            "times": [],
+            "lo": [],
+        }
+    data = batches(spec, warmup + steps, torch.Generator().manual_seed(rank))
+    for i, batch in enumerate(data):
+        for hook in hooks:
+            r = runs[hook]
+            dist.barrier()
+            lo0 = _link.lo_tx_bytes() if measure_lo else 0
+            t0 = time.perf_counter()
+            loss_fn(spec, r["model"], batch).backward()
+            r["opt"].step()
+            r["opt"].zero_grad()
+            dist.barrier()
+            elapsed = time.perf_counter() - t0
+            if i == warmup - 1:
+                r["sent0"] = r["comm"].stats["bytes_sent"] if r["comm"] is not None else 0
+            if i >= warmup:
+                r["times"].append(elapsed)
+                # the namespace's lo carries every rank's bytes: this rank's share
+                r["lo"].append((_link.lo_tx_bytes() - lo0) / world if measure_lo else -1)
+    out = {}
+    for hook, r in runs.items():
+        stats = r["comm"].stats if r["comm"] is not None else {}
+        if stats:  # what the hook counted, a rank and a timed step
+            stats["bytes_per_step"] = (stats["bytes_sent"] - r["sent0"]) / steps
+        out[hook] = {
+            "times": r["times"],
+            "lo_bytes": r["lo"],
+            "stats": stats,
+            "sharded_bytes": _sharded_bytes(r["model"]),
+        }
+    return out
+
+
+def _parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(
+        prog="python -m pycomm.bench --fsdp",
+        description="FSDP2's own gradient reduce-scatter against pycomm.fsdp.compress's, side "
+        "by side on local gloo ranks.",
+    )
+    ap.add_argument(
+        "--hooks",
+        default="fsdp,allreduce,bf16,int8",
+        help="comma-separated: fsdp (FSDP2's own) and registered hooks",
+    )
+    ap.add_argument("--nprocs", type=int, default=2)
+    ap.add_argument("--steps", type=int, default=10, help="timed steps per hook")
+    ap.add_argument("--warmup", type=int, default=3, help="untimed steps first (>= start_iter)")
+    ap.add_argument("--model", choices=MODELS, default="mlp")
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--width", type=int, default=1024)
+    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--link", default=None, help="shape loopback to RATE per rank (tc rate)")
+    ap.add_argument("--json", default=None, help="write the results here")
+    ap.add_argument(_NETNS_FLAG, action="store_true", help=argparse.SUPPRESS)
+    return ap  # fmt: skip
+
+
+def summarize(results: list[dict], hooks: list[str], params: int) -> dict[str, dict]:
+    """Per hook over ranks: median step time (the slowest rank's each step), wire bytes a rank
+    per step, ratios to FSDP2's own, memory per rank."""
+    rows: dict[str, dict] = {}
+    for hook in hooks:
+        per_step = [
+            max(r[hook]["times"][i] for r in results) for i in range(len(results[0][hook]["times"]))
+        ]
+        lo = [b for b in results[0][hook]["lo_bytes"] if b >= 0]
+        stats = results[0][hook]["stats"]
+        rows[hook] = {
+            "median_s": statistics.median(per_step),
+            "wire_bytes_per_step": statistics.median(lo) if lo else None,
+            "counted_bytes_per_step": stats.get("bytes_per_step"),
+            "residual_bytes": stats.get("residual_bytes", 0),
+            "sharded_bytes": results[0][hook]["sharded_bytes"],
+        }
+    rest = rows.pop(NO_RS, {}).get("wire_bytes_per_step")
+    for row in rows.values():  # the reduce-scatter's own bytes on the wire
+        wire = row["wire_bytes_per_step"]
+        row["rs_wire_bytes_per_step"] = wire - rest if wire is not None and rest else None
+    base = rows.get(NATIVE)
+    for row in rows.values():
+        if base is not None:
+            row["time_vs_fsdp"] = row["median_s"] / base["median_s"]
+            if row["rs_wire_bytes_per_step"] and base["rs_wire_bytes_per_step"]:
+                row["rs_wire_vs_fsdp"] = (
+                    row["rs_wire_bytes_per_step"] / base["rs_wire_bytes_per_step"]
+                )
+    return rows
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    ap = _parser()
+    args = ap.parse_args(argv)
+    hooks = [h.strip() for h in args.hooks.split(",") if h.strip()]
+    if args.nprocs < 2:
+        ap.error(f"--nprocs {args.nprocs}: expected at least 2")
+    if args.warmup < 2:
+        ap.error(f"--warmup {args.warmup}: expected at least 2 (the hooks' exact warm-up)")
+    for h in hooks:
+        if h != NATIVE:
+            try:
+                pycomm.hooks.hook_spec(h, "--hooks")
+            except ValueError as e:
+                ap.error(str(e))
+    link: dict[str, Any] = {"rate": args.link, "shaped": False}
+    if args.link is not None:
+        try:
+            bits = _link.parse_rate(args.link)
+        except ValueError as e:
+            ap.error(f"--link {args.link}: {e}")
+        total = bits * args.nprocs
+        if not args._in_netns:
+            reason = _link.cannot_shape() or _link.probe(total)
+            if reason:
+                ap.error(f"--link {args.link}: {reason}")
+            env = dict(os.environ)
+            root = os.path.dirname(os.path.dirname(os.path.abspath(pycomm.__file__)))
+            env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
+            env.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
+            cmd = ["unshare", "-n", "--", sys.executable, "-m", "pycomm.bench", "--fsdp",
+                   *argv, _NETNS_FLAG]  # fmt: skip
+            return subprocess.call(cmd, env=env)
+        link["qdisc"] = _link.shape_loopback(total)
+        link["shaped"] = True
+    spec = ModelSpec(args.model, layers=args.layers, width=args.width, batch=args.batch)
+    params = count_params(spec)
+    print(f"pycomm.bench --fsdp: {spec.describe(params)}, {args.nprocs} ranks, link "
+          f"{args.link or 'unshaped'}, hooks {', '.join(hooks)}", flush=True)  # fmt: skip
+    # with the wire counted, a run without any reduce-scatter gives the rest of a step's bytes
+    run = [*hooks, NO_RS] if link["shaped"] else hooks
+    results = pycomm.launch(
+        run_rank, args.nprocs, spec, run, args.steps, args.warmup,
+        link["shaped"] and _link.in_private_netns(), timeout=1800,
+    )  # fmt: skip
+    rows = summarize(results, run, params)
+    print("reduce-scatter MB a rank a step: on the shaped wire (step's bytes less a step's "
+          "without any reduce-scatter), else as counted by the hook")  # fmt: skip
+    print(f"{'hook':<10}{'step ms':>9}{'vs fsdp':>9}{'RS MB/step':>12}{'vs fsdp':>9}"
+          f"{'counted MB':>12}{'shards MB':>11}{'residual MB':>13}")  # fmt: skip
+    nan = float("nan")
+    for hook, r in rows.items():
+        wire, counted = r["rs_wire_bytes_per_step"], r["counted_bytes_per_step"]
+        print(f"{hook:<10}{r['median_s'] * 1e3:>9.1f}{r.get('time_vs_fsdp', nan):>9.3f}"
+              f"{(wire or nan) / 1e6:>12.3f}{r.get('rs_wire_vs_fsdp', nan):>9.3f}"
+              f"{(counted if counted is not None else nan) / 1e6:>12.3f}"
+              f"{r['sharded_bytes'] / 1e6:>11.1f}{r['residual_bytes'] / 1e6:>13.1f}")  # fmt: skip
+    if args.json:
+        doc = {
+            "command": "python -m pycomm.bench --fsdp "
+            + " ".join(a for a in argv if a != _NETNS_FLAG),
+            "model": spec.config(),
+            "params": params,
+            "nprocs": args.nprocs,
+            "link": link,
+            "steps": args.steps,
+            "hooks": rows,
+            "note": "rs_wire: bytes on the private loopback per rank and step, less those of a "
+            "step without any reduce-scatter (FSDP's all-gathers, barriers)",
+        }
+        with open(args.json, "w") as f:
+            json.dump(doc, f, indent=1)
+            f.write("\n")
+    return 0

@@ -1,0 +1,268 @@
+"""pycomm.fsdp: FSDP2's gradient reduce-scatter through pycomm's codecs, against FSDP2's own
+reduction, on 2 and 4 gloo ranks."""
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+from harness import run_ranks
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+import pycomm
+import pycomm.fsdp
+
+
+def _model(seed=0):
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(
+        torch.nn.Linear(30, 64),
+        torch.nn.Tanh(),
+        torch.nn.Linear(64, 63),  # 63 * 64 elements: chunks that are not whole blocks
+        torch.nn.Tanh(),
+        torch.nn.Linear(63, 5),
+    )
+
+
+def _shard(m, per_block=True, **kw):
+    if per_block:
+        for i in (0, 2, 4):
+            fully_shard(m[i], **kw)
+    fully_shard(m, **kw)
+    return m
+
+
+def _data(n, seed=0):
+    g = torch.Generator().manual_seed(100 * seed + dist.get_rank())
+    return [(torch.randn(8, 30, generator=g), torch.randn(8, 5, generator=g)) for _ in range(n)]
+
+
+def _full(m):
+    return torch.cat([p.full_tensor().detach().reshape(-1) for p in m.parameters()])
+
+
+def _grads(m):
+    return torch.cat([p.grad.full_tensor().reshape(-1) for p in m.parameters()])
+
+
+def _rank_train(hook, per_block, steps, options, divide=None, k=1):
+    """``steps`` optimizer steps of ``k`` micro-batches each (FSDP's own
+    set_requires_gradient_sync for accumulation); the gradients of every step, the params."""
+    m = _shard(_model(), per_block)
+    if divide is not None:
+        m.set_gradient_divide_factor(divide)
+    comm = pycomm.fsdp.compress(m, hook=hook, **options) if hook != "fsdp" else None
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    grads, stats = [], []
+    for i, (x, y) in enumerate(_data(steps * k)):
+        final = (i + 1) % k == 0
+        m.set_requires_gradient_sync(final)
+        (torch.nn.functional.mse_loss(m(x), y) / k).backward()
+        if final:
+            grads.append(_grads(m))
+            opt.step()
+            opt.zero_grad()
+            stats.append(comm.stats if comm else None)
+    return _full(m), grads, stats
+
+
+@pytest.mark.parametrize("nprocs", [2, 4])
+@pytest.mark.parametrize("per_block", [True, False], ids=["per-block", "root"])
+def test_allreduce_is_fsdp_reduction_within_rounding(nprocs, per_block):
+    ref = run_ranks(_rank_train, nprocs, "fsdp", per_block, 3, {}, timeout=120)
+    ours = run_ranks(_rank_train, nprocs, "allreduce", per_block, 3, {}, timeout=120)
+    for (ref_p, ref_g, _), (p, g, stats) in zip(ref, ours):
+        for a, b in zip(g, ref_g):
+            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+        torch.testing.assert_close(p, ref_p, rtol=1e-6, atol=1e-7)
+        assert stats[-1]["calls"] == 3 * (3 if per_block else 1)  # the root holds none
+        assert stats[-1]["bytes_sent"] == stats[-1]["bytes_fp32"]
+
+
+def test_gradient_divide_factor_and_sum_are_honoured():
+    # a divide factor of 1: FSDP asks for a plain SUM; 8: PREMUL_SUM(1/8)
+    for divide in (1.0, 8.0):
+        ref = run_ranks(_rank_train, 2, "fsdp", True, 2, {}, divide, timeout=120)
+        ours = run_ranks(_rank_train, 2, "allreduce", True, 2, {}, divide, timeout=120)
+        for (_, ref_g, _), (_, g, _) in zip(ref, ours):
+            for a, b in zip(g, ref_g):
+                torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("nprocs", [2, 4])
+@pytest.mark.parametrize("hook", ["bf16", "int8"])
+def test_compressed_hooks_train_and_ranks_agree(hook, nprocs):
+    ref = run_ranks(_rank_train, nprocs, "fsdp", True, 6, {}, timeout=120)
+    ours = run_ranks(_rank_train, nprocs, hook, True, 6, {}, timeout=120)
+    for r in range(1, nprocs):
+        assert torch.equal(ours[0][0], ours[r][0])
+        assert all(torch.equal(a, b) for a, b in zip(ours[0][1], ours[r][1]))
+    p, grads, stats = ours[0]
+    ref_grads = ref[0][1]
+    torch.testing.assert_close(grads[0], ref_grads[0], rtol=1e-6, atol=1e-7)  # warm-up: exact
+    for a, b in zip(grads[2:], ref_grads[2:]):  # compressed: close, not equal
+        assert not torch.equal(a, b)
+        assert (a - b).norm() / b.norm() < (0.02 if hook == "int8" else 0.01)
+    # bytes of the compressed steps against an fp32 reduce-scatter of the same inputs
+    sent = stats[-1]["bytes_sent"] - stats[1]["bytes_sent"]
+    fp32 = stats[-1]["bytes_fp32"] - stats[1]["bytes_fp32"]
+    assert sent / fp32 <= (0.3 if hook == "int8" else 0.56), sent / fp32
+
+
+def test_accumulation_through_fsdp_no_sync_equals_one_large_batch():
+    k = 3
+    ours = run_ranks(_rank_train, 2, "allreduce", True, 2, {}, None, k, timeout=120)
+    ref = run_ranks(_rank_train, 2, "fsdp", True, 2, {}, None, k, timeout=120)
+    for (p, _, stats), (ref_p, _, _) in zip(ours, ref):
+        assert stats[-1]["calls"] == 2 * 3  # one reduce-scatter per block per window
+        torch.testing.assert_close(p, ref_p, rtol=1e-6, atol=1e-7)
+    int8 = run_ranks(_rank_train, 2, "int8", True, 3, {}, None, k, timeout=120)
+    assert torch.equal(int8[0][0], int8[1][0])
+
+
+def _rank_resume(options):
+    data = _data(6, seed=3)
+
+    def build():
+        m = _shard(_model())
+        return (
+            m,
+            pycomm.fsdp.compress(m, hook="int8", **options),
+            torch.optim.Adam(m.parameters(), lr=1e-2),
+        )
+
+    def step(m, opt, x, y):
+        torch.nn.functional.mse_loss(m(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+
+    m, comm, opt = build()
+    for x, y in data:
+        step(m, opt, x, y)
+    straight = _full(m)
+
+    m, comm, opt = build()
+    for x, y in data[:3]:
+        step(m, opt, x, y)
+    saved = copy.deepcopy(
+        {"model": m.state_dict(), "opt": opt.state_dict(), "comm": comm.state_dict()}
+    )
+    m, comm, opt = build()
+    m.load_state_dict(saved["model"])
+    opt.load_state_dict(saved["opt"])
+    comm.load_state_dict(saved["comm"])
+    for x, y in data[3:]:
+        step(m, opt, x, y)
+    return straight, _full(m), comm.stats
+
+
+@pytest.mark.parametrize(
+    "options", [{"error_feedback": True}, {"error_feedback": True, "residual_dtype": "bfloat16"}]
+)
+def test_resume_is_bitwise(options):
+    for straight, resumed, stats in run_ranks(_rank_resume, 2, options, timeout=120):
+        assert torch.equal(straight, resumed)
+        assert stats["residual_bytes"] > 0
+
+
+def _rank_mixed_precision():
+    m = _shard(_model(), mp_policy=MixedPrecisionPolicy(reduce_dtype=torch.bfloat16))
+    comm = pycomm.fsdp.compress(m, hook="int8", start_iter=2)
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    losses = []
+    for x, y in _data(8):
+        loss = torch.nn.functional.mse_loss(m(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return _full(m), losses, comm.stats
+
+
+def test_mixed_precision_reduce_dtype():
+    ranks = run_ranks(_rank_mixed_precision, 2, timeout=120)
+    assert torch.equal(ranks[0][0], ranks[1][0])
+    assert ranks[0][2]["compression"] > 1.5
+
+
+def _rank_refusals():
+    errors = {}
+
+    def attempt(key, fn):
+        try:
+            fn()
+            errors[key] = None
+        except (ValueError, TypeError, RuntimeError) as e:
+            errors[key] = str(e)
+
+    rank = dist.get_rank()
+    attempt(
+        "options differ",
+        lambda: pycomm.fsdp.compress(_shard(_model()), hook="int8", block=64 if rank == 0 else 32),
+    )
+    attempt(
+        "hook differs",
+        lambda: pycomm.fsdp.compress(_shard(_model()), hook="int8" if rank == 0 else "bf16"),
+    )
+    attempt("not sharded", lambda: pycomm.fsdp.compress(_model(), hook="int8"))
+    attempt("powersgd", lambda: pycomm.fsdp.compress(_shard(_model()), hook="powersgd"))
+    attempt("unknown hook", lambda: pycomm.fsdp.compress(_shard(_model()), hook="int3"))
+    attempt(
+        "hierarchy", lambda: pycomm.fsdp.compress(_shard(_model()), hook="int8", hierarchy="node")
+    )
+    attempt("bad option", lambda: pycomm.fsdp.compress(_shard(_model()), hook="int8", bloc=64))
+    attempt("bad value", lambda: pycomm.fsdp.compress(_shard(_model()), hook="int8", block=0))
+    if dist.get_world_size() == 4:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+        attempt("hsdp", lambda: pycomm.fsdp.compress(_shard(_model(), mesh=mesh), hook="int8"))
+    return errors
+
+
+@pytest.mark.parametrize("nprocs", [2, 4])
+def test_refusals_are_clear_and_the_same_on_every_rank(nprocs):
+    ranks = run_ranks(_rank_refusals, nprocs, timeout=120)
+    for other in ranks[1:]:
+        assert other == ranks[0]
+    e = ranks[0]
+    assert "ranks disagree on options" in e["options differ"] and "block" in e["options differ"]
+    assert "ranks disagree on hook" in e["hook differs"]
+    assert "has no FSDPModule" in e["not sharded"]
+    assert "'powersgd' is not a reduce-scatter" in e["powersgd"]
+    assert "hook='int3'" in e["unknown hook"]
+    assert "hierarchy='node'" in e["hierarchy"]
+    assert "'bloc'" in e["bad option"]
+    assert "block" in e["bad value"]
+    if nprocs == 4:
+        assert "2-D device mesh (HSDP)" in e["hsdp"]
+
+
+def test_bench_fsdp_measures_the_reduce_scatter_on_the_wire(tmp_path):
+    """python -m pycomm.bench --fsdp under --link: the reduce-scatter's bytes on the shaped
+    loopback agree with what the hook counts (its own payload, plus TCP/IP headers)."""
+    import json
+    import subprocess
+    import sys
+
+    from pycomm.bench import link
+
+    path = tmp_path / "fsdp.json"
+    args = ["--steps", "2", "--warmup", "2", "--layers", "2", "--width", "256", "--batch", "8"]
+    args += ["--hooks", "fsdp,int8", "--json", str(path)]
+    if link.cannot_shape() is None:
+        args += ["--link", "10gbit"]
+    out = subprocess.run(
+        [sys.executable, "-m", "pycomm.bench", "--fsdp", *args],
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert out.returncode == 0, out.stderr
+    doc = json.loads(path.read_text())
+    int8 = doc["hooks"]["int8"]
+    assert int8["counted_bytes_per_step"] > 0
+    if doc["link"]["shaped"]:
+        assert int8["rs_wire_bytes_per_step"] >= int8["counted_bytes_per_step"]
+        assert int8["rs_wire_bytes_per_step"] < 1.2 * int8["counted_bytes_per_step"]
+        assert doc["hooks"]["int8"]["rs_wire_vs_fsdp"] < 0.3
