@@ -659,7 +659,7 @@ def test_residual_out_of_another_dtype_refused(be, name, r_dtype, out_dtype):
 
 
 def test_mismatched_devices_rejected():
-    # meta stands in for a second device: the fake kernels check what the real kernels check
+    # meta stands in for a second device: the Meta kernels check what the real kernels check
     meta = torch.zeros(16, device="meta")
     with pytest.raises(RuntimeError, match=r"pycomm.quantize_int8: residual is on meta"):
         ops.quantize_int8(_X, meta, 1.0, 8, 16)
