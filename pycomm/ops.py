@@ -164,7 +164,7 @@ def quantize_int8(
     [numel / block])``; a block holding NaN or Inf gets scale NaN and codes 0.
 
     Example:
-        >>> codes, scales = pycomm.ops.quantize_int8(bucket, residual, 1.0, 256, n)
+        >>> codes, scales = pycomm.ops.quantize_int8(bucket, residual, 1.0, 64, n)
     """
     return torch.ops.pycomm.quantize_int8(
         x, residual, float(scale), int(block), int(numel), residual_out
@@ -210,7 +210,7 @@ def dequantize_int8_sum(
     ``[sum of out**2 over finite out, count of non-finite out]``.
 
     Example:
-        >>> stats = pycomm.ops.dequantize_int8_sum(codes, scales, 256, 1 / world_size, chunk)
+        >>> stats = pycomm.ops.dequantize_int8_sum(codes, scales, 64, 1 / world_size, chunk)
     """
     return torch.ops.pycomm.dequantize_int8_sum(codes, scales, int(block), float(scale), out)
 

@@ -441,7 +441,7 @@ def test_decoders_read_row_slices_of_a_packed_buffer(be, hook, rows, m):
     from pycomm.hooks import compressed
 
     codec = {
-        "bf16": lambda: compressed.Float16Codec(torch.bfloat16),
+        "bf16": lambda: compressed.HalfCodec(torch.bfloat16),
         "int8": lambda: compressed.Int8Codec(256),
         "onebit": lambda: compressed.OneBitCodec(64),
     }[hook]()

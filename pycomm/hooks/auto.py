@@ -76,7 +76,7 @@ from pycomm.hooks.allreduce import AllreduceState, allreduce_hook, exact_allredu
 from pycomm.hooks.compressed import (
     Codec,
     CompressedState,
-    Float16Codec,
+    HalfCodec,
     Int8Codec,
     OneBitCodec,
     _phase_groups,
@@ -101,7 +101,7 @@ DEFAULT_ALLOW = ("allreduce", "bf16", "fp16", "int8")
 # the codec each hook runs at its defaults, and whether it takes the two-phase exchange
 _FORMAT = {"bf16": "16", "fp16": "16", "int8": "int8", "onebit": "onebit"}
 _CODECS: dict[str, Callable[[], Codec]] = {
-    "16": lambda: Float16Codec(torch.bfloat16),
+    "16": lambda: HalfCodec(torch.bfloat16),
     "int8": lambda: Int8Codec(Int8State.default_block),
     "onebit": lambda: OneBitCodec(OneBitState.default_block),
 }

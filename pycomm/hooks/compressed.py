@@ -1,6 +1,6 @@
 """The engine behind pycomm's compression hooks (fp16, bf16, int8, onebit).
 
-Two-phase all-reduce (DESIGN.md): every rank encodes its whole bucket (pre-scaled by 1/N, plus
+Two-phase all-reduce: every rank encodes its whole bucket (pre-scaled by 1/N, plus
 its error-feedback residual) and sends chunk j to rank j (phase 1, all-to-all, a
 reduce-scatter of compressed chunks); each rank decodes and sums its N chunks in fp32,
 re-encodes that sum with its own residual and sends it to every rank (phase 2, a gather). Bytes
@@ -90,7 +90,9 @@ class Codec:
         return codes, None if scales is None else scales.view(self.scale_dtype)
 
 
-class Float16Codec(Codec):
+class HalfCodec(Codec):
+    """16-bit codes, fp16 or bf16 (``dtype``), without scales: the fp16 and bf16 hooks'."""
+
     scale_dtype = None
 
     def __init__(self, dtype: torch.dtype) -> None:
@@ -239,8 +241,7 @@ class CompressedState(HookState):
     the exact fp32 all-reduce, because DDP rebuilds its buckets after the first one),
     ``error_feedback``, ``local_feedback`` (default True, onebit False; two-phase exchange
     only: False keeps no residual for the encoding of each rank's own gradient in phase 1, only
-    for the re-encoded reduced chunk of phase 2; see the README's "Which hook with which
-    optimizer"),
+    for the re-encoded reduced chunk of phase 2; see the README's "Choosing a hook"),
     and ``residual_dtype``: ``"float32"`` (default) or ``"bfloat16"``, the error-feedback
     residuals' storage. bf16 halves their memory (the hooks keep two copies, a step's new
     residuals apart until it is known finite: 8 bytes per parameter in fp32) and the memory
@@ -312,9 +313,8 @@ class CompressedState(HookState):
         if self.world_size > 1:
             self.node_plan = hier.resolve(self.hook_name, self.process_group, self.hierarchy)
             # with the node hierarchy the exchange runs across nodes only, on its own groups
-            self.phases = _phase_groups(self.process_group) if self.node_plan is None else None
-            if self.node_plan is not None:
-                self.phases = self.node_plan.cross
+            plan = self.node_plan
+            self.phases = _phase_groups(self.process_group) if plan is None else plan.cross
 
     @property
     def exchange_size(self) -> int:

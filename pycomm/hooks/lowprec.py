@@ -5,10 +5,10 @@ from typing import Any
 import torch
 
 from pycomm._validate import check_bool
-from pycomm.hooks.compressed import Codec, CompressedState, Float16Codec
+from pycomm.hooks.compressed import Codec, CompressedState, HalfCodec
 
 
-class _Float16State(CompressedState):
+class _HalfState(CompressedState):
     """Options: ``two_phase`` (default False: one 16-bit all-reduce; True: the two-phase
     exchange that sums in fp32), ``error_feedback`` (default False), ``start_iter`` (2)."""
 
@@ -21,13 +21,13 @@ class _Float16State(CompressedState):
 
     def make_codec(self, options: dict[str, Any]) -> Codec:
         self.two_phase = check_bool(self.where, "two_phase", options.get("two_phase", False))
-        return Float16Codec(self.dtype)
+        return HalfCodec(self.dtype)
 
     def options(self) -> dict[str, Any]:
         return {**super().options(), "two_phase": self.two_phase}
 
 
-class Fp16State(_Float16State):
+class Fp16State(_HalfState):
     """State of the ``fp16`` hook (:func:`pycomm.hooks.compressed_hook`).
 
     Example:
@@ -37,7 +37,7 @@ class Fp16State(_Float16State):
     hook_name, dtype = "fp16", torch.float16
 
 
-class Bf16State(_Float16State):
+class Bf16State(_HalfState):
     """State of the ``bf16`` hook (:func:`pycomm.hooks.compressed_hook`).
 
     Example:
