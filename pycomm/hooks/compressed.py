@@ -649,8 +649,7 @@ def _node(state: CompressedState, bucket: dist.GradBucket, x: torch.Tensor):
             cross,
             hier.exact_bytes(plan, n),
             1,
-            None,
-            1.0 / L,
+            postscale=1.0 / L,
         )
 
     def reduce(state: CompressedState, bucket, x: torch.Tensor, index: int):
@@ -669,7 +668,7 @@ def _node(state: CompressedState, bucket: dist.GradBucket, x: torch.Tensor):
             return path(state, shard_bucket, shard, index, step)
 
         return hier.node_reduce(
-            state, plan, bucket, x, index, cross, nbytes, calls, None, 1.0 / L, step
+            state, plan, bucket, x, index, cross, nbytes, calls, postscale=1.0 / L, finite_step=step
         )
 
     if state.bucket_layout.bound:

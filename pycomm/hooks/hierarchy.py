@@ -210,6 +210,7 @@ def node_reduce(
     cross: Callable[[Any, torch.Tensor], torch.futures.Future],
     cross_bytes: int,
     cross_collectives: int,
+    *,
     prescale: Optional[float] = None,
     postscale: Optional[float] = None,
     finite_step: Optional[int] = None,
