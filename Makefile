@@ -4,7 +4,8 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 # The torch to install into the venv; TORCH= (empty) keeps whatever torch the venv has.
 TORCH ?= torch==2.13.0
-SOURCES := setup.py pyproject.toml $(wildcard csrc/*.cpp csrc/*.h csrc/*/*.cpp csrc/*/*.h csrc/*/*.cu)
+SOURCES := setup.py pyproject.toml $(wildcard csrc/*.cpp csrc/*.h csrc/*/*.cpp csrc/*/*.h csrc/*/*.cu \
+	csrc/*/*.cuh csrc/cuda/emu/*)
 
 .PHONY: install test lint bench bench-kernels clean deps-frameworks frameworks
 

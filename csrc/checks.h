@@ -1,8 +1,12 @@
-// Argument checks shared by every device's kernels. User errors name the op, the argument and
-// what was expected.
+// Argument checks shared by every device's kernels and by the Meta kernels (csrc/meta.cpp), so
+// that meta tensors, FakeTensorMode and torch.compile refuse what the kernels refuse, in their
+// words. User errors name the op, the argument and what was expected.
+//
+// Sizes are read as c10::SymInt (sym_numel, sym_size, ...): under torch.compile with dynamic
+// shapes the Meta kernels get tensors with symbolic sizes, and each comparison below then
+// records a guard; on real tensors a SymInt is a plain integer. Nothing here reads data.
 #pragma once
 #include <ATen/ATen.h>
-#include <ATen/MemoryOverlap.h>
 
 #include <optional>
 #include <utility>
@@ -51,8 +55,8 @@ void dispatch_float(at::ScalarType t, F&& f) {
 
 // Checks that every tensor is a supported float of one dtype on one device. Returns each
 // tensor's offset into flat and, last, their total numel.
-inline std::vector<int64_t> check_list(const char* op, at::TensorList tensors) {
-  std::vector<int64_t> offsets(1, 0);
+inline std::vector<c10::SymInt> check_list(const char* op, at::TensorList tensors) {
+  std::vector<c10::SymInt> offsets(1, c10::SymInt(0));
   for (size_t i = 0; i < tensors.size(); ++i) {
     const auto& t = tensors[i];
     const std::string arg = "tensors[" + std::to_string(i) + "]";
@@ -63,7 +67,7 @@ inline std::vector<int64_t> check_list(const char* op, at::TensorList tensors) {
                   " like tensors[0] (one dtype per call)");
       check_same_device(op, arg.c_str(), t, "tensors[0]", tensors[0]);
     }
-    offsets.push_back(offsets.back() + t.numel());
+    offsets.push_back(offsets.back() + t.sym_numel());
   }
   return offsets;
 }
@@ -71,15 +75,16 @@ inline std::vector<int64_t> check_list(const char* op, at::TensorList tensors) {
 // flat: 1-D contiguous float.
 inline void check_flat(const char* op, const at::Tensor& flat) {
   check_float(op, "flat", flat);
-  TORCH_CHECK(flat.dim() == 1 && flat.is_contiguous(), op, ": flat has shape ", flat.sizes(),
-              " and strides ", flat.strides(), ", expected a 1-D contiguous tensor");
+  TORCH_CHECK(flat.dim() == 1 && flat.is_contiguous(), op, ": flat has shape ",
+              flat.sym_sizes(), " and strides ", flat.sym_strides(),
+              ", expected a 1-D contiguous tensor");
 }
 
 // flat (as check_flat) holds exactly the tensors' total elements, on their device.
 inline void check_flat_total(const char* op, const at::Tensor& flat, at::TensorList tensors,
-                             int64_t total) {
-  TORCH_CHECK(flat.numel() == total, op, ": flat has ", flat.numel(), " elements, expected ",
-              total, " (the total numel of tensors)");
+                             const c10::SymInt& total) {
+  TORCH_CHECK(flat.sym_numel() == total, op, ": flat has ", flat.sym_numel(),
+              " elements, expected ", total, " (the total numel of tensors)");
   if (!tensors.empty()) check_same_device(op, "tensors[0]", tensors[0], "flat", flat);
 }
 
@@ -95,9 +100,9 @@ inline void check_residual(const char* op, const char* arg, const at::Tensor& r,
   TORCH_CHECK(r.scalar_type() == at::kFloat || r.scalar_type() == at::kBFloat16, op, ": ", arg,
               " has dtype ", r.scalar_type(), ", expected Float or BFloat16");
   check_same_device(op, arg, r, "x", x);
-  TORCH_CHECK(r.numel() == numel, op, ": ", arg, " has ", r.numel(),
+  TORCH_CHECK(r.sym_numel() == numel, op, ": ", arg, " has ", r.sym_numel(),
               " elements, expected numel = ", numel);
-  TORCH_CHECK(r.is_contiguous(), op, ": ", arg, " has strides ", r.strides(),
+  TORCH_CHECK(r.is_contiguous(), op, ": ", arg, " has strides ", r.sym_strides(),
               ", expected a contiguous tensor");
 }
 
@@ -108,8 +113,8 @@ inline void check_encoder(const char* op, const at::Tensor& x,
                           const std::optional<at::Tensor>& residual, int64_t numel,
                           const std::optional<at::Tensor>& residual_out) {
   check_float(op, "x", x);
-  TORCH_CHECK(numel >= x.numel(), op, ": numel is ", numel, ", expected >= x.numel() = ",
-              x.numel());
+  TORCH_CHECK(x.sym_numel() <= numel, op, ": numel is ", numel, ", expected >= x.numel() = ",
+              x.sym_numel());
   if (residual.has_value()) check_residual(op, "residual", *residual, x, numel);
   if (!residual_out.has_value()) return;
   TORCH_CHECK(residual.has_value(), op,
@@ -119,10 +124,12 @@ inline void check_encoder(const char* op, const at::Tensor& x,
   const auto& b = *residual_out;
   TORCH_CHECK(b.scalar_type() == a.scalar_type(), op, ": residual_out has dtype ",
               b.scalar_type(), ", expected ", a.scalar_type(), " like residual");
-  // (no data pointers: the Meta kernels run this on tensors without data)
-  const bool same = a.is_alias_of(b) && a.storage_offset() == b.storage_offset();
-  TORCH_CHECK(numel == 0 || same || at::get_overlap_status(a, b) == at::MemOverlapStatus::No,
-              op, ": residual_out overlaps residual, expected separate tensors (or the same one)");
+  // both contiguous [numel]: they overlap when they share a storage at offsets closer than
+  // numel elements (from the offsets alone: meta and fake tensors have no data)
+  const c10::SymInt apart = a.sym_storage_offset() - b.sym_storage_offset();
+  const bool overlap = a.is_alias_of(b) && apart != 0 && apart < numel && apart > -numel;
+  TORCH_CHECK(!overlap, op,
+              ": residual_out overlaps residual, expected separate tensors (or the same one)");
 }
 
 inline void check_block(const char* op, int64_t block, int64_t numel, int64_t multiple_of) {
@@ -140,8 +147,9 @@ inline void check_block(const char* op, int64_t block, int64_t numel, int64_t mu
 // so the hooks decode straight out of column slices of their [R, codes | scales] receive
 // buffers.
 inline void check_row_layout(const char* op, const char* arg, const at::Tensor& t) {
-  TORCH_CHECK((t.size(1) <= 1 || t.stride(1) == 1) && (t.size(0) <= 1 || t.stride(0) >= t.size(1)),
-              op, ": ", arg, " has shape ", t.sizes(), " and strides ", t.strides(),
+  TORCH_CHECK((t.sym_size(1) <= 1 || t.sym_stride(1) == 1) &&
+                  (t.sym_size(0) <= 1 || t.sym_stride(0) >= t.sym_size(1)),
+              op, ": ", arg, " has shape ", t.sym_sizes(), " and strides ", t.sym_strides(),
               ", expected contiguous rows (stride 1 within a row, rows apart by >= a row)");
 }
 
@@ -153,55 +161,58 @@ inline void check_rows(const char* op, const char* arg, const at::Tensor& t, boo
   TORCH_CHECK(t.layout() == at::kStrided, op, ": ", arg, " has layout ", t.layout(),
               ", expected a dense (strided) tensor");
   TORCH_CHECK(dtype_ok, op, ": ", arg, " has dtype ", t.scalar_type(), ", expected ", dtype);
-  TORCH_CHECK(t.dim() == 2, op, ": ", arg, " has shape ", t.sizes(),
+  TORCH_CHECK(t.dim() == 2, op, ": ", arg, " has shape ", t.sym_sizes(),
               ", expected a 2-D [R, m] tensor");
-  TORCH_CHECK(t.size(0) >= 1, op, ": ", arg, " has shape ", t.sizes(), ", expected R >= 1 rows");
+  TORCH_CHECK(t.sym_size(0) >= 1, op, ": ", arg, " has shape ", t.sym_sizes(),
+              ", expected R >= 1 rows");
   check_row_layout(op, arg, t);
 }
 
 // out: contiguous float on ref's device, at most m elements.
 inline void check_out(const char* op, const at::Tensor& out, const char* ref_arg,
-                      const at::Tensor& ref, int64_t m) {
+                      const at::Tensor& ref, const c10::SymInt& m) {
   check_float(op, "out", out);
   check_same_device(op, "out", out, ref_arg, ref);
-  TORCH_CHECK(out.numel() <= m, op, ": out has ", out.numel(), " elements, expected <= m = ", m);
-  TORCH_CHECK(out.is_contiguous(), op, ": out has strides ", out.strides(),
+  TORCH_CHECK(out.sym_numel() <= m, op, ": out has ", out.sym_numel(),
+              " elements, expected <= m = ", m);
+  TORCH_CHECK(out.is_contiguous(), op, ": out has strides ", out.sym_strides(),
               ", expected a contiguous tensor");
 }
 
 // scales: [R, m / block], rows contiguous, of dtype want, on ref's device.
 inline void check_scales(const char* op, const at::Tensor& scales, at::ScalarType want,
-                         const char* ref_arg, const at::Tensor& ref, int64_t rows, int64_t m,
-                         int64_t block) {
+                         const char* ref_arg, const at::Tensor& ref, const c10::SymInt& rows,
+                         const c10::SymInt& m, int64_t block) {
   TORCH_CHECK(scales.defined(), op, ": scales is an undefined tensor");
   TORCH_CHECK(scales.layout() == at::kStrided, op, ": scales has layout ", scales.layout(),
               ", expected a dense (strided) tensor");
   TORCH_CHECK(scales.scalar_type() == want, op, ": scales has dtype ", scales.scalar_type(),
               ", expected ", want);
   check_same_device(op, "scales", scales, ref_arg, ref);
-  TORCH_CHECK(scales.dim() == 2 && scales.size(0) == rows && scales.size(1) == m / block, op,
-              ": scales has shape ", scales.sizes(), ", expected [", rows, ", ", m / block,
-              "] ([R, m / block])");
+  TORCH_CHECK(scales.dim() == 2 && scales.sym_size(0) == rows && scales.sym_size(1) == m / block,
+              op, ": scales has shape ", scales.sym_sizes(), ", expected [", rows, ", ",
+              m / block, "] ([R, m / block])");
   check_row_layout(op, "scales", scales);
 }
 
 // --- each op's whole argument contract ------------------------------------------------------
-// The CPU, CUDA and Meta kernels of an op call the same function here, so every device and
-// FakeTensorMode accept the same inputs and refuse the others with the same message.
+// The CPU, CUDA and Meta kernels of an op run the same host entry (csrc/host), which calls the
+// same function here, so every device and FakeTensorMode accept the same inputs and refuse the
+// others with the same message.
 
 // flat: [sum numel] 1-D contiguous float. tensors: [N] float tensors, one dtype, flat's device.
 // Returns each tensor's offset into flat and, last, their total numel.
-inline std::vector<int64_t> check_pack_into(const char* op, const at::Tensor& flat,
-                                            at::TensorList tensors) {
-  std::vector<int64_t> offsets = check_list(op, tensors);
+inline std::vector<c10::SymInt> check_pack_into(const char* op, const at::Tensor& flat,
+                                                at::TensorList tensors) {
+  std::vector<c10::SymInt> offsets = check_list(op, tensors);
   check_flat(op, flat);
   check_flat_total(op, flat, tensors, offsets.back());
   return offsets;
 }
 
 // tensors: as pack_into_'s. Returns the output's dtype (dtype, else the tensors') and numel.
-inline std::pair<at::ScalarType, int64_t> check_pack(at::TensorList tensors,
-                                                     std::optional<at::ScalarType> dtype) {
+inline std::pair<at::ScalarType, c10::SymInt> check_pack(at::TensorList tensors,
+                                                         std::optional<at::ScalarType> dtype) {
   const auto in_type = tensors.empty() ? at::kFloat : tensors[0].scalar_type();
   const auto out_type = dtype.value_or(in_type);
   TORCH_CHECK(!dtype || is_supported_float(*dtype), "pycomm.pack: dtype is ", out_type,
@@ -210,10 +221,10 @@ inline std::pair<at::ScalarType, int64_t> check_pack(at::TensorList tensors,
 }
 
 // flat, tensors: as pack_into_'s (flat checked first). Returns the offsets and the total.
-inline std::vector<int64_t> check_unpack(const at::Tensor& flat, at::TensorList tensors) {
+inline std::vector<c10::SymInt> check_unpack(const at::Tensor& flat, at::TensorList tensors) {
   constexpr const char* op = "pycomm.unpack_";
   check_flat(op, flat);
-  std::vector<int64_t> offsets = check_list(op, tensors);
+  std::vector<c10::SymInt> offsets = check_list(op, tensors);
   check_flat_total(op, flat, tensors, offsets.back());
   return offsets;
 }
@@ -227,8 +238,8 @@ inline void check_accumulate(const at::Tensor& dst, const at::Tensor& src) {
               ": dst has dtype ", dst.scalar_type(), ", expected Float or src's dtype ",
               src.scalar_type());
   check_same_device(op, "src", src, "dst", dst);
-  TORCH_CHECK(dst.sizes() == src.sizes(), op, ": src has shape ", src.sizes(),
-              ", expected dst's shape ", dst.sizes());
+  TORCH_CHECK(dst.sym_sizes() == src.sym_sizes(), op, ": src has shape ", src.sym_sizes(),
+              ", expected dst's shape ", dst.sym_sizes());
 }
 
 // t: any float tensor.
@@ -258,7 +269,7 @@ inline void check_decode16_sum(const at::Tensor& chunks, const at::Tensor& out) 
   check_rows(op, "chunks", chunks,
              chunks.scalar_type() == at::kHalf || chunks.scalar_type() == at::kBFloat16,
              "Half or BFloat16");
-  check_out(op, out, "chunks", chunks, chunks.size(1));
+  check_out(op, out, "chunks", chunks, chunks.sym_size(1));
 }
 
 // codes: [R, m] int8, rows contiguous, m % block == 0. scales: [R, m / block] fp32. out: as
@@ -267,7 +278,7 @@ inline void check_dequantize_int8_sum(const at::Tensor& codes, const at::Tensor&
                                       int64_t block, const at::Tensor& out) {
   constexpr const char* op = "pycomm.dequantize_int8_sum";
   check_rows(op, "codes", codes, codes.scalar_type() == at::kChar, "Char (int8)");
-  const int64_t rows = codes.size(0), m = codes.size(1);
+  const c10::SymInt rows = codes.sym_size(0), m = codes.sym_size(1);
   TORCH_CHECK(block >= 1, op, ": block is ", block, ", expected >= 1");
   TORCH_CHECK(m % block == 0, op, ": codes has m = ", m,
               " columns, expected a multiple of block = ", block);
@@ -281,7 +292,7 @@ inline void check_dequantize_onebit_sum(const at::Tensor& bits, const at::Tensor
                                         int64_t block, const at::Tensor& out) {
   constexpr const char* op = "pycomm.dequantize_onebit_sum";
   check_rows(op, "bits", bits, bits.scalar_type() == at::kByte, "Byte (uint8)");
-  const int64_t rows = bits.size(0), m = bits.size(1) * 8;
+  const c10::SymInt rows = bits.sym_size(0), m = bits.sym_size(1) * 8;
   TORCH_CHECK(block >= 1, op, ": block is ", block, ", expected >= 1");
   TORCH_CHECK(block % 8 == 0, op, ": block is ", block, ", expected a multiple of 8");
   TORCH_CHECK(m % block == 0, op, ": bits has m = ", m,

@@ -1,7 +1,8 @@
 // Every pycomm op schema, and the Python module init of pycomm._C.
 //
 // The ops are dispatcher ops (torch.ops.pycomm.*): per-device kernels register themselves with
-// TORCH_LIBRARY_IMPL in csrc/cpu and csrc/cuda, fake kernels live in pycomm/ops.py. Mutated
+// TORCH_LIBRARY_IMPL in csrc/cpu and csrc/cuda, the Meta kernels (which FakeTensorMode and
+// torch.compile run) in csrc/meta.cpp; all of them are the host entries of csrc/host. Mutated
 // arguments are annotated (a!) and are not returned.
 #include <Python.h>
 #include <torch/library.h>

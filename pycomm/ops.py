@@ -1,4 +1,4 @@
-"""Typed wrappers over ``torch.ops.pycomm.*`` and their fake (meta) kernels.
+"""Typed wrappers over ``torch.ops.pycomm.*``.
 
 Importing this module loads the C++ extension ``pycomm._C``; when it is missing, or was built
 against another torch than the one running, the ImportError says which and how to rebuild.
@@ -11,8 +11,6 @@ from collections.abc import Sequence
 from typing import Optional
 
 import torch
-
-from pycomm import _checks
 
 REBUILD = "pip install --no-build-isolation -e .  (from the pycomm checkout; or `make install`)"
 
@@ -78,71 +76,9 @@ _C = _load_extension()
 WITH_CUDA: bool = bool(_C.WITH_CUDA)
 
 
-# The fake kernels run pycomm._checks, a line-for-line port of csrc/checks.h with the same
-# messages, so that meta tensors and torch.compile refuse the same inputs in the same words.
-@torch.library.register_fake("pycomm::pack")
-def _pack_fake(tensors, scale=1.0, dtype=None):
-    out, total = _checks.check_pack(tensors, dtype)
-    return tensors[0].new_empty(total, dtype=out) if len(tensors) else torch.empty(0, dtype=out)
-
-
-@torch.library.register_fake("pycomm::pack_into_")
-def _pack_into_fake(flat, tensors, scale=1.0):
-    _checks.check_pack_into("pycomm.pack_into_", flat, tensors)
-
-
-@torch.library.register_fake("pycomm::unpack_")
-def _unpack_fake(flat, tensors, scale=1.0):
-    _checks.check_unpack(flat, tensors)
-
-
-@torch.library.register_fake("pycomm::accumulate_")
-def _accumulate_fake(dst, src, alpha=1.0):
-    _checks.check_accumulate(dst, src)
-
-
-@torch.library.register_fake("pycomm::scale_")
-def _scale_fake(t, scale):
-    _checks.check_scale(t)
-
-
-@torch.library.register_fake("pycomm::encode16")
-def _encode16_fake(x, residual, scale, dtype, numel, residual_out=None):
-    _checks.check_encode16(x, residual, dtype, numel, residual_out)
-    return x.new_empty(numel, dtype=dtype)
-
-
-@torch.library.register_fake("pycomm::quantize_int8")
-def _quantize_int8_fake(x, residual, scale, block, numel, residual_out=None):
-    _checks.check_quantize("pycomm.quantize_int8", x, residual, block, numel, residual_out, 1)
-    return x.new_empty(numel, dtype=torch.int8), x.new_empty(numel // block, dtype=torch.float32)
-
-
-@torch.library.register_fake("pycomm::quantize_onebit")
-def _quantize_onebit_fake(x, residual, scale, block, numel, residual_out=None):
-    _checks.check_quantize("pycomm.quantize_onebit", x, residual, block, numel, residual_out, 8)
-    return (
-        x.new_empty(numel // 8, dtype=torch.uint8),
-        x.new_empty(numel // block, dtype=torch.bfloat16),
-    )
-
-
-@torch.library.register_fake("pycomm::decode16_sum")
-def _decode16_sum_fake(chunks, scale, out):
-    _checks.check_decode16_sum(chunks, out)
-    return out.new_empty(2, dtype=torch.float64)
-
-
-@torch.library.register_fake("pycomm::dequantize_int8_sum")
-def _dequantize_int8_sum_fake(codes, scales, block, scale, out):
-    _checks.check_dequantize_int8_sum(codes, scales, block, out)
-    return out.new_empty(2, dtype=torch.float64)
-
-
-@torch.library.register_fake("pycomm::dequantize_onebit_sum")
-def _dequantize_onebit_sum_fake(bits, scales, block, scale, out):
-    _checks.check_dequantize_onebit_sum(bits, scales, block, out)
-    return out.new_empty(2, dtype=torch.float64)
+# No Python fakes: each op's Meta kernel (csrc/meta.cpp) is its host entry, the CPU and CUDA
+# kernels' own argument checks and output allocation, which meta tensors, FakeTensorMode and
+# torch.compile run.
 
 
 def pack(
@@ -228,7 +164,7 @@ def quantize_int8(
     [numel / block])``; a block holding NaN or Inf gets scale NaN and codes 0.
 
     Example:
-        >>> codes, scales = pycomm.ops.quantize_int8(bucket, residual, 1.0, 256, n)
+        >>> codes, scales = pycomm.ops.quantize_int8(bucket, residual, 1.0, 64, n)
     """
     return torch.ops.pycomm.quantize_int8(
         x, residual, float(scale), int(block), int(numel), residual_out
@@ -274,7 +210,7 @@ def dequantize_int8_sum(
     ``[sum of out**2 over finite out, count of non-finite out]``.
 
     Example:
-        >>> stats = pycomm.ops.dequantize_int8_sum(codes, scales, 256, 1 / world_size, chunk)
+        >>> stats = pycomm.ops.dequantize_int8_sum(codes, scales, 64, 1 / world_size, chunk)
     """
     return torch.ops.pycomm.dequantize_int8_sum(codes, scales, int(block), float(scale), out)
 

@@ -341,7 +341,7 @@ def time_calls(
         for f in seq:
             f()
     torch.cuda.current_stream().wait_stream(side)
-    with torch.cuda.graph(graph):  # launch gaps out of the numbers (METHOD.md)
+    with torch.cuda.graph(graph):  # one graph replay: launch gaps stay out of the numbers
         for f in seq:
             f()
     graph.replay()

@@ -537,3 +537,70 @@ def test_kernel_benchmarks_cover_every_op(tmp_path):
         assert all(r["ours_gbs"] > 0 and r["copy_over_ours"] > 0 for r in rows)
         covered |= {r["case"].split()[0] for r in rows}
     assert set(ops) <= covered, set(ops) - covered
+
+
+# --- measure's decisions on failing launches, with the launches scripted (nothing starts) ---
+
+
+def _scripted_launches(module, monkeypatch, fails):
+    """Replaces ``module._launch``: a launch of ``hooks`` fails, blaming ``fails(hooks)``'s
+    answer (a hook name, or "" for none), when that answer is not None. Returns the launches'
+    hooks, in order."""
+    launches: list[list[str]] = []
+
+    def launch(cfg, hooks, nprocs, timeout, log, progress=False, number=1):
+        launches.append(list(hooks))
+        blame = fails(hooks)
+        if blame is None:
+            per = {
+                "times_s": [0.1], "cpu_s": [0.1], "bytes_per_step": 8, "bytes_source": "test",
+                "lo_bytes": None, "uplink_bytes": None, "rel_errors": [], "bucket_sizes": [],
+                "gpu_peak_bytes": None, "auto": None,
+            }  # fmt: skip
+            result = {"params": 10, "hooks": {h: dict(per) for h in hooks}, "setup_failures": {}}
+            return {"hooks": list(hooks), "ok": True, "results": [result]}
+        return {
+            "hooks": list(hooks), "ok": False, "blame": blame or None, "rounds": [],
+            "error": f"boom ({', '.join(hooks)})", "hung": False, "detail": "detail",
+        }  # fmt: skip
+
+    monkeypatch.setattr(module, "_launch", launch)
+    return launches
+
+
+def _scripted_cases(module, monkeypatch):
+    """(what measure returned, the launches) for three scripted failures."""
+    hooks, cfg = ["compute", "ddp", "int8"], {"steps": 2}
+    out = {}
+
+    def run(name, fails):
+        launches = _scripted_launches(module, monkeypatch, fails)
+        out[name] = (module.measure(cfg, hooks, 2, 60, log=lambda text: None), launches)
+
+    # compute fails even alone: the machine is broken, every hook fails, no hook is blamed
+    run("environment", lambda hs: "compute" if "compute" in hs else None)
+    # launches of several hooks fail outside any hook, each hook alone works
+    run("together", lambda hs: "" if len(hs) > 1 else None)
+    # int8 kills the launches it is in with others, and passes alone at the end
+    run("intermittent", lambda hs: "int8" if "int8" in hs and len(hs) > 1 else None)
+    return out
+
+
+def test_measure_decides_from_the_failed_launches(monkeypatch):
+    cases = _scripted_cases(session, monkeypatch)
+
+    result, launches = cases["environment"]
+    assert launches == [["compute", "ddp", "int8"], ["compute"]]
+    assert [(f["hook"], f["phase"]) for f in result["failures"]][0] == (None, "environment")
+    assert all(h["status"] == "failed" for h in result["hooks"].values()), result["hooks"]
+
+    result, launches = cases["together"]
+    assert launches == [["compute", "ddp", "int8"]] * 2 + [["compute"], ["ddp"], ["int8"]]
+    assert [(f["hook"], f["phase"]) for f in result["failures"]] == [(None, "interleaved")]
+    assert {h["measured"] for h in result["hooks"].values()} == {"alone"}
+
+    result, launches = cases["intermittent"]
+    assert launches == [["compute", "ddp", "int8"], ["compute", "ddp"], ["int8"]]
+    int8 = result["hooks"]["int8"]
+    assert int8["status"] == "failed" and int8["alone"]["status"] == "ok", int8
+    assert result["hooks"]["ddp"]["measured"] == "interleaved"

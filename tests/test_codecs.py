@@ -441,7 +441,7 @@ def test_decoders_read_row_slices_of_a_packed_buffer(be, hook, rows, m):
     from pycomm.hooks import codec as codec_mod
 
     codec = {
-        "bf16": lambda: codec_mod.Float16Codec(torch.bfloat16),
+        "bf16": lambda: codec_mod.HalfCodec(torch.bfloat16),
         "int8": lambda: codec_mod.Int8Codec(256),
         "onebit": lambda: codec_mod.OneBitCodec(64),
     }[hook]()
@@ -659,7 +659,7 @@ def test_residual_out_of_another_dtype_refused(be, name, r_dtype, out_dtype):
 
 
 def test_mismatched_devices_rejected():
-    # meta stands in for a second device: the fake kernels check what the real kernels check
+    # meta stands in for a second device: the Meta kernels check what the real kernels check
     meta = torch.zeros(16, device="meta")
     with pytest.raises(RuntimeError, match=r"pycomm.quantize_int8: residual is on meta"):
         ops.quantize_int8(_X, meta, 1.0, 8, 16)

@@ -1,5 +1,5 @@
 """The CUDA kernels (csrc/cuda) beyond the shared kernel cases: the build's CUDA registration,
-error messages identical to the CPU kernels', the fakes' messages and shapes, bf16 residuals
+error messages identical to the CPU kernels', FakeTensorMode's messages and shapes, bf16 residuals
 against the CPU kernels; and, on a GPU only, devices, streams, opcheck and the hooks on CUDA
 tensors.
 
@@ -123,7 +123,8 @@ def test_bad_input_same_message_as_cpu(cuda_be, name, make):
 
 @pytest.mark.parametrize("name, make", _BAD, ids=[f"{n}-{i}" for i, (n, _) in enumerate(_BAD)])
 def test_bad_input_same_message_in_fake_mode(name, make):
-    # the fakes (what FakeTensorMode and torch.compile run) port csrc/checks.h: same messages
+    # FakeTensorMode (and torch.compile) runs the Meta kernels: the CPU's host entries, same
+    # messages
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.utils._pytree import tree_map
 
@@ -137,7 +138,7 @@ def test_bad_input_same_message_in_fake_mode(name, make):
     assert str(fake.value).splitlines()[0] == str(real.value).splitlines()[0]
 
 
-def test_fakes_give_the_kernels_shapes():
+def test_fake_mode_gives_the_kernels_shapes():
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     x, r = torch.randn(20, 16), torch.zeros(320)

@@ -45,12 +45,14 @@ def test_import_error_says_which_and_how_to_rebuild(prelude, words):
         assert w in out.stdout, out.stdout
 
 
-def test_real_extension_matches_torch():
+def test_real_extension_loads():
+    # the import is the check that the build matches the installed torch (an ImportError
+    # otherwise: the other-torch-version case above); the build under test passes it and
+    # registers its ops
     import torch
 
-    from pycomm import ops
+    import pycomm.ops  # noqa: F401
 
-    assert ops._C.TORCH_VERSION == torch.__version__
     assert hasattr(torch.ops.pycomm, "pack")
 
 

@@ -5,6 +5,7 @@ input; and, on the CPU, meta tensors and torch.library.opcheck."""
 
 import pytest
 import torch
+from conftest import pycomm_ops
 from kernel_data import DTYPES, NAN, bits_equal, poisoned_like, rand, size_of
 
 from pycomm import ops, reference
@@ -246,7 +247,7 @@ def test_bad_input(be, name, make, pattern):
 
 
 def test_mismatched_devices_rejected():
-    # meta stands in for a second device on a CPU-only machine: the fake kernel runs and
+    # meta stands in for a second device on a CPU-only machine: the Meta kernel runs and
     # must check what the real kernels check.
     with pytest.raises(RuntimeError, match=r"pycomm.pack: tensors\[1\] is on cpu, expected meta"):
         ops.pack([torch.ones(3, device="meta"), torch.ones(2)])
@@ -285,3 +286,37 @@ def _samples():
 )
 def test_opcheck(name, args):
     torch.library.opcheck(getattr(torch.ops.pycomm, name).default, args)
+
+
+def test_meta_kernels_are_the_host_entries():
+    # every op's Meta kernel is C++ (csrc/meta.cpp: the host entry over a launcher that runs
+    # nothing), not a Python fake that would restate csrc/checks.h
+    for name in pycomm_ops():
+        qualname = f"pycomm::{name}"
+        assert torch._C._dispatch_has_kernel_for_dispatch_key(qualname, "Meta"), name
+        fake = torch._library.simple_registry.singleton.find(qualname).fake_impl.kernel
+        assert fake is None, f"{name} has a Python fake: {fake}"
+
+
+def _compiled_steps(a, b, dst):
+    flat = ops.pack([a, b], 0.5)
+    ops.accumulate_(dst, flat, 2.0)
+    ops.scale_(dst, 3.0)
+    codes, scales = ops.quantize_int8(flat, None, 1.0, 1, flat.numel())
+    return dst * 2, codes, scales
+
+
+def test_compile_with_dynamic_shapes():
+    # torch.compile traces the ops through their Meta kernels, with symbolic sizes; a bad input
+    # fails while tracing with the kernels' message, the op and the argument in it
+    compiled = torch.compile(_compiled_steps, backend="aot_eager", dynamic=True, fullgraph=True)
+    for n in (5, 9):
+        a, b = torch.randn(3, n), torch.randn(n)
+        want_dst, got_dst = torch.zeros(4 * n), torch.zeros(4 * n)
+        want = _compiled_steps(a, b, want_dst)
+        got = compiled(a, b, got_dst)
+        for g, w in zip(got, want):
+            assert torch.equal(g, w)
+        assert torch.equal(got_dst, want_dst)
+    with pytest.raises(Exception, match=r"pycomm.accumulate_: src has shape \[.*\], expected dst"):
+        compiled(torch.randn(3, 5), torch.randn(5), torch.zeros(21))

@@ -17,7 +17,7 @@ import pycomm
 from pycomm.hooks import (
     Bucket,
     Codec,
-    Float16Codec,
+    HalfCodec,
     HookState,
     Int8Codec,
     OneBitCodec,
@@ -110,8 +110,8 @@ def test_a_codec_breaking_the_protocol_is_refused_at_registration(codec, pattern
 
 def test_built_in_codecs_pass_the_self_check():
     for codec in (
-        Float16Codec(torch.float16),
-        Float16Codec(torch.bfloat16, two_phase=True),
+        HalfCodec(torch.float16),
+        HalfCodec(torch.bfloat16, two_phase=True),
         Int8Codec(64),
         Int8Codec(256),
         OneBitCodec(64),
@@ -126,7 +126,7 @@ def test_built_in_codecs_pass_the_self_check():
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 def test_codecs_pass_the_self_check_on_cuda():
-    for codec in (Float16Codec(torch.float16), Int8Codec(64), OneBitCodec(64), PlainCodec()):
+    for codec in (HalfCodec(torch.float16), Int8Codec(64), OneBitCodec(64), PlainCodec()):
         check_codec(codec, device="cuda")
 
 

@@ -2,7 +2,8 @@
 // dequantize_int8_sum, dequantize_onebit_sum), shared by every device: the argument checks
 // (csrc/checks.h), the outputs' allocation, the empty case and the dtype dispatch happen here,
 // once; a device's launcher D (csrc/cpu/codecs.cpp, csrc/cuda/codecs.cu) only runs its kernels
-// on arguments that passed them, described by the plain structs below.
+// on arguments that passed them, described by the plain structs below. The Meta kernels'
+// launcher (meta.h) runs nothing: they return before touching data.
 //
 // A launcher D provides:
 //   Guard                                    constructed from x's / out's device around a launch
@@ -23,6 +24,7 @@
 #include <type_traits>
 
 #include "checks.h"
+#include "host/meta.h"
 
 namespace pycomm::host {
 
@@ -98,7 +100,7 @@ at::Tensor encode16(const at::Tensor& x, const std::optional<at::Tensor>& residu
                     const std::optional<at::Tensor>& residual_out) {
   check_encode16(x, residual, dtype, numel, residual_out);
   at::Tensor out = at::empty({numel}, x.options().dtype(dtype));
-  if (numel == 0) return out;
+  if (numel == 0 || !launches<D>) return out;
   const typename D::Guard guard(x.device());
   with_encoding(x, residual, scale, residual_out, [&](const auto& src) {
     dispatch_16bit(dtype, [&](auto out_tag) {
@@ -119,7 +121,7 @@ std::tuple<at::Tensor, at::Tensor> quantize_int8(const at::Tensor& x,
   check_quantize("pycomm.quantize_int8", x, residual, block, numel, residual_out, 1);
   at::Tensor codes = at::empty({numel}, x.options().dtype(at::kChar));
   at::Tensor scales = at::empty({numel / block}, x.options().dtype(at::kFloat));
-  if (numel == 0) return {codes, scales};
+  if (numel == 0 || !launches<D>) return {codes, scales};
   const typename D::Guard guard(x.device());
   with_encoding(x, residual, scale, residual_out, [&](const auto& src) {
     D::quantize_int8(src, codes.data_ptr<int8_t>(), scales.data_ptr<float>(), block, numel);
@@ -137,7 +139,7 @@ std::tuple<at::Tensor, at::Tensor> quantize_onebit(const at::Tensor& x,
   check_quantize("pycomm.quantize_onebit", x, residual, block, numel, residual_out, 8);
   at::Tensor bits = at::empty({numel / 8}, x.options().dtype(at::kByte));
   at::Tensor scales = at::empty({numel / block}, x.options().dtype(at::kBFloat16));
-  if (numel == 0) return {bits, scales};
+  if (numel == 0 || !launches<D>) return {bits, scales};
   const typename D::Guard guard(x.device());
   with_encoding(x, residual, scale, residual_out, [&](const auto& src) {
     D::quantize_onebit(src, bits.data_ptr<uint8_t>(), scales.data_ptr<at::BFloat16>(), block,
@@ -146,14 +148,21 @@ std::tuple<at::Tensor, at::Tensor> quantize_onebit(const at::Tensor& x,
   return {bits, scales};
 }
 
-// The decoders' common part: out = scale * the fp32 sum over rows of each row's first
-// out.numel() decoded elements (D::sum_rows, for out's element type), stats for it (zeros when
-// out is empty).
+// A decoder's stats when it has nothing to run: zeros for an empty out, an unwritten [2] in
+// the Meta kernels (checked first: their out may have a symbolic numel); else none.
+template <typename D>
+std::optional<at::Tensor> nothing_to_decode(const at::Tensor& out) {
+  const auto stats_options = out.options().dtype(at::kDouble);
+  if (!launches<D>) return at::empty({2}, stats_options);
+  if (out.numel() == 0) return at::zeros({2}, stats_options);
+  return std::nullopt;
+}
+
+// The decoders' common part, for a non-empty out: out = scale * the fp32 sum over rows of each
+// row's first out.numel() decoded elements (D::sum_rows, for out's element type), stats for it.
 template <typename D, typename Rows>
 at::Tensor decode_sum(const Rows& rows, int64_t nrows, double scale, const at::Tensor& out) {
-  const auto stats_options = out.options().dtype(at::kDouble);
-  if (out.numel() == 0) return at::zeros({2}, stats_options);
-  at::Tensor stats = at::empty({2}, stats_options);
+  at::Tensor stats = at::empty({2}, out.options().dtype(at::kDouble));
   const typename D::Guard guard(out.device());
   dispatch_float(out.scalar_type(), [&](auto out_tag) {
     using out_t = decltype(out_tag);
@@ -168,6 +177,7 @@ at::Tensor decode_sum(const Rows& rows, int64_t nrows, double scale, const at::T
 template <typename D>
 at::Tensor decode16_sum(const at::Tensor& chunks, double scale, const at::Tensor& out) {
   check_decode16_sum(chunks, out);
+  if (auto done = nothing_to_decode<D>(out)) return *done;
   at::Tensor stats;
   dispatch_16bit(chunks.scalar_type(), [&](auto tag) {
     using T = decltype(tag);
@@ -183,6 +193,7 @@ template <typename D>
 at::Tensor dequantize_int8_sum(const at::Tensor& codes, const at::Tensor& scales, int64_t block,
                                double scale, const at::Tensor& out) {
   check_dequantize_int8_sum(codes, scales, block, out);
+  if (auto done = nothing_to_decode<D>(out)) return *done;
   const Int8Rows rows{codes.const_data_ptr<int8_t>(), scales.const_data_ptr<float>(),
                       codes.stride(0), scales.stride(0), block};
   return decode_sum<D>(rows, codes.size(0), scale, out);
@@ -194,6 +205,7 @@ template <typename D>
 at::Tensor dequantize_onebit_sum(const at::Tensor& bits, const at::Tensor& scales, int64_t block,
                                  double scale, const at::Tensor& out) {
   check_dequantize_onebit_sum(bits, scales, block, out);
+  if (auto done = nothing_to_decode<D>(out)) return *done;
   const OnebitRows rows{bits.const_data_ptr<uint8_t>(), scales.const_data_ptr<at::BFloat16>(),
                         bits.stride(0), scales.stride(0), block};
   return decode_sum<D>(rows, bits.size(0), scale, out);

@@ -1,8 +1,9 @@
 // The one host entry of each bucket-fusion op (pack, pack_into_, unpack_, accumulate_, scale_),
-// shared by every device: the argument checks (csrc/checks.h), the output's allocation, the
-// empty case and the dtype dispatch happen here, once; a device's launcher D (csrc/cpu/fusion.cpp,
-// csrc/cuda/fusion.cu) only runs its kernels on arguments that passed them, with the element
-// types as template arguments.
+// shared by every device and the Meta kernels: the argument checks (csrc/checks.h), the output's
+// allocation, the empty case and the dtype dispatch happen here, once; a device's launcher D
+// (csrc/cpu/fusion.cpp, csrc/cuda/fusion.cu) only runs its kernels on arguments that passed
+// them, with the element types as template arguments. The Meta kernels' launcher (meta.h) runs
+// nothing: they return before touching data.
 //
 // A launcher D provides:
 //   Guard                          constructed from the output's device around the launch
@@ -20,15 +21,26 @@
 #include <vector>
 
 #include "checks.h"
+#include "host/meta.h"
 
 namespace pycomm::host {
+
+// Offsets (check_list's) as the launchers take them: plain integers, as they are on tensors
+// with data.
+inline std::vector<int64_t> concrete(const std::vector<c10::SymInt>& offsets) {
+  std::vector<int64_t> out;
+  out.reserve(offsets.size());
+  for (const auto& o : offsets) out.push_back(o.expect_int());
+  return out;
+}
 
 // flat: [sum numel] 1-D contiguous float. tensors: [N] tensors, one float dtype, flat's device,
 // any shapes/strides. flat[offset_i : offset_i + numel_i] = tensors[i] * scale.
 template <typename D>
 void pack_into_as(const char* op, const at::Tensor& flat, at::TensorList tensors, double scale) {
-  const std::vector<int64_t> offsets = check_pack_into(op, flat, tensors);
-  if (tensors.empty()) return;
+  const std::vector<c10::SymInt> sym_offsets = check_pack_into(op, flat, tensors);
+  if (tensors.empty() || !launches<D>) return;
+  const std::vector<int64_t> offsets = concrete(sym_offsets);
   const typename D::Guard guard(flat.device());
   dispatch_float(tensors[0].scalar_type(), [&](auto in_tag) {
     using in_t = decltype(in_tag);
@@ -50,7 +62,7 @@ template <typename D>
 at::Tensor pack(at::TensorList tensors, double scale, std::optional<at::ScalarType> dtype) {
   const auto [out_type, total] = check_pack(tensors, dtype);
   const auto options = tensors.empty() ? D::no_tensors() : tensors[0].options();
-  at::Tensor flat = at::empty({total}, options.dtype(out_type));
+  at::Tensor flat = at::empty_symint({total}, options.dtype(out_type));
   pack_into_as<D>("pycomm.pack", flat, tensors, scale);
   return flat;
 }
@@ -59,8 +71,9 @@ at::Tensor pack(at::TensorList tensors, double scale, std::optional<at::ScalarTy
 // any shapes/strides. tensors[i] = flat[offset_i : offset_i + numel_i] * scale.
 template <typename D>
 void unpack_(const at::Tensor& flat, at::TensorList tensors, double scale) {
-  const std::vector<int64_t> offsets = check_unpack(flat, tensors);
-  if (tensors.empty()) return;
+  const std::vector<c10::SymInt> sym_offsets = check_unpack(flat, tensors);
+  if (tensors.empty() || !launches<D>) return;
+  const std::vector<int64_t> offsets = concrete(sym_offsets);
   const typename D::Guard guard(flat.device());
   dispatch_float(flat.scalar_type(), [&](auto in_tag) {
     using in_t = decltype(in_tag);
@@ -76,10 +89,14 @@ void unpack_(const at::Tensor& flat, at::TensorList tensors, double scale) {
 template <typename D>
 void accumulate_(const at::Tensor& dst, const at::Tensor& src, double alpha) {
   check_accumulate(dst, src);
-  // what a TensorIterator over (dst; dst, src) refuses, with its messages
-  at::assert_no_internal_overlap(dst);
-  at::assert_no_partial_overlap(dst, src);
-  if (dst.numel() == 0) return;
+  // what a TensorIterator over (dst; dst, src) refuses, with its messages (they read sizes
+  // as integers: not on the symbolic ones of a traced program)
+  if (!dst.unsafeGetTensorImpl()->has_symbolic_sizes_strides() &&
+      !src.unsafeGetTensorImpl()->has_symbolic_sizes_strides()) {
+    at::assert_no_internal_overlap(dst);
+    at::assert_no_partial_overlap(dst, src);
+  }
+  if (!launches<D> || dst.numel() == 0) return;
   const typename D::Guard guard(dst.device());
   dispatch_float(src.scalar_type(), [&](auto src_tag) {
     using src_t = decltype(src_tag);
@@ -94,7 +111,7 @@ void accumulate_(const at::Tensor& dst, const at::Tensor& src, double alpha) {
 template <typename D>
 void scale_(const at::Tensor& t, double scale) {
   check_scale(t);
-  if (scale == 1.0 || t.numel() == 0) return;
+  if (!launches<D> || scale == 1.0 || t.numel() == 0) return;
   const typename D::Guard guard(t.device());
   dispatch_float(t.scalar_type(), [&](auto tag) {
     using T = decltype(tag);

@@ -135,6 +135,17 @@ def _parser() -> argparse.ArgumentParser:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
+    _run_flags(ap)
+    _model_flags(ap)
+    _timing_flags(ap)
+    _output_flags(ap)
+    ap.add_argument(_NETNS_FLAG, action="store_true", help=argparse.SUPPRESS)
+    return ap
+
+
+def _run_flags(ap: argparse.ArgumentParser) -> None:
+    """--nprocs, --hooks, --list-hooks, --accumulate-steps, --threads, --device, --backend,
+    --bucket-cap-mb."""
     run = ap.add_argument_group("what runs")
     run.add_argument("--nprocs", type=positive_int, default=2, help="local ranks (gloo); default 2")
     run.add_argument(
@@ -184,6 +195,9 @@ def _parser() -> argparse.ArgumentParser:
         "8 MB pycomm.wrap picks for int8, bf16 and fp16)",
     )
 
+
+def _model_flags(ap: argparse.ArgumentParser) -> None:
+    """--model and its sizes, --batch."""
     model = ap.add_argument_group("model (synthetic data, the same weights on every rank)")
     model.add_argument(
         "--model", choices=MODELS, default="mlp", help="an MLP stack or a GPT-style transformer"
@@ -226,6 +240,10 @@ def _parser() -> argparse.ArgumentParser:
         "transformer (default 4)",
     )
 
+
+def _timing_flags(ap: argparse.ArgumentParser) -> None:
+    """--steps, --warmup, --error-steps, the link's flags, --step-timeout, --rerun-budget,
+    --timeout."""
     timing = ap.add_argument_group("timing")
     timing.add_argument(
         "--steps", type=positive_int, default=20, help="timed optimizer steps per hook; default 20"
@@ -246,23 +264,8 @@ def _parser() -> argparse.ArgumentParser:
         "exact fp32 mean gradient (an untimed reference copy and an fp32 all-reduce); 0: "
         "skip; default 2",
     )
-    timing.add_argument(
-        "--link",
-        type=_rate,
-        metavar="RATE",
-        default=None,
-        help="shape the loopback so that each rank sees about RATE, in tc's syntax "
-        "(2.5gbit, 500mbit, 100mbps); needs root, unshare and tc",
-    )
-    timing.add_argument(
-        "--nodes",
-        type=positive_int,
-        default=1,
-        metavar="M",
-        help="split the ranks into M simulated nodes (network namespaces joined by a bridge, "
-        "each node's uplink shaped to --link RATE; ranks see torchrun's GROUP_RANK, LOCAL_RANK, "
-        "LOCAL_WORLD_SIZE); M must divide --nprocs and needs --link; default 1 (one node)",
-    )
+
+    _link_flags(timing)
     timing.add_argument(
         "--step-timeout",
         type=_positive_float("seconds"),
@@ -289,6 +292,31 @@ def _parser() -> argparse.ArgumentParser:
         help="seconds before one launch of the ranks is given up; default 300",
     )
 
+
+def _link_flags(timing: Any) -> None:
+    """--link and --nodes (the shaped loopback, the simulated nodes) in the argument group
+    ``timing``."""
+    timing.add_argument(
+        "--link",
+        type=_rate,
+        metavar="RATE",
+        default=None,
+        help="shape the loopback so that each rank sees about RATE, in tc's syntax "
+        "(2.5gbit, 500mbit, 100mbps); needs root, unshare and tc",
+    )
+    timing.add_argument(
+        "--nodes",
+        type=positive_int,
+        default=1,
+        metavar="M",
+        help="split the ranks into M simulated nodes (network namespaces joined by a bridge, "
+        "each node's uplink shaped to --link RATE; ranks see torchrun's GROUP_RANK, LOCAL_RANK, "
+        "LOCAL_WORLD_SIZE); M must divide --nprocs and needs --link; default 1 (one node)",
+    )
+
+
+def _output_flags(ap: argparse.ArgumentParser) -> None:
+    """--json, --plot, --quiet."""
     out = ap.add_argument_group("output")
     out.add_argument(
         "--json", metavar="FILE", default=None, help="write config, results and failures here"
@@ -312,8 +340,6 @@ def _parser() -> argparse.ArgumentParser:
         help="benchmark FSDP2's gradient reduce-scatter against pycomm.fsdp.compress's instead "
         "(flags of its own: python -m pycomm.bench --fsdp --help)",
     )
-    ap.add_argument(_NETNS_FLAG, action="store_true", help=argparse.SUPPRESS)
-    return ap
 
 
 def add_import_argument(group: Any) -> None:
@@ -477,6 +503,31 @@ def main(argv: Optional[list[str]] = None) -> int:
         return 0
     hooks = _hooks(ap, args.hooks)
     spec = _spec(ap, args)
+    _check_outputs(ap, args)
+    placed = _device_and_backend(ap, args)
+    params = count_params(spec)
+    _check_memory(ap, args, spec, params, len(hooks), placed)
+    link = _link_config(ap, args)
+    if link is None:  # shaping needs a network namespace of its own: rerun in one
+        return _in_namespace(argv)
+    cfg = _rank_config(args, spec, params, link, placed)
+    t0 = time.monotonic()
+    result = _measure(args, cfg, hooks, link)
+    doc = _document(argv, args, hooks, placed, cfg, link, result, params)
+    doc["wall_s"] = time.monotonic() - t0
+    print(table(doc), flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(doc, f, indent=1)
+            f.write("\n")
+    if args.plot:
+        plot(doc, args.plot)
+    return 0 if any(h["status"] == "ok" for h in doc["hooks"].values()) else 1
+
+
+def _check_outputs(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """--error-steps within --steps, and --json/--plot writable (with matplotlib for --plot),
+    before any rank starts."""
     if args.error_steps > args.steps:
         ap.error(f"--error-steps {args.error_steps} is more than --steps {args.steps}")
     for flag, path in (("--json", args.json), ("--plot", args.plot)):
@@ -488,9 +539,19 @@ def main(argv: Optional[list[str]] = None) -> int:
             import matplotlib  # noqa: F401
         except ImportError:
             ap.error(f"--plot {args.plot}: needs matplotlib (pip install matplotlib)")
-    placed = _device_and_backend(ap, args)
-    params = count_params(spec)
-    need = memory_estimate(params, len(hooks), args.nprocs, args.error_steps)
+
+
+def _check_memory(
+    ap: argparse.ArgumentParser,
+    args: argparse.Namespace,
+    spec: ModelSpec,
+    params: int,
+    hooks: int,
+    placed: dict,
+) -> None:
+    """An error when the run would not fit in the memory available (on a GPU: the busiest
+    one's)."""
+    need = memory_estimate(params, hooks, args.nprocs, args.error_steps)
     have = _available_memory()
     where = "available"
     if placed["device"] == "cuda":  # the busiest GPU holds ceil(nprocs / gpus) ranks
@@ -500,10 +561,14 @@ def main(argv: Optional[list[str]] = None) -> int:
     if have is not None and need > have:
         ap.error(
             f"{_size_flags(spec)}: {params / 1e6:.1f}M parameters, one copy per hook per rank: "
-            f"{len(hooks)} hooks x {args.nprocs} ranks need about {need / 1e9:.1f} GB, "
+            f"{hooks} hooks x {args.nprocs} ranks need about {need / 1e9:.1f} GB, "
             f"{have / 1e9:.1f} GB is {where}; pick fewer --hooks or --nprocs or a smaller model"
         )
 
+
+def _link_config(ap: argparse.ArgumentParser, args: argparse.Namespace) -> Optional[dict]:
+    """What --link and --nodes resolve to, the loopback shaped when this process may; None
+    when the run must start again in a network namespace of its own (:func:`_in_namespace`)."""
     if args.nodes > 1 and (args.nprocs % args.nodes or not args.link):
         ap.error(
             f"--nodes {args.nodes}: expected a divisor of --nprocs {args.nprocs} and a --link "
@@ -522,7 +587,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     if total and not args._in_netns:
         reason = _link.cannot_shape() or _link.probe(total)
         if reason is None:
-            return _in_namespace(argv)
+            return None
         print(
             f"pycomm.bench: --link {args.link}: cannot shape the loopback ({reason}); "
             "running UNSHAPED",
@@ -537,11 +602,18 @@ def main(argv: Optional[list[str]] = None) -> int:
         os.environ["GLOO_SOCKET_IFNAME"] = "lo"  # the namespace's only interface
     elif args._in_netns:
         ap.error(f"{_NETNS_FLAG} is internal and needs --link")
+    return link
 
+
+def _rank_config(
+    args: argparse.Namespace, spec: ModelSpec, params: int, link: dict, placed: dict
+) -> dict[str, Any]:
+    """:func:`pycomm.bench.runner.run_rank`'s ``cfg`` for these flags."""
+    per_rank = link["per_rank_bits"]
     # the fp32 gradient over the shaped link: hooks may take that long without hanging
     comm_s = ring_bytes(4 * params, args.nprocs) * 8 / per_rank if link["shaped"] else 0.0
     comm_s *= args.nprocs // args.nodes  # a node's ranks share its uplink
-    cfg = {
+    return {
         "model": spec.config(),
         "steps": args.steps,
         "warmup": args.warmup,
@@ -557,12 +629,19 @@ def main(argv: Optional[list[str]] = None) -> int:
         "backend": placed["backend"],
         "imports": list(dict.fromkeys([*args.imports, *user_modules()])),
     }
-    t0 = time.monotonic()
+
+
+def _measure(
+    args: argparse.Namespace, cfg: dict[str, Any], hooks: list[str], link: dict
+) -> dict[str, Any]:
+    """:func:`pycomm.bench.session.measure` on these flags, inside the simulated nodes when
+    there are several (their setup goes into ``cfg``, their qdiscs into ``link``)."""
+    per_rank = link["per_rank_bits"]
     with Nodes(args.nodes, per_rank) if args.nodes > 1 else contextlib.nullcontext() as nodes:
         if nodes is not None:
             cfg["setup"] = nodes.setup(args.nprocs)
             link["qdisc"] = "; ".join(f"{k}: {v}" for k, v in nodes.qdiscs.items())
-        result = measure(
+        return measure(
             cfg,
             hooks,
             args.nprocs,
@@ -571,13 +650,27 @@ def main(argv: Optional[list[str]] = None) -> int:
             progress=not args.quiet and sys.stderr.isatty(),
             rerun_budget_s=args.rerun_budget,
         )
+
+
+def _document(
+    argv: list[str],
+    args: argparse.Namespace,
+    hooks: list[str],
+    placed: dict,
+    cfg: dict[str, Any],
+    link: dict,
+    result: dict[str, Any],
+    params: int,
+) -> dict[str, Any]:
+    """The run's JSON document (what --json writes and the table shows), without its
+    ``wall_s``."""
     numbers = result["hooks"]
     ordered = {
         name: {"description": describe(name, args.accumulate_steps), **numbers[name]}
         for name in hooks
     }
     add_ratios(ordered)
-    doc = {
+    return {
         "command": "python -m pycomm.bench " + " ".join(a for a in argv if a != _NETNS_FLAG),
         "config": {
             "nprocs": args.nprocs,
@@ -597,16 +690,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         "hooks": ordered,
         "failures": result["failures"],
         "launches": result["launches"],
-        "wall_s": time.monotonic() - t0,
     }
-    print(table(doc), flush=True)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(doc, f, indent=1)
-            f.write("\n")
-    if args.plot:
-        plot(doc, args.plot)
-    return 0 if any(h["status"] == "ok" for h in ordered.values()) else 1
 
 
 def _in_namespace(argv: list[str]) -> int:

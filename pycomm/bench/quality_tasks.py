@@ -50,7 +50,8 @@ DEFAULT_OPTIMIZERS = ("sgd", "adamw")  # sgd-plain: only when named
 
 # Options the suite gives a hook instead of its defaults: torch's PowerSGD compresses only
 # from iteration 1000 by default, beyond every task here; on gloo it aborts with several
-# buckets (DESIGN.md), so it gets one bucket.
+# buckets (their callbacks issue the collectives in a different order on each rank), so it gets
+# one bucket.
 HOOK_OPTIONS: dict[str, dict[str, Any]] = {
     "powersgd": {"matrix_approximation_rank": 2, "start_powerSGD_iter": 10},
 }

@@ -394,40 +394,225 @@ def run_rank(cfg: dict[str, Any]) -> dict[str, Any]:
         >>> pycomm.launch(run_rank, 2, {"model": {"width": 16, "layers": 2}, "hooks": ["ddp"],
         ...                             "steps": 2, "warmup": 1})
     """
-    rank, world = dist.get_rank(), dist.get_world_size()
     import_modules(cfg.get("imports", ()))  # the modules registering the caller's hooks
-    spec = ModelSpec(**cfg.get("model", {}))
-    hooks: list[str] = list(cfg["hooks"])
-    steps, warmup = cfg["steps"], cfg.get("warmup", 0)
-    accumulate = cfg.get("accumulate_steps", 1)
-    error_steps = min(cfg.get("error_steps", 0), steps)
-    workdir = cfg.get("workdir")
-    if workdir:
-        _capture_stderr(os.path.join(workdir, f"rank{rank}.stderr"))
-    progress = _Progress(
-        os.path.join(workdir, f"rank{rank}.progress") if workdir else None,
-        len(hooks) * (1 + warmup + steps),
-    )
-    deadline = _Deadline(cfg.get("step_timeout", 10.0), cfg.get("comm_s", 0.0))
-    if cfg.get("threads"):
-        torch.set_num_threads(cfg["threads"])
-    device = _rank_device(cfg, rank)
-    on_gpu = device.type == "cuda"
+    run = _RankRun(cfg)
+    failed = run.build_hooks()
+    run.train()
+    return run.results(failed)
 
-    models: dict[str, DDP] = {}
-    states: dict[str, Any] = {}
-    setup_errors: dict[str, str] = {}
-    for name in hooks:
-        progress(f"setup {name}")
-        with deadline.guard(cold=True):
-            try:
-                models[name], states[name] = _build(
-                    name, build(spec).to(device), cfg.get("bucket_cap_mb"), accumulate
-                )
-            except Exception as exc:  # reported as this hook's failure; the others go on
-                setup_errors[name] = f"{type(exc).__name__}: {exc}".strip()
-        progress.done += 1
-    # Every rank drops the same hooks, so that the collectives of the rest still line up.
+
+class _Measured:
+    """What :func:`run_rank` measures of one hook, one entry per timed step (errors: per
+    checked step)."""
+
+    def __init__(self) -> None:
+        self.times: list[float] = []
+        self.cpu: list[float] = []
+        self.wire: list[int] = []
+        self.uplink: list[int] = []
+        self.errors: list[float] = []
+        self.gpu_peak = 0
+        self.before: dict[str, float] = {}  # the state's counters when timing starts
+
+
+class _RankRun:
+    """:func:`run_rank`'s steps on one rank: set up (files, deadline, device), build a model
+    per hook and drop the hooks that failed anywhere, train them interleaved, report."""
+
+    def __init__(self, cfg: dict[str, Any]) -> None:
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self.spec = ModelSpec(**cfg.get("model", {}))
+        self.hooks: list[str] = list(cfg["hooks"])
+        self.steps, self.warmup = cfg["steps"], cfg.get("warmup", 0)
+        self.accumulate = cfg.get("accumulate_steps", 1)
+        self.error_steps = min(cfg.get("error_steps", 0), self.steps)
+        self.bucket_cap_mb = cfg.get("bucket_cap_mb")
+        self.workdir = cfg.get("workdir")
+        if self.workdir:
+            _capture_stderr(self._file("stderr"))
+        self.progress = _Progress(
+            self._file("progress") if self.workdir else None,
+            len(self.hooks) * (1 + self.warmup + self.steps),
+        )
+        self.deadline = _Deadline(cfg.get("step_timeout", 10.0), cfg.get("comm_s", 0.0))
+        if cfg.get("threads"):
+            torch.set_num_threads(cfg["threads"])
+        self.device = _rank_device(cfg, self.rank)
+        self.on_gpu = self.device.type == "cuda"
+        # every rank takes the same barriers; rank 0 reads the counters of lo, and with
+        # several nodes every node's first rank its uplink's
+        self.measure_lo = bool(cfg.get("measure_lo"))
+        self.reads_lo = self.measure_lo and self.rank == 0
+        self.nodes = cfg.get("nodes", 1) > 1
+        self.up = uplink() if self.nodes else None
+        self.models: dict[str, DDP] = {}
+        self.states: dict[str, Any] = {}
+
+    def _file(self, kind: str) -> str:
+        return os.path.join(self.workdir, f"rank{self.rank}.{kind}")
+
+    def build_hooks(self) -> dict[str, str]:
+        """A DDP model per hook; returns the hooks whose setup failed on some rank, with the
+        first error and where, and drops them on every rank (so that the collectives of the
+        rest still line up)."""
+        setup_errors: dict[str, str] = {}
+        for name in self.hooks:
+            self.progress(f"setup {name}")
+            with self.deadline.guard(cold=True):
+                try:
+                    model = build(self.spec).to(self.device)
+                    self.models[name], self.states[name] = _build(
+                        name, model, self.bucket_cap_mb, self.accumulate
+                    )
+                except Exception as exc:  # reported as this hook's failure; the others go on
+                    setup_errors[name] = f"{type(exc).__name__}: {exc}".strip()
+            self.progress.done += 1
+        failed = _failed_anywhere(setup_errors, self.world)
+        self.hooks = [h for h in self.hooks if h not in failed]
+        self.progress.total = self.progress.done + len(self.hooks) * (self.warmup + self.steps)
+        self.opts = {n: torch.optim.SGD(self.models[n].parameters(), lr=1e-3) for n in self.hooks}
+        self.ref = build(self.spec).to(self.device) if self.error_steps and self.hooks else None
+        g = torch.Generator().manual_seed(self.rank)
+        self.data = [
+            (x.to(self.device), y.to(self.device))
+            for x, y in batches(self.spec, self.accumulate, g)
+        ]
+        self.measured = {name: _Measured() for name in self.hooks}
+        return failed
+
+    def _backward(self, model: torch.nn.Module, batch) -> None:
+        loss = loss_fn(self.spec, model, batch)
+        (loss / self.accumulate if self.accumulate > 1 else loss).backward()
+
+    def one_step(self, name: str) -> None:
+        """One optimizer step: ``accumulate`` micro-steps, the loss scaled by 1/k each."""
+        model = self.models[name]
+        self.opts[name].zero_grad(set_to_none=False)
+        for k, batch in enumerate(self.data):
+            sync = k == self.accumulate - 1 or is_pycomm(name)
+            with contextlib.nullcontext() if sync else model.no_sync():
+                self._backward(model, batch)
+        self.opts[name].step()
+
+    def rel_error(self, name: str) -> float:
+        """||reduced - exact|| / ||exact||; ``ref`` holds the parameters before the step."""
+        self.ref.zero_grad(set_to_none=False)
+        for batch in self.data:
+            self._backward(self.ref, batch)
+        exact = _flat_grads(self.ref)
+        dist.all_reduce(exact)
+        exact /= self.world
+        got = _flat_grads(self.models[name].module)
+        return float((got - exact).norm() / exact.norm().clamp_min(1e-30))
+
+    def train(self) -> None:
+        """``warmup + steps`` rounds, each one step of every hook in a rotating order; a line
+        per timed round in the rounds file, what the parent keeps if a later step kills the
+        launch."""
+        rounds = (
+            os.open(self._file("rounds"), os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+            if self.workdir
+            else None
+        )
+        for step in range(self.warmup + self.steps):
+            if step == self.warmup:
+                for name in self.hooks:
+                    self.measured[name].before = _counters(self.states[name])
+            for i in range(len(self.hooks)):
+                self._hook_step(step, i)
+            if step >= self.warmup and rounds is not None:
+                times = {n: self.measured[n].times[-1] for n in self.hooks}
+                os.write(rounds, (json.dumps({"step": step, "times": times}) + "\n").encode())
+        self.progress("barrier at the end")
+        dist.barrier()
+        self.progress("done")
+
+    def _hook_step(self, step: int, i: int) -> None:
+        """Round ``step``'s i-th hook: its step, timed from a common barrier, then (when timed)
+        its traffic and (on the checked steps) its gradient error."""
+        name = self.hooks[(i + step) % len(self.hooks)]
+        timed = step >= self.warmup
+        check = step >= self.warmup + self.steps - self.error_steps and reduces(name)
+        m = self.measured[name]
+        with self.deadline.guard(cold=step == 0, factor=2.0 if check else 1.0):
+            if check:
+                with torch.no_grad():
+                    for p_ref, p in zip(
+                        self.ref.parameters(), self.models[name].module.parameters()
+                    ):
+                        p_ref.copy_(p)
+            self.progress(f"barrier before {name}")
+            dist.barrier()
+            lo0 = lo_tx_bytes() if self.reads_lo and timed else 0
+            up0 = tx_bytes(self.up) if self.up and timed else 0
+            self.progress(f"step {name} {step}")
+            dt, dc = self._timed(name)
+            if timed and (self.measure_lo or self.nodes or check):
+                self.progress(f"barrier after {name}")
+                dist.barrier()  # the step's traffic ends when every rank is done
+                if self.reads_lo:
+                    m.wire.append(lo_tx_bytes() - lo0)
+                if self.up:
+                    m.uplink.append(tx_bytes(self.up) - up0)
+            if check:
+                self.progress(f"error of {name}")
+                m.errors.append(self.rel_error(name))
+        if step > 0 or i > 0:  # the rank's first step also pays for lazy imports
+            self.deadline.observe(dt)
+        if timed:
+            m.times.append(dt)
+            m.cpu.append(dc)
+        self.progress.done += 1
+
+    def _timed(self, name: str) -> tuple[float, float]:
+        """One step of ``name``: its wall time (on a GPU until the device has run it) and the
+        CPU time of the whole process (gloo's threads and the hooks' callbacks too: where ranks
+        share cores, what a hook costs beyond the wire)."""
+        if self.on_gpu:
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+        t0, c0 = time.perf_counter(), time.process_time()
+        self.one_step(name)
+        if self.on_gpu:
+            torch.cuda.synchronize(self.device)
+            m = self.measured[name]
+            m.gpu_peak = max(m.gpu_peak, torch.cuda.max_memory_allocated(self.device))
+        return time.perf_counter() - t0, time.process_time() - c0
+
+    def results(self, failed: dict[str, str]) -> dict[str, Any]:
+        params = count_params(self.spec)
+        return {
+            "rank": self.rank,
+            "params": params,
+            "hooks": {name: self._result(name, params) for name in self.hooks},
+            "setup_failures": failed,
+        }
+
+    def _result(self, name: str, params: int) -> dict[str, Any]:
+        m = self.measured[name]
+        sent, source = _bytes_per_step(
+            name, params, self.world, m.before, _counters(self.states[name]), self.steps
+        )
+        return {
+            "times_s": m.times,
+            "cpu_s": m.cpu,
+            "bytes_per_step": sent,
+            "bytes_source": source,
+            "lo_bytes": m.wire if self.reads_lo else None,
+            "uplink_bytes": m.uplink if self.up else None,
+            "rel_errors": m.errors,
+            "bucket_sizes": _bucket_sizes(self.models[name]),
+            # on a GPU: the most memory allocated during this hook's steps (every hook's model
+            # stays resident, so the differences between hooks are what each one adds)
+            "gpu_peak_bytes": m.gpu_peak if self.on_gpu else None,
+            # hook="auto": what it chose, from which measurements and predictions
+            "auto": _auto_decision(self.states[name]),
+        }
+
+
+def _failed_anywhere(setup_errors: dict[str, str], world: int) -> dict[str, str]:
+    """Every rank's setup errors, gathered: each failed hook's first error, and on which
+    ranks when not on all of them."""
     gathered: list[Any] = [None] * world
     dist.all_gather_object(gathered, setup_errors)
     where: dict[str, list[int]] = {}
@@ -439,136 +624,18 @@ def run_rank(cfg: dict[str, Any]) -> dict[str, Any]:
     for name, ranks in where.items():
         if len(ranks) < world:
             failed[name] += f" (on rank {', '.join(map(str, ranks))} of {world})"
-    hooks = [h for h in hooks if h not in failed]
-    progress.total = progress.done + len(hooks) * (warmup + steps)
-    opts = {name: torch.optim.SGD(models[name].parameters(), lr=1e-3) for name in hooks}
-    params = count_params(spec)
-    ref = build(spec).to(device) if error_steps and hooks else None
+    return failed
 
-    g = torch.Generator().manual_seed(rank)
-    data = [(x.to(device), y.to(device)) for x, y in batches(spec, accumulate, g)]
 
-    def one_step(name: str) -> None:
-        """One optimizer step: ``accumulate`` micro-steps, the loss scaled by 1/k each."""
-        model = models[name]
-        opts[name].zero_grad(set_to_none=False)
-        for k, batch in enumerate(data):
-            sync = k == accumulate - 1 or is_pycomm(name)
-            with contextlib.nullcontext() if sync else model.no_sync():
-                loss = loss_fn(spec, model, batch)
-                (loss / accumulate if accumulate > 1 else loss).backward()
-        opts[name].step()
-
-    def rel_error(name: str) -> float:
-        """||reduced - exact|| / ||exact||; ``ref`` holds the parameters before the step."""
-        ref.zero_grad(set_to_none=False)
-        for batch in data:
-            loss = loss_fn(spec, ref, batch)
-            (loss / accumulate if accumulate > 1 else loss).backward()
-        exact = _flat_grads(ref)
-        dist.all_reduce(exact)
-        exact /= world
-        got = _flat_grads(models[name].module)
-        return float((got - exact).norm() / exact.norm().clamp_min(1e-30))
-
-    # every rank takes the same barriers; rank 0 reads the counters
-    measure_lo = bool(cfg.get("measure_lo"))
-    measure = measure_lo and rank == 0
-    nodes = cfg.get("nodes", 1) > 1  # every rank takes the barriers; nodes' first ranks read
-    up = uplink() if nodes else None
-    uplink_bytes: dict[str, list[int]] = {name: [] for name in hooks}
-    times: dict[str, list[float]] = {name: [] for name in hooks}
-    cpu: dict[str, list[float]] = {name: [] for name in hooks}
-    wire: dict[str, list[int]] = {name: [] for name in hooks}
-    errors: dict[str, list[float]] = {name: [] for name in hooks}
-    gpu_peak: dict[str, int] = {name: 0 for name in hooks}
-    before: dict[str, dict] = {}
-    error_from = warmup + steps - error_steps
-
-    rounds = (
-        os.open(os.path.join(workdir, f"rank{rank}.rounds"), os.O_WRONLY | os.O_CREAT | os.O_APPEND)
-        if workdir
-        else None
-    )
-    for step in range(warmup + steps):
-        if step == warmup:
-            before = {name: _counters(states[name]) for name in hooks}
-        timed = step >= warmup
-        for i in range(len(hooks)):
-            name = hooks[(i + step) % len(hooks)]
-            check = step >= error_from and reduces(name)
-            with deadline.guard(cold=step == 0, factor=2.0 if check else 1.0):
-                if check:
-                    with torch.no_grad():
-                        for p_ref, p in zip(ref.parameters(), models[name].module.parameters()):
-                            p_ref.copy_(p)
-                progress(f"barrier before {name}")
-                dist.barrier()
-                lo0 = lo_tx_bytes() if measure and timed else 0
-                up0 = tx_bytes(up) if up and timed else 0
-                progress(f"step {name} {step}")
-                if on_gpu:
-                    torch.cuda.synchronize(device)
-                    torch.cuda.reset_peak_memory_stats(device)
-                t0, c0 = time.perf_counter(), time.process_time()
-                one_step(name)
-                if on_gpu:  # the step ends when the device has run it
-                    torch.cuda.synchronize(device)
-                    gpu_peak[name] = max(gpu_peak[name], torch.cuda.max_memory_allocated(device))
-                dt = time.perf_counter() - t0
-                # CPU time of the whole process (gloo's threads and the hooks' callbacks too):
-                # where ranks share cores, what a hook costs beyond the wire
-                dc = time.process_time() - c0
-                if timed and (measure_lo or nodes or check):
-                    progress(f"barrier after {name}")
-                    dist.barrier()  # the step's traffic ends when every rank is done
-                    if measure:
-                        wire[name].append(lo_tx_bytes() - lo0)
-                    if up:
-                        uplink_bytes[name].append(tx_bytes(up) - up0)
-                if check:
-                    progress(f"error of {name}")
-                    errors[name].append(rel_error(name))
-            if step > 0 or i > 0:  # the rank's first step also pays for lazy imports
-                deadline.observe(dt)
-            if timed:
-                times[name].append(dt)
-                cpu[name].append(dc)
-            progress.done += 1
-        if timed and rounds is not None:
-            # one line per complete round: what the parent keeps if a later step kills the launch
-            line = json.dumps({"step": step, "times": {n: times[n][-1] for n in hooks}})
-            os.write(rounds, (line + "\n").encode())
-    progress("barrier at the end")
-    dist.barrier()
-    progress("done")
-
-    out: dict[str, Any] = {"rank": rank, "params": params, "hooks": {}, "setup_failures": failed}
-    for name in hooks:
-        sent, source = _bytes_per_step(
-            name, params, world, before.get(name, {}), _counters(states[name]), steps
-        )
-        try:  # a private API: the bucket layout is a nicety (after DDP's rebuild, if any)
-            data_ = models[name]._get_ddp_logging_data()
-            buckets = str(data_.get("rebuilt_bucket_sizes") or data_.get("bucket_sizes", ""))
-        except Exception:
-            buckets = ""
-        out["hooks"][name] = {
-            "times_s": times[name],
-            "cpu_s": cpu[name],
-            "bytes_per_step": sent,
-            "bytes_source": source,
-            "lo_bytes": wire[name] if measure else None,
-            "uplink_bytes": uplink_bytes[name] if up else None,
-            "rel_errors": errors[name],
-            "bucket_sizes": [int(b) for b in buckets.split(",") if b.strip().isdigit()],
-            # on a GPU: the most memory allocated during this hook's steps (every hook's model
-            # stays resident, so the differences between hooks are what each one adds)
-            "gpu_peak_bytes": gpu_peak[name] if on_gpu else None,
-            # hook="auto": what it chose, from which measurements and predictions
-            "auto": _auto_decision(states[name]),
-        }
-    return out
+def _bucket_sizes(model: DDP) -> list[int]:
+    """DDP's bucket sizes (after its rebuild, if any); a private API, so a nicety: [] when it
+    fails."""
+    try:
+        data = model._get_ddp_logging_data()
+        buckets = str(data.get("rebuilt_bucket_sizes") or data.get("bucket_sizes", ""))
+    except Exception:
+        buckets = ""
+    return [int(b) for b in buckets.split(",") if b.strip().isdigit()]
 
 
 def _auto_decision(state: Any) -> Optional[dict[str, Any]]:

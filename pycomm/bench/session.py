@@ -299,164 +299,196 @@ def measure(
     Example:
         >>> measure({"model": {"width": 16, "layers": 2}, "steps": 2}, ["compute", "ddp"], 2, 60)
     """
-    remaining = list(hooks)
-    deferred: list[str] = []
-    launches: list[dict[str, Any]] = []
-    failures: list[dict[str, Any]] = []
-    numbers: dict[str, dict[str, Any]] = {}
-    params = None
+    session = _Session(cfg, hooks, nprocs, timeout, log, progress)
+    while session.remaining:
+        if session.round():
+            break
+    session.rerun_deferred(rerun_budget_s)
+    return session.summary()
 
-    # Timed rounds of the remaining hooks from launches another hook killed: the next
-    # interleaved launch only runs the steps still missing.
-    salvaged: list[dict[str, list[float]]] = []
 
-    def run(names: list[str], resume: bool = False) -> dict[str, Any]:
-        nonlocal params
-        use = cfg
-        if resume and salvaged:
-            left = max(1, cfg["steps"] - len(salvaged))
-            use = {**cfg, "steps": left, "error_steps": min(cfg.get("error_steps", 0), left)}
-        record = _launch(use, names, nprocs, timeout, log, progress, len(launches) + 1)
+def _failure(
+    hook: Optional[str],
+    phase: str,
+    record: dict[str, Any],
+    text: Optional[str] = None,
+    alone: Optional[dict[str, Any]] = None,
+    with_: Optional[list[str]] = None,
+) -> dict[str, Any]:
+    """One entry of :func:`measure`'s ``failures``: the launch ``record``'s error, detail and
+    hooks, unless ``text`` (a setup error: both) or ``with_`` say otherwise."""
+    return {
+        "hook": hook,
+        "phase": phase,
+        "error": record["error"] if text is None else text,
+        "detail": record["detail"] if text is None else text,
+        "with": record["hooks"] if with_ is None else with_,
+        "alone": alone,
+    }
+
+
+class _Session:
+    """:func:`measure`'s launches: the hooks still to measure, the ones that failed (and which
+    to rerun alone at the end), the numbers so far, every launch's record."""
+
+    def __init__(
+        self,
+        cfg: dict[str, Any],
+        hooks: list[str],
+        nprocs: int,
+        timeout: float,
+        log: Log,
+        progress: bool,
+    ) -> None:
+        self.cfg, self.nprocs, self.timeout = cfg, nprocs, timeout
+        self.log, self.progress = log, progress
+        self.remaining = list(hooks)
+        self.deferred: list[str] = []
+        self.launches: list[dict[str, Any]] = []
+        self.failures: list[dict[str, Any]] = []
+        self.numbers: dict[str, dict[str, Any]] = {}
+        self.params = None
+        # Timed rounds of the remaining hooks from launches another hook killed: the next
+        # interleaved launch only runs the steps still missing.
+        self.salvaged: list[dict[str, list[float]]] = []
+
+    def run(self, names: list[str], resume: bool = False) -> dict[str, Any]:
+        """One launch of ``names``; hooks whose setup failed are failures from here on."""
+        use = self.cfg
+        if resume and self.salvaged:
+            left = max(1, self.cfg["steps"] - len(self.salvaged))
+            use = {
+                **self.cfg,
+                "steps": left,
+                "error_steps": min(self.cfg.get("error_steps", 0), left),
+            }
+        n = len(self.launches) + 1
+        record = _launch(use, names, self.nprocs, self.timeout, self.log, self.progress, n)
         record["steps"] = use["steps"]
-        launches.append(
+        self.launches.append(
             {
                 **{k: v for k, v in record.items() if k not in ("results", "detail", "rounds")},
                 "rounds_completed": len(record.get("rounds") or ()),
             }
         )
         if record["ok"]:
-            params = record["results"][0]["params"]
+            self.params = record["results"][0]["params"]
             for name, text in record["results"][0]["setup_failures"].items():
-                log(f"{name} failed while setting up: {text}")
-                if name in remaining:
-                    failures.append(
-                        {
-                            "hook": name,
-                            "phase": "setup",
-                            "error": text,
-                            "detail": text,
-                            "with": record["hooks"],
-                            "alone": None,
-                        }
-                    )
-                    remaining.remove(name)
+                self.log(f"{name} failed while setting up: {text}")
+                if name in self.remaining:
+                    self.failures.append(_failure(name, "setup", record, text=text))
+                    self.remaining.remove(name)
         return record
 
-    def alone_result(name: str, again: dict[str, Any]) -> dict[str, Any]:
+    def alone_result(self, name: str, again: dict[str, Any]) -> dict[str, Any]:
         if again["ok"] and name in again["results"][0]["hooks"]:
-            log(f"{name} passed when rerun alone: its failure is intermittent")
+            self.log(f"{name} passed when rerun alone: its failure is intermittent")
             return {"status": "ok", **_per_hook(again["results"], "alone")[name]}
         if again["ok"]:
             return {"status": "failed", "error": again["results"][0]["setup_failures"][name]}
         return {"status": "failed", "error": again["error"]}
 
-    def fail(name: str, record: dict[str, Any], alone: Optional[dict[str, Any]]) -> None:
-        failures.append(
-            {
-                "hook": name,
-                "phase": "hung" if record.get("hung") else "step",
-                "error": record["error"],
-                "detail": record["detail"],
-                "with": record["hooks"],
-                "alone": alone,
-            }
-        )
-        remaining.remove(name)
+    def fail(self, name: str, record: dict[str, Any], alone: Optional[dict[str, Any]]) -> None:
+        phase = "hung" if record.get("hung") else "step"
+        self.failures.append(_failure(name, phase, record, alone=alone))
+        self.remaining.remove(name)
 
-    def keep_rounds(record: dict[str, Any], suspect: str) -> None:
+    def keep_rounds(self, record: dict[str, Any], suspect: str) -> None:
         rounds = record.get("rounds") or []
-        rounds = rounds[: max(0, cfg["steps"] - len(salvaged))]
-        salvaged.extend({k: v for k, v in row.items() if k != suspect} for row in rounds)
+        rounds = rounds[: max(0, self.cfg["steps"] - len(self.salvaged))]
+        self.salvaged.extend({k: v for k, v in row.items() if k != suspect} for row in rounds)
         if rounds:
-            log(f"keeping the {len(rounds)} timed steps of the other hooks done before it failed")
+            self.log(
+                f"keeping the {len(rounds)} timed steps of the other hooks done before it failed"
+            )
 
-    while remaining:
-        record = run(remaining, resume=True)
-        if record["ok"]:
-            numbers.update(_per_hook(record["results"], "interleaved", salvaged))
-            break
-        suspect = record["blame"] if record["blame"] in remaining else None
-        if suspect is None:
+    def _suspect(self, record: dict[str, Any]) -> Optional[str]:
+        return record["blame"] if record["blame"] in self.remaining else None
+
+    def round(self) -> bool:
+        """One interleaved launch of the remaining hooks and what its failure says; True when
+        measuring is over."""
+        record = self.run(self.remaining, resume=True)
+        if not record["ok"] and self._suspect(record) is None:
             # Outside any hook (start-up, a barrier): often transient, e.g. a gloo connection
             # refused on a busy loopback. Once more before blaming each hook in turn.
-            log("no hook to blame; retrying the same launch once")
-            record = run(remaining, resume=True)
-            if record["ok"]:
-                numbers.update(_per_hook(record["results"], "interleaved", salvaged))
-                break
-            suspect = record["blame"] if record["blame"] in remaining else None
-        if suspect in (COMPUTE, BASELINE) and len(remaining) > 1:
-            again = run([suspect])
-            if not again["ok"]:
-                # Even a reference fails alone: the machine, not a hook (no namespace, no
-                # loopback, a broken install). Blaming each hook in turn would take minutes.
-                log(f"{suspect} failed alone too: giving up on every hook")
-                failures.append(
-                    {
-                        "hook": None,
-                        "phase": "environment",
-                        "error": again["error"],
-                        "detail": again["detail"],
-                        "with": [suspect],
-                        "alone": None,
-                    }
-                )
-                for name in list(remaining):
-                    fail(name, record, {"status": "failed", "error": again["error"]})
-                break
-            fail(suspect, record, alone_result(suspect, again))
-            continue
+            self.log("no hook to blame; retrying the same launch once")
+            record = self.run(self.remaining, resume=True)
+        if record["ok"]:
+            self.numbers.update(_per_hook(record["results"], "interleaved", self.salvaged))
+            return True
+        suspect = self._suspect(record)
+        if suspect in (COMPUTE, BASELINE) and len(self.remaining) > 1:
+            return self._reference_failed(suspect, record)
         if suspect is not None:
             # Rerun alone later, once the others are measured, while --rerun-budget lasts.
-            keep_rounds(record, suspect)
-            fail(suspect, record, None)
+            self.keep_rounds(record, suspect)
+            self.fail(suspect, record, None)
             if len(record["hooks"]) > 1:
-                deferred.append(suspect)
-            continue
-        # Nobody to blame: each hook alone shows which ones fail.
+                self.deferred.append(suspect)
+            return False
+        return self._each_alone(record)
+
+    def _reference_failed(self, suspect: str, record: dict[str, Any]) -> bool:
+        """compute or ddp was blamed: alone it tells a hook's failure from the machine's."""
+        again = self.run([suspect])
+        if again["ok"]:
+            self.fail(suspect, record, self.alone_result(suspect, again))
+            return False
+        # Even a reference fails alone: the machine, not a hook (no namespace, no loopback, a
+        # broken install). Blaming each hook in turn would take minutes.
+        self.log(f"{suspect} failed alone too: giving up on every hook")
+        self.failures.append(_failure(None, "environment", again, with_=[suspect]))
+        for name in list(self.remaining):
+            self.fail(name, record, {"status": "failed", "error": again["error"]})
+        return True
+
+    def _each_alone(self, record: dict[str, Any]) -> bool:
+        """Nobody to blame: each hook alone shows which ones fail."""
         alone_numbers: dict[str, dict[str, Any]] = {}
         culprits = []
-        for name in list(remaining):
-            again = run([name])
+        for name in list(self.remaining):
+            again = self.run([name])
             if again["ok"]:
                 alone_numbers.update(_per_hook(again["results"], "alone"))
-            elif name in remaining:
+            elif name in self.remaining:
                 culprits.append((name, again))
         for name, again in culprits:
-            fail(name, again, {"status": "failed", "error": again["error"]})
-        if not culprits:
-            # Every hook works alone but not together: keep the numbers from separate launches.
-            failures.append(
-                {
-                    "hook": None,
-                    "phase": "interleaved",
-                    "error": record["error"],
-                    "detail": record["detail"],
-                    "with": record["hooks"],
-                    "alone": None,
+            self.fail(name, again, {"status": "failed", "error": again["error"]})
+        if culprits:
+            return False
+        # Every hook works alone but not together: keep the numbers from separate launches.
+        self.failures.append(_failure(None, "interleaved", record))
+        self.numbers.update(alone_numbers)
+        return True
+
+    def rerun_deferred(self, budget_s: float) -> None:
+        """Rerun each failed hook alone: an intermittent failure (torch's PowerSGD on gloo)
+        passes."""
+        started = time.monotonic()
+        for failure in self.failures:
+            name = failure["hook"]
+            if name not in self.deferred:
+                continue
+            if time.monotonic() - started >= budget_s:
+                failure["alone"] = {"status": "skipped", "error": "--rerun-budget spent"}
+                continue
+            failure["alone"] = self.alone_result(name, self.run([name]))
+
+    def summary(self) -> dict[str, Any]:
+        numbers = dict(self.numbers)
+        for failure in self.failures:
+            if failure["hook"] is not None:
+                numbers[failure["hook"]] = {
+                    "status": "failed",
+                    "error": failure["error"],
+                    "phase": failure["phase"],
+                    "measured": None,
+                    "alone": failure["alone"],
                 }
-            )
-            numbers.update(alone_numbers)
-            break
-
-    # Rerun each failed hook alone: an intermittent failure (torch's PowerSGD on gloo) passes.
-    started = time.monotonic()
-    for failure in failures:
-        name = failure["hook"]
-        if name not in deferred:
-            continue
-        if time.monotonic() - started >= rerun_budget_s:
-            failure["alone"] = {"status": "skipped", "error": "--rerun-budget spent"}
-            continue
-        failure["alone"] = alone_result(name, run([name]))
-
-    for failure in failures:
-        if failure["hook"] is not None:
-            numbers[failure["hook"]] = {
-                "status": "failed",
-                "error": failure["error"],
-                "phase": failure["phase"],
-                "measured": None,
-                "alone": failure["alone"],
-            }
-    return {"params": params, "hooks": numbers, "failures": failures, "launches": launches}
+        return {
+            "params": self.params,
+            "hooks": numbers,
+            "failures": self.failures,
+            "launches": self.launches,
+        }

@@ -11,7 +11,7 @@ from pycomm.hooks.accumulate import AccumulateState, accumulate_hook
 from pycomm.hooks.allreduce import AllreduceState, allreduce_hook
 from pycomm.hooks.auto import AutoState, auto_hook
 from pycomm.hooks.bucket import Bucket
-from pycomm.hooks.codec import Codec, Float16Codec, Int8Codec, OneBitCodec, check_codec
+from pycomm.hooks.codec import Codec, HalfCodec, Int8Codec, OneBitCodec, check_codec
 from pycomm.hooks.compressed import CompressedState, compressed_hook
 from pycomm.hooks.lowprec import Bf16State, Fp16State
 from pycomm.hooks.powersgd import PowerSGDHookState, powersgd_hook
@@ -25,8 +25,8 @@ register_hook(
     "allreduce", AllreduceState, allreduce_hook, auto=True, description="exact fp32 all-reduce"
 )
 for _name, _state, _codec, _text in (
-    ("bf16", Bf16State, lambda: Float16Codec(torch.bfloat16), "bf16 all-reduce"),
-    ("fp16", Fp16State, lambda: Float16Codec(torch.float16), "fp16 all-reduce"),
+    ("bf16", Bf16State, lambda: HalfCodec(torch.bfloat16), "bf16 all-reduce"),
+    ("fp16", Fp16State, lambda: HalfCodec(torch.float16), "fp16 all-reduce"),
     (
         "int8",
         Int8State,
@@ -56,7 +56,7 @@ __all__ = [
     "Codec",
     "CompressedState",
     "check_codec",
-    "Float16Codec",
+    "HalfCodec",
     "Fp16State",
     "HookSpec",
     "hook_names",

@@ -93,7 +93,7 @@ def advise(state: Any, optimizer: Any) -> Optional[str]:
         return None
     try:
         seen = _ADVISED.get(state)
-    except TypeError:  # not weakly referenceable: cannot remember it, so never warn twice
+    except TypeError:  # not weakly referenceable: cannot tell a second call, so no warning
         return None
     if seen is not None and optimizer in seen:
         return None

@@ -40,7 +40,7 @@ import torch
 
 from pycomm import ops
 
-__all__ = ["Codec", "Float16Codec", "Int8Codec", "OneBitCodec", "check_codec"]
+__all__ = ["Codec", "HalfCodec", "Int8Codec", "OneBitCodec", "check_codec"]
 
 
 class Codec:
@@ -161,21 +161,21 @@ class Codec:
         return codes, None if scales is None else scales.view(self.scale_dtype)
 
 
-class Float16Codec(Codec):
+class HalfCodec(Codec):
     """fp16 or bf16 codes (``dtype``), no scales, 16-byte aligned chunks (block 8).
 
     ``two_phase`` (default False): one 16-bit all-reduce of the codes; True: the two-phase
     exchange, which sums in fp32.
 
     Example:
-        >>> codec = Float16Codec(torch.bfloat16, two_phase=True)
+        >>> codec = HalfCodec(torch.bfloat16, two_phase=True)
     """
 
     scale_dtype = None
 
     def __init__(self, dtype: torch.dtype = torch.bfloat16, two_phase: bool = False) -> None:
         if dtype not in (torch.float16, torch.bfloat16):
-            raise ValueError(f"pycomm Float16Codec: dtype={dtype}, expected float16 or bfloat16")
+            raise ValueError(f"pycomm HalfCodec: dtype={dtype}, expected float16 or bfloat16")
         self.block = 8
         self.code_dtype = dtype
         self.two_phase = bool(two_phase)

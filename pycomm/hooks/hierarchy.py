@@ -199,6 +199,7 @@ def node_reduce(
     cross: Callable[[Any, torch.Tensor], torch.futures.Future],
     cross_bytes: int,
     cross_collectives: int,
+    *,
     prescale: Optional[float] = None,
     postscale: Optional[float] = None,
     finite_step: Optional[int] = None,
@@ -321,7 +322,8 @@ def _in_place(x: torch.Tensor, L: int, s: int) -> bool:
 
 def exact_cross(plan: NodePlan, scale: Optional[float] = None):
     """Stage 2 as the exact fp32 all-reduce (sum, optionally pre-scaled) over the cross
-    group: returns ``(cross, bytes, collectives)`` for :func:`node_reduce`."""
+    group: returns the ``cross`` function :func:`node_reduce` takes (:func:`exact_bytes`
+    gives its bytes; it runs one collective)."""
 
     def cross(_bucket, shard: torch.Tensor) -> torch.futures.Future:
         if scale is not None:

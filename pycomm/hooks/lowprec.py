@@ -5,11 +5,11 @@ from typing import Any
 import torch
 
 from pycomm._validate import check_bool
-from pycomm.hooks.codec import Codec, Float16Codec
+from pycomm.hooks.codec import Codec, HalfCodec
 from pycomm.hooks.compressed import CompressedState
 
 
-class _Float16State(CompressedState):
+class _HalfState(CompressedState):
     """Options: ``two_phase`` (default False: one 16-bit all-reduce; True: the two-phase
     exchange that sums in fp32), ``error_feedback`` (default False), ``start_iter`` (2)."""
 
@@ -22,7 +22,7 @@ class _Float16State(CompressedState):
 
     def make_codec(self, options: dict[str, Any]) -> Codec:
         two_phase = check_bool(self.where, "two_phase", options.get("two_phase", False))
-        return Float16Codec(self.dtype, two_phase=two_phase)
+        return HalfCodec(self.dtype, two_phase=two_phase)
 
     @property
     def two_phase(self) -> bool:
@@ -33,7 +33,7 @@ class _Float16State(CompressedState):
         return {**super().options(), "two_phase": self.two_phase}
 
 
-class Fp16State(_Float16State):
+class Fp16State(_HalfState):
     """State of the ``fp16`` hook (:func:`pycomm.hooks.compressed_hook`).
 
     Example:
@@ -43,7 +43,7 @@ class Fp16State(_Float16State):
     hook_name, dtype = "fp16", torch.float16
 
 
-class Bf16State(_Float16State):
+class Bf16State(_HalfState):
     """State of the ``bf16`` hook (:func:`pycomm.hooks.compressed_hook`).
 
     Example:

@@ -39,7 +39,7 @@ class OneBitState(CompressedState):
     warm-up, it fell further behind the exact all-reduce in the quality suite. Even so it falls
     behind on a small transformer with SGD with momentum and with Adam: it warns at such an
     optimizer's first step, whatever the training loop (:meth:`optimizer_advice`; README,
-    "Which hook with which optimizer").
+    "Choosing a hook").
 
     Example:
         >>> ddp.register_comm_hook(OneBitState(None, block=64), compressed_hook)

@@ -1,0 +1,51 @@
+"""What the code and the docs cite is in the repository: every ``*.md`` file a source, script,
+test or doc names exists, and every README section a docstring or comment names is a heading
+of README.md."""
+
+import os
+import re
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_DIRS = ("pycomm", "scripts", "tests", "csrc", "docs", "benchmarks")
+_TOP = ("README.md", "Makefile", "setup.py", "pyproject.toml")
+_TEXT = (".py", ".md", ".h", ".cpp", ".cu", ".cuh", ".sh", ".toml")
+
+
+def _files() -> list[str]:
+    paths = [os.path.join(ROOT, f) for f in _TOP]
+    for d in _DIRS:
+        for root, dirs, files in os.walk(os.path.join(ROOT, d)):
+            dirs[:] = [x for x in dirs if not x.startswith(".") and x != "__pycache__"]
+            paths += [os.path.join(root, f) for f in files if f.endswith(_TEXT)]
+    return [p for p in paths if os.path.isfile(p)]
+
+
+def _read(path: str) -> str:
+    with open(path, encoding="utf-8", errors="replace") as f:
+        return f.read()
+
+
+def test_cited_markdown_files_exist():
+    files = _files()
+    names = {os.path.basename(p) for p in files if p.endswith(".md")}
+    missing = []
+    for path in files:
+        for cited in re.findall(r"[\w./-]*\w\.md\b", _read(path)):
+            here = os.path.join(os.path.dirname(path), cited)
+            if not (os.path.isfile(os.path.join(ROOT, cited)) or os.path.isfile(here)):
+                if "/" in cited or cited not in names:
+                    missing.append(f"{os.path.relpath(path, ROOT)} cites {cited}")
+    assert not missing, "\n".join(missing)
+
+
+def test_cited_readme_sections_exist():
+    headings = set(re.findall(r"^#+ (.+?)\s*$", _read(os.path.join(ROOT, "README.md")), re.M))
+    missing = []
+    for path in _files():
+        if not path.endswith(".py"):
+            continue
+        text = re.sub(r"\s*\n\s*(#\s*)?", " ", _read(path))  # sections cited across lines
+        for section in re.findall(r"README(?:'s|,) \"([^\"]+)\"", text):
+            if section not in headings:
+                missing.append(f"{os.path.relpath(path, ROOT)} cites README section {section!r}")
+    assert not missing, "\n".join(missing)
