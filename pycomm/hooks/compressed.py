@@ -1,6 +1,6 @@
 """The engine behind pycomm's compression hooks (fp16, bf16, int8, onebit).
 
-Two-phase all-reduce (DESIGN.md): every rank encodes its whole bucket (pre-scaled by 1/N, plus
+Two-phase all-reduce: every rank encodes its whole bucket (pre-scaled by 1/N, plus
 its error-feedback residual) and sends chunk j to rank j (phase 1, all-to-all, a
 reduce-scatter of compressed chunks); each rank decodes and sums its N chunks in fp32,
 re-encodes that sum with its own residual and sends it to every rank (phase 2, a gather). Bytes
@@ -87,8 +87,7 @@ class CompressedState(HookState):
     the exact fp32 all-reduce, because DDP rebuilds its buckets after the first one),
     ``error_feedback``, ``local_feedback`` (default True, onebit False; two-phase exchange
     only: False keeps no residual for the encoding of each rank's own gradient in phase 1, only
-    for the re-encoded reduced chunk of phase 2; see the README's "Which hook with which
-    optimizer"),
+    for the re-encoded reduced chunk of phase 2; see the README's "Choosing a hook"),
     and ``residual_dtype``: ``"float32"`` (default) or ``"bfloat16"``, the error-feedback
     residuals' storage. bf16 halves their memory (the hooks keep two copies, a step's new
     residuals apart until it is known finite: 8 bytes per parameter in fp32) and the memory
@@ -537,8 +536,7 @@ def _node(state: CompressedState, bucket: dist.GradBucket, x: torch.Tensor):
             cross,
             hier.exact_bytes(plan, n),
             1,
-            None,
-            1.0 / L,
+            postscale=1.0 / L,
         )
 
     def reduce(state: CompressedState, bucket, x: torch.Tensor, index: int):
@@ -558,7 +556,7 @@ def _node(state: CompressedState, bucket: dist.GradBucket, x: torch.Tensor):
             return path(state, shard_bucket, shard, index, step)
 
         return hier.node_reduce(
-            state, plan, bucket, x, index, cross, nbytes, calls, None, 1.0 / L, step
+            state, plan, bucket, x, index, cross, nbytes, calls, postscale=1.0 / L, finite_step=step
         )
 
     if state.bucket_layout.bound:
