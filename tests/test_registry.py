@@ -18,7 +18,9 @@ from pycomm.hooks import (
     Bucket,
     Codec,
     Float16Codec,
+    Fp8Codec,
     HookState,
+    Int4Codec,
     Int8Codec,
     OneBitCodec,
     check_codec,
@@ -114,6 +116,9 @@ def test_built_in_codecs_pass_the_self_check():
         Int8Codec(64),
         Int8Codec(256),
         OneBitCodec(64),
+        Int4Codec(64),
+        Int4Codec(32, torch.bfloat16),
+        Fp8Codec(64),
         PlainCodec(),
     ):
         check_codec(codec)
@@ -125,7 +130,14 @@ def test_built_in_codecs_pass_the_self_check():
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 def test_codecs_pass_the_self_check_on_cuda():
-    for codec in (Float16Codec(torch.float16), Int8Codec(64), OneBitCodec(64), PlainCodec()):
+    for codec in (
+        Float16Codec(torch.float16),
+        Int8Codec(64),
+        OneBitCodec(64),
+        Int4Codec(64),
+        Fp8Codec(64),
+        PlainCodec(),
+    ):
         check_codec(codec, device="cuda")
 
 

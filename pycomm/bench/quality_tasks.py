@@ -24,7 +24,21 @@ from pycomm.bench.models import GPT, ModelSpec
 from pycomm.hooks.registry import import_modules
 
 DEFAULT_HOOKS = ("allreduce", "fp16", "bf16", "int8", "onebit", "powersgd")
-HOOKS = (*DEFAULT_HOOKS, "onebit-local", "int8-nolocal", "int8-noef", "int8-warm20", "int8-b256")
+HOOKS = (
+    *DEFAULT_HOOKS,
+    "fp8",
+    "int4",
+    "onebit-local",
+    "int8-nolocal",
+    "int8-noef",
+    "int8-warm20",
+    "int8-b256",
+    "int4-b32",
+    "int4-b128",
+    "int4-b32-bf16",
+    "int4-b64-bf16",
+    "int4-b128-bf16",
+)
 REFERENCE = "allreduce"
 
 
@@ -60,6 +74,12 @@ VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     "int8-noef": ("int8", {"error_feedback": False}),
     "int8-warm20": ("int8", {"start_iter": 20}),
     "int8-b256": ("int8", {"block": 256}),
+    # int4's block and scale dtype (its default: block 64, fp32 scales)
+    "int4-b32": ("int4", {"block": 32}),
+    "int4-b128": ("int4", {"block": 128}),
+    "int4-b32-bf16": ("int4", {"block": 32, "scale_dtype": "bfloat16"}),
+    "int4-b64-bf16": ("int4", {"block": 64, "scale_dtype": "bfloat16"}),
+    "int4-b128-bf16": ("int4", {"block": 128, "scale_dtype": "bfloat16"}),
 }
 
 # How far a hook's mean may fall behind the exact all-reduce's, at its defaults: accuracy
@@ -74,6 +94,13 @@ LIMITS: dict[str, tuple[float, float]] = {
     "int8-noef": (0.5, 0.01),
     "int8-warm20": (0.5, 0.01),
     "int8-b256": (0.5, 0.01),
+    "fp8": (0.5, 0.01),
+    "int4": (0.5, 0.01),
+    "int4-b32": (0.5, 0.01),
+    "int4-b128": (0.5, 0.01),
+    "int4-b32-bf16": (0.5, 0.01),
+    "int4-b64-bf16": (0.5, 0.01),
+    "int4-b128-bf16": (0.5, 0.01),
 }
 
 
