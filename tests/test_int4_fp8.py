@@ -137,7 +137,7 @@ def test_decode_sum_matches_the_reference_on_packed_rows(make, rows, out_dtype):
         stats = codec.decode_sum(codes, scales, 0.5, out)
         ref = _ref_decode(codec, codes, scales, 0.5, want)
         assert torch.equal(out, want), length
-        assert stats.dtype == torch.float64 and torch.allclose(stats, ref, rtol=1e-12)
+        assert stats.dtype == torch.float64 and torch.allclose(stats, ref, rtol=1e-6)
 
 
 def test_int4_nibbles_rounding_and_clamp():

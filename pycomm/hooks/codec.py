@@ -289,9 +289,9 @@ def _summed(rows, scale: float, out: torch.Tensor) -> torch.Tensor:
         acc.mul_(scale)
     out.copy_(acc[:m].view(out.shape))
     stored = out.reshape(-1).float()
-    finite = stored.isfinite()
-    squares = torch.where(finite, stored, 0.0).double().square().sum()
-    return torch.stack([squares, (~finite).sum().double()])
+    bad = (~stored.isfinite()).sum().double()
+    kept = torch.nan_to_num(stored, 0.0, 0.0, 0.0)  # the finite elements, 0 elsewhere
+    return torch.stack([torch.sum(kept * kept, dtype=torch.float64), bad])
 
 
 def _check_block(codec: str, block: Any, multiple: int) -> int:
