@@ -1,5 +1,7 @@
 """Codec kernels (encode16, quantize_int8, quantize_onebit and their *_sum decoders) against the
-machine's copy bandwidth and the same math in torch eager ops.
+machine's copy bandwidth and the same math in torch eager ops; and the int4 and fp8 codecs
+(pycomm.hooks.Int4Codec, Fp8Codec: pure PyTorch, no fused kernels yet), side by side with
+int8 at the same block (``--int8-block 64`` for int8's default).
 
 The eager side is pycomm.reference: the definition of each codec, written as plain torch ops.
 For each op: GB/s (bytes read + written per call / median time), the ratio to a plain
@@ -19,6 +21,7 @@ import kernel_bench
 import torch
 
 from pycomm import ops, reference
+from pycomm.hooks import Fp8Codec, Int4Codec
 
 
 def _has_residual_out() -> bool:
@@ -33,9 +36,11 @@ def main() -> None:
     ap.add_argument("--int8-block", type=int, default=256, help="elements per int8 scale")
     ap.add_argument("--onebit-block", type=int, default=64, help="elements per 1-bit scale")
     ap.add_argument("--rows", type=int, default=2, help="R, rows summed by the decoders")
+    ap.add_argument("--int4-block", type=int, default=64, help="elements per int4/fp8 scale")
     args = ap.parse_args()
-    b8, b1, rows = args.int8_block, args.onebit_block, args.rows
+    b8, b1, rows, b4 = args.int8_block, args.onebit_block, args.rows, args.int4_block
     lcm = b8 * b1 // math.gcd(b8, b1)
+    lcm = lcm * b4 // math.gcd(lcm, b4)
     n = int(args.mb * 1e6 / 4) // lcm * lcm
     bench = kernel_bench.Bench(args, n, "eager")
     case = bench.case
@@ -124,7 +129,36 @@ def main() -> None:
         lambda: reference.dequantize_onebit_sum(bits, bscales, b1, 0.5, out_eager),
     )
 
-    bench.report(int8_block=b8, onebit_block=b1, decode_rows=rows)
+    # int4 and fp8: the codecs as the hooks call them (residual in, new residual out)
+    o_ours, o_eager = torch.empty(n), torch.empty(n)
+    for name, codec, code_bytes in (
+        (f"Int4Codec b{b4}", Int4Codec(b4), n // 2),
+        (f"Fp8Codec b{b4}", Fp8Codec(b4), n),
+    ):
+        int4 = isinstance(codec, Int4Codec)
+        sd = codec.scale_dtype
+        ref = (
+            (lambda sd=sd: reference.quantize_int4(x, r_eager, 0.5, b4, n, sd, o_eager))
+            if int4
+            else (lambda: reference.quantize_fp8(x, r_eager, 0.5, b4, n, o_eager))
+        )
+        case(
+            f"{name} encode +residual_out",
+            n * (4 + 4 + 4) + code_bytes + 4 * n // b4,
+            lambda c=codec: c.encode(x, r_ours, 0.5, n, o_ours),
+            ref,
+        )
+        enc = [codec.encode(torch.randn(n), None, 1.0, n) for _ in range(rows)]
+        c4, s4 = torch.stack([c for c, _ in enc]), torch.stack([s for _, s in enc])
+        dec = reference.dequantize_int4_sum if int4 else reference.dequantize_fp8_sum
+        case(
+            f"{name} decode_sum R={rows}",
+            rows * (code_bytes + 4 * n // b4) + n * 4,
+            lambda c=codec, c4=c4, s4=s4: c.decode_sum(c4, s4, 0.5, out_ours),
+            lambda d=dec, c4=c4, s4=s4: d(c4, s4, b4, 0.5, out_eager),
+        )
+
+    bench.report(int8_block=b8, onebit_block=b1, decode_rows=rows, int4_block=b4)
 
 
 if __name__ == "__main__":

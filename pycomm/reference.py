@@ -153,3 +153,67 @@ def dequantize_onebit_sum(bits, scales, block, scale, out):
         s = scales[r].float()[:, None]
         acc += torch.where(pos, s, -s).view(-1)
     return _finish(acc, scale, out)
+
+
+def quantize_int4(x, residual, scale, block, numel, scale_dtype=torch.float32, residual_out=None):
+    """Signed int4 per block of ``block`` (even) elements: s = absmax / 7 rounded to
+    ``scale_dtype`` (fp32 or bf16), q = round_half_even(y * (1 / s)) in [-7, 7], decode q * s;
+    two codes a byte, element 2k in the low nibble of byte k (two's complement). Returns
+    (codes uint8 [numel / 2], scales scale_dtype [numel / block])."""
+    y = _prepare(x, residual, scale, numel).view(-1, block)
+    finite = y.isfinite().all(1)
+    absmax = y.abs().amax(1)
+    s = torch.where(finite, absmax / 7.0, torch.full_like(absmax, float("nan"))).to(scale_dtype)
+    sf = s.float()
+    inv = 1.0 / sf
+    inv = torch.where(finite & (sf > 0) & inv.isfinite(), inv, torch.zeros_like(inv))
+    q = torch.round(y * inv[:, None]).clamp(-7, 7)
+    q = torch.where(finite[:, None], q, torch.zeros_like(q))
+    if residual is not None:
+        r = residual.view(-1, block)
+        new = torch.where(finite[:, None], y - q * sf[:, None], r)
+        (residual if residual_out is None else residual_out).view(-1, block).copy_(new)
+    q = q.to(torch.int64).view(-1)
+    nibbles = torch.where(q < 0, q + 16, q).view(-1, 2)
+    return (nibbles[:, 0] + 16 * nibbles[:, 1]).to(torch.uint8), s
+
+
+def dequantize_int4_sum(codes, scales, block, scale, out):
+    """codes [R, m / 2] uint8, scales [R, m / block] (fp32 or bf16);
+    out = scale * sum_r q[r] * s[r]."""
+    rows, m = codes.shape[0], codes.shape[1] * 2
+    acc = torch.zeros(m, dtype=torch.float32, device=codes.device)
+    for r in range(rows):
+        b = codes[r].to(torch.int64)
+        q = torch.stack([b % 16, b // 16], 1).view(-1)
+        q = torch.where(q >= 8, q - 16, q).float()
+        acc += (q.view(-1, block) * scales[r].float()[:, None]).view(-1)
+    return _finish(acc, scale, out)
+
+
+def quantize_fp8(x, residual, scale, block, numel, residual_out=None):
+    """float8 e4m3 per block: s = absmax / 448 (fp32), code = e4m3(clamp(y * (448 / absmax),
+    -448, 448)) by torch's cast (round to nearest even), decode code * s. Returns (codes
+    float8_e4m3fn [numel], scales fp32 [numel / block])."""
+    y = _prepare(x, residual, scale, numel).view(-1, block)
+    finite = y.isfinite().all(1)
+    absmax = y.abs().amax(1)
+    s = torch.where(finite, absmax / 448.0, torch.full_like(absmax, float("nan")))
+    inv = 448.0 / absmax
+    inv = torch.where(finite & (absmax > 0) & inv.isfinite(), inv, torch.zeros_like(absmax))
+    v = (y * inv[:, None]).clamp(-448.0, 448.0)
+    v = torch.where(finite[:, None], v, torch.zeros_like(v))
+    codes = v.to(torch.float8_e4m3fn)
+    if residual is not None:
+        r = residual.view(-1, block)
+        new = torch.where(finite[:, None], y - codes.float() * s[:, None], r)
+        (residual if residual_out is None else residual_out).view(-1, block).copy_(new)
+    return codes.view(-1), s
+
+
+def dequantize_fp8_sum(codes, scales, block, scale, out):
+    """codes [R, m] float8_e4m3fn, scales [R, m / block] fp32; out = scale * sum_r c[r] * s[r]."""
+    acc = torch.zeros(codes.shape[1], dtype=torch.float32, device=codes.device)
+    for r in range(codes.shape[0]):
+        acc += (codes[r].float().view(-1, block) * scales[r][:, None]).view(-1)
+    return _finish(acc, scale, out)

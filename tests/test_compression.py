@@ -21,6 +21,9 @@ CASES = [
     ("int8", {"residual_dtype": "bfloat16"}, 5e-2),
     ("onebit", {}, 1.5),
     ("onebit", {"residual_dtype": torch.bfloat16}, 1.5),
+    ("int4", {}, 0.4),
+    ("int4", {"scale_dtype": "bfloat16", "residual_dtype": "bfloat16"}, 0.4),
+    ("fp8", {}, 0.1),
 ]
 
 
@@ -92,7 +95,7 @@ def _rank_world_one(hook):
     return out, pycomm.hook_state(ddp).stats["bytes_sent"]
 
 
-@pytest.mark.parametrize("hook", ["fp16", "bf16", "int8", "onebit"])
+@pytest.mark.parametrize("hook", ["fp16", "bf16", "int8", "fp8", "int4", "onebit"])
 def test_world_size_one_returns_the_input(hook):
     (res,) = run_ranks(_rank_world_one, 1, hook, timeout=60)
     assert res == ([True] * 4, 0)
@@ -163,9 +166,10 @@ def test_nan_step_leaves_residuals_bitwise_on_host_and_device_commit():
                 assert torch.equal(t, b[key][name])
 
 
-def test_nan_stays_nonfinite_on_every_rank_and_does_not_poison():
+@pytest.mark.parametrize("hook", ["int8", "fp8", "int4"])
+def test_nan_stays_nonfinite_on_every_rank_and_does_not_poison(hook):
     n, nan_step = 5000, 3
-    results = run_ranks(_rank_bucket, 2, "int8", {}, n, 6, nan_step, timeout=60)
+    results = run_ranks(_rank_bucket, 2, hook, {}, n, 6, nan_step, timeout=60)
     for outs, _, stats, res, _ in results:
         assert not outs[nan_step].isfinite().all()  # never quantized into finite numbers
         assert outs[nan_step][n // 3].isnan()
@@ -177,7 +181,13 @@ def test_nan_stays_nonfinite_on_every_rank_and_does_not_poison():
 
 @pytest.mark.parametrize(
     "hook, options, target",
-    [("bf16", {}, 1.99), ("int8", {}, 3.75), ("onebit", {"start_iter": 2}, 25.0)],
+    [
+        ("bf16", {}, 1.99),
+        ("int8", {}, 3.75),
+        ("fp8", {}, 3.75),
+        ("int4", {}, 7.1),
+        ("onebit", {"start_iter": 2}, 25.0),
+    ],
 )
 def test_bytes_per_step_and_compression(hook, options, target):
     n = 1 << 20  # one 4 MB bucket

@@ -17,8 +17,10 @@ import pycomm
 from pycomm.hooks import (
     Bucket,
     Codec,
+    Fp8Codec,
     HalfCodec,
     HookState,
+    Int4Codec,
     Int8Codec,
     OneBitCodec,
     check_codec,
@@ -115,6 +117,9 @@ def test_built_in_codecs_pass_the_self_check():
         Int8Codec(64),
         Int8Codec(256),
         OneBitCodec(64),
+        Int4Codec(64),
+        Int4Codec(32, torch.bfloat16),
+        Fp8Codec(64),
         PlainCodec(),
     ):
         check_codec(codec)
@@ -126,7 +131,14 @@ def test_built_in_codecs_pass_the_self_check():
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 def test_codecs_pass_the_self_check_on_cuda():
-    for codec in (HalfCodec(torch.float16), Int8Codec(64), OneBitCodec(64), PlainCodec()):
+    for codec in (
+        HalfCodec(torch.float16),
+        Int8Codec(64),
+        OneBitCodec(64),
+        Int4Codec(64),
+        Fp8Codec(64),
+        PlainCodec(),
+    ):
         check_codec(codec, device="cuda")
 
 

@@ -78,6 +78,8 @@ def _rank_resume(hook, options, k, m, accumulate):
         ("int8", {}, 2),
         ("onebit", {"residual_dtype": "bfloat16", "start_iter": 2}, 1),
         ("onebit", {"local_feedback": True, "start_iter": 2}, 1),
+        ("int4", {}, 1),
+        ("fp8", {"residual_dtype": "bfloat16"}, 2),
     ],
     ids=lambda v: str(v),
 )

@@ -157,7 +157,8 @@ def test_api_errors():
     (out,) = run_ranks(_rank_api_errors, 1, timeout=60)
     assert out["unknown_hook"] == (
         "ValueError",
-        "pycomm: hook='zstd' is not one of allreduce, auto, bf16, fp16, int8, onebit, powersgd "
+        "pycomm: hook='zstd' is not one of allreduce, auto, bf16, fp16, fp8, int4, int8, onebit, "
+        "powersgd "
         "(the registered hooks; pycomm.hooks.register_hook adds one)",
     )
     assert out["zero_steps"][0] == "ValueError" and "accumulate_steps=0" in out["zero_steps"][1]

@@ -26,8 +26,20 @@ from pycomm.hooks.registry import import_modules
 DEFAULT_HOOKS = ("allreduce", "fp16", "bf16", "int8", "onebit", "powersgd")
 HOOKS = (
     *DEFAULT_HOOKS,
-    *("onebit-local", "int8-nolocal", "int8-noef", "int8-warm20", "int8-b256"),
-    *("int8-ef", "int8-ef-bf16"),  # under --fsdp
+    "fp8",
+    "int4",
+    "onebit-local",
+    "int8-nolocal",
+    "int8-noef",
+    "int8-warm20",
+    "int8-b256",
+    "int4-b32",
+    "int4-b128",
+    "int4-b32-bf16",
+    "int4-b64-bf16",
+    "int4-b128-bf16",
+    "int8-ef",  # under --fsdp
+    "int8-ef-bf16",
 )
 REFERENCE = "allreduce"
 
@@ -65,6 +77,12 @@ VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     "int8-noef": ("int8", {"error_feedback": False}),
     "int8-warm20": ("int8", {"start_iter": 20}),
     "int8-b256": ("int8", {"block": 256}),
+    # int4's block and scale dtype (its default: block 64, fp32 scales)
+    "int4-b32": ("int4", {"block": 32}),
+    "int4-b128": ("int4", {"block": 128}),
+    "int4-b32-bf16": ("int4", {"block": 32, "scale_dtype": "bfloat16"}),
+    "int4-b64-bf16": ("int4", {"block": 64, "scale_dtype": "bfloat16"}),
+    "int4-b128-bf16": ("int4", {"block": 128, "scale_dtype": "bfloat16"}),
     # under --fsdp, where error feedback is off by default (pycomm.fsdp)
     "int8-ef": ("int8", {"error_feedback": True}),
     "int8-ef-bf16": ("int8", {"error_feedback": True, "residual_dtype": "bfloat16"}),
@@ -84,6 +102,13 @@ LIMITS: dict[str, tuple[float, float]] = {
     "int8-noef": (0.5, 0.01),
     "int8-warm20": (0.5, 0.01),
     "int8-b256": (0.5, 0.01),
+    "fp8": (0.5, 0.01),
+    "int4": (0.5, 0.01),
+    "int4-b32": (0.5, 0.01),
+    "int4-b128": (0.5, 0.01),
+    "int4-b32-bf16": (0.5, 0.01),
+    "int4-b64-bf16": (0.5, 0.01),
+    "int4-b128-bf16": (0.5, 0.01),
     "int8-ef": (0.5, 0.01),
     "int8-ef-bf16": (0.5, 0.01),
 }

@@ -11,11 +11,19 @@ from pycomm.hooks.accumulate import AccumulateState, accumulate_hook
 from pycomm.hooks.allreduce import AllreduceState, allreduce_hook
 from pycomm.hooks.auto import AutoState, auto_hook
 from pycomm.hooks.bucket import Bucket
-from pycomm.hooks.codec import Codec, HalfCodec, Int8Codec, OneBitCodec, check_codec
+from pycomm.hooks.codec import (
+    Codec,
+    Fp8Codec,
+    HalfCodec,
+    Int4Codec,
+    Int8Codec,
+    OneBitCodec,
+    check_codec,
+)
 from pycomm.hooks.compressed import CompressedState, compressed_hook
 from pycomm.hooks.lowprec import Bf16State, Fp16State
 from pycomm.hooks.powersgd import PowerSGDHookState, powersgd_hook
-from pycomm.hooks.quantized import Int8State, OneBitState
+from pycomm.hooks.quantized import Fp8State, Int4State, Int8State, OneBitState
 from pycomm.hooks.registry import HookSpec, hook_names, hook_spec, register_hook, unregister_hook
 from pycomm.hooks.state import HookState
 
@@ -32,6 +40,18 @@ for _name, _state, _codec, _text in (
         Int8State,
         lambda: Int8Codec(Int8State.default_block),
         "int8 codes, a fp32 scale per 64, error feedback, two-phase exchange",
+    ),
+    (
+        "fp8",
+        Fp8State,
+        lambda: Fp8Codec(Fp8State.default_block),
+        "float8 e4m3 codes, a fp32 scale per 64, error feedback, two-phase exchange",
+    ),
+    (
+        "int4",
+        Int4State,
+        lambda: Int4Codec(Int4State.default_block),
+        "int4 codes (two a byte), a fp32 scale per 64, error feedback, two-phase exchange",
     ),
     (
         "onebit",
@@ -58,9 +78,13 @@ __all__ = [
     "check_codec",
     "HalfCodec",
     "Fp16State",
+    "Fp8Codec",
+    "Fp8State",
     "HookSpec",
     "hook_names",
     "hook_spec",
+    "Int4Codec",
+    "Int4State",
     "Int8Codec",
     "Int8State",
     "OneBitCodec",

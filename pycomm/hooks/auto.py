@@ -45,15 +45,16 @@ and the choice is the most exact candidate predicted within 5% (``MARGIN``) of t
 
 So a candidate pays only for the communication and codec work not hidden behind the rest of
 backward. Bytes per bucket: fp32 ring 2(N-1)/N x 4n (allreduce), 2(N-1)/N x 2n (bf16, fp16),
-2(N-1)/N x the packed codes and scales (int8, onebit, the two-phase exchange). With the node
-hierarchy each bucket also crosses the node twice in fp32 (1/L of it each way, at
-``intra_s_per_byte``) and only its 1/L shard goes across nodes (``inter_s_per_byte``).
+2(N-1)/N x the packed codes and scales (int8, fp8, int4, onebit: the two-phase exchange).
+With the node hierarchy each bucket also crosses the node twice in fp32 (1/L of it each way,
+at ``intra_s_per_byte``) and only its 1/L shard goes across nodes (``inter_s_per_byte``).
 
-The order of exactness is allreduce, bf16, fp16, int8, onebit, flat before node (bf16 and fp16
-send the same bytes through the same kernel: bf16 has fp32's range). Which hooks are
-candidates is the accuracy budget: ``allow`` (default allreduce, bf16,
-fp16 and int8, the hooks within 0.5 points or 1% of the exact all-reduce's quality in the
-quality suite; onebit's limit is 1 point or 3%, so it only runs when allowed).
+The order of exactness is allreduce, bf16, fp16, int8, fp8, int4, onebit, flat before node
+(bf16 and fp16 send the same bytes through the same kernel: bf16 has fp32's range). Which
+hooks are candidates is the accuracy budget: ``allow`` (default allreduce, bf16, fp16 and
+int8, the hooks within 0.5 points or 1% of the exact all-reduce's quality in the quality
+suite; onebit's limit is 1 point or 3%, int4 fell 1.47% behind on the transformer with plain
+SGD, and fp8 has no fused kernels yet: each runs only when allowed).
 
 The bucket size is DDP's: DDP takes ``bucket_cap_mb`` when it is built and has no way to change
 it afterwards, so ``pycomm.wrap(hook="auto")`` builds it with 8 MB buckets (the compressed
@@ -89,7 +90,7 @@ def choices() -> dict[str, tuple[type[HookState], Callable]]:
 
     Example:
         >>> list(choices())
-        ['allreduce', 'bf16', 'fp16', 'int8', 'onebit']
+        ['allreduce', 'bf16', 'fp16', 'int8', 'fp8', 'int4', 'onebit']
     """
     return {n: (hook_spec(n).state, hook_spec(n).hook) for n in hook_names(auto=True)}
 
@@ -206,7 +207,8 @@ MARGIN = 0.05
 
 def choose(predicted: dict[str, float], margin: float = MARGIN) -> str:
     """The first candidate of :func:`predict`'s result (the most exact: allreduce, bf16, fp16,
-    int8, onebit; flat before node) predicted within ``margin`` (a fraction) of the fastest.
+    int8, fp8, int4, onebit; flat before node) predicted within ``margin`` (a fraction) of
+    the fastest.
 
     Example:
         >>> choose({"allreduce": 0.104, "int8": 0.100})

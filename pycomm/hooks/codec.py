@@ -40,7 +40,15 @@ import torch
 
 from pycomm import ops
 
-__all__ = ["Codec", "HalfCodec", "Int8Codec", "OneBitCodec", "check_codec"]
+__all__ = [
+    "Codec",
+    "HalfCodec",
+    "Fp8Codec",
+    "Int4Codec",
+    "Int8Codec",
+    "OneBitCodec",
+    "check_codec",
+]
 
 
 class Codec:
@@ -238,6 +246,149 @@ class OneBitCodec(Codec):
 
     def decode_sum(self, codes, scales, scale, out):
         return ops.dequantize_onebit_sum(codes, scales, self.block, scale, out)
+
+
+# --- int4 and fp8: pure PyTorch (no fused kernels yet) -------------------------------------
+
+
+def _prepared(x: torch.Tensor, residual: Optional[torch.Tensor], scale: float, numel: int):
+    """y = x * scale + residual in fp32, zero-padded to ``numel``."""
+    n = x.numel()
+    if numel < n:
+        raise ValueError(f"pycomm codec: numel={numel}, expected >= x.numel()={n}")
+    y = torch.zeros(numel, dtype=torch.float32, device=x.device)
+    head = y[:n]
+    head.copy_(x.reshape(-1))
+    if scale != 1.0:
+        head.mul_(scale)
+    if residual is not None:
+        if residual.numel() != numel:
+            raise ValueError(
+                f"pycomm codec: residual of {residual.numel()} elements, expected numel={numel}"
+            )
+        y.add_(residual.reshape(-1))
+    return y
+
+
+def _feedback(y, dec, finite, residual, residual_out, block) -> None:
+    """The new residual y - dec, the old one in non-finite blocks."""
+    if residual is None:
+        return
+    old = residual.view(-1, block)
+    new = torch.where(finite[:, None], y - dec, old)
+    (residual if residual_out is None else residual_out).view(-1, block).copy_(new)
+
+
+def _summed(rows, scale: float, out: torch.Tensor) -> torch.Tensor:
+    """out = scale * the rows (fp32, [R, m]) summed in row order; the protocol's stats."""
+    acc = rows[0].clone()
+    for r in range(1, rows.shape[0]):
+        acc += rows[r]
+    m = out.numel()
+    if scale != 1.0:
+        acc.mul_(scale)
+    out.copy_(acc[:m].view(out.shape))
+    stored = out.reshape(-1).float()
+    bad = (~stored.isfinite()).sum().double()
+    kept = torch.nan_to_num(stored, 0.0, 0.0, 0.0)  # the finite elements, 0 elsewhere
+    return torch.stack([torch.sum(kept * kept, dtype=torch.float64), bad])
+
+
+def _check_block(codec: str, block: Any, multiple: int) -> int:
+    if not isinstance(block, int) or isinstance(block, bool) or block < 1 or block % multiple:
+        raise ValueError(
+            f"pycomm {codec}: block={block!r}, expected a positive int, a multiple of {multiple}"
+        )
+    return block
+
+
+class Int4Codec(Codec):
+    """Signed 4-bit codes (q in [-7, 7], two a byte: element 2k in the low nibble of byte k,
+    two's complement), one scale ``s = absmax / 7`` per ``block`` elements (even), stored as
+    ``scale_dtype`` (float32 or bfloat16); ``q = round_half_even(y / s)``, decoded ``q * s``.
+
+    Example:
+        >>> codec = Int4Codec(block=64)
+    """
+
+    code_dtype = torch.uint8
+
+    def __init__(self, block: int = 64, scale_dtype: torch.dtype = torch.float32) -> None:
+        self.block = _check_block("Int4Codec", block, 2)
+        if scale_dtype not in (torch.float32, torch.bfloat16):
+            raise ValueError(
+                f"pycomm Int4Codec: scale_dtype={scale_dtype}, expected float32 or bfloat16"
+            )
+        self.scale_dtype = scale_dtype
+
+    def code_bytes(self, m: int) -> int:
+        return m // 2
+
+    def scale_bytes(self, m: int) -> int:
+        return torch.empty(0, dtype=self.scale_dtype).element_size() * (m // self.block)
+
+    def encode(self, x, residual, scale, numel, residual_out=None):
+        block = self.block
+        y = _prepared(x, residual, scale, numel).view(-1, block)
+        absmax = y.abs().amax(1)  # NaN and Inf propagate: a non-finite block
+        finite = absmax.isfinite()
+        s = torch.where(finite, absmax / 7.0, float("nan")).to(self.scale_dtype)
+        sf = s.float()
+        inv = 1.0 / sf
+        # all-zero or tiny blocks (inv = inf) encode 0 and keep y in the residual
+        inv = torch.where(finite & (sf > 0) & inv.isfinite(), inv, 0.0)
+        q = torch.round(y * inv[:, None]).clamp_(-7, 7).masked_fill_(~finite[:, None], 0)
+        if residual is not None:
+            _feedback(y, q * sf[:, None], finite, residual, residual_out, block)
+        nib = q.to(torch.int8).view(torch.uint8).bitwise_and_(15).view(-1, 2)
+        codes = nib[:, 0] | (nib[:, 1] << 4)
+        return codes, s
+
+    def decode_sum(self, codes, scales, scale, out):
+        c = codes.view(torch.int8)
+        lo = torch.bitwise_left_shift(c, 4) >> 4  # arithmetic shifts: sign-extended nibbles
+        hi = c >> 4
+        blocks = 2 * c.shape[1] // self.block
+        q = torch.stack([lo, hi], -1).view(c.shape[0], blocks, self.block)
+        return _summed((q.float() * scales.float()[:, :, None]).flatten(1), scale, out)
+
+
+class Fp8Codec(Codec):
+    """float8 e4m3 codes (``torch.float8_e4m3fn``, torch's own casts), one fp32 scale
+    ``s = absmax / 448`` per ``block`` elements; code ``fp8(y / s)``, decoded ``code * s``.
+
+    Example:
+        >>> codec = Fp8Codec(block=64)
+    """
+
+    code_dtype, scale_dtype = torch.float8_e4m3fn, torch.float32
+
+    def __init__(self, block: int = 64) -> None:
+        self.block = _check_block("Fp8Codec", block, 1)
+
+    def code_bytes(self, m: int) -> int:
+        return m
+
+    def scale_bytes(self, m: int) -> int:
+        return 4 * (m // self.block)
+
+    def encode(self, x, residual, scale, numel, residual_out=None):
+        block = self.block
+        y = _prepared(x, residual, scale, numel).view(-1, block)
+        absmax = y.abs().amax(1)
+        finite = absmax.isfinite()
+        s = torch.where(finite, absmax / 448.0, float("nan"))
+        inv = 448.0 / absmax
+        inv = torch.where(finite & (absmax > 0) & inv.isfinite(), inv, 0.0)
+        v = (y * inv[:, None]).clamp_(-448.0, 448.0).masked_fill_(~finite[:, None], 0.0)
+        codes = v.to(torch.float8_e4m3fn)
+        if residual is not None:
+            _feedback(y, codes.float() * s[:, None], finite, residual, residual_out, block)
+        return codes.view(-1), s
+
+    def decode_sum(self, codes, scales, scale, out):
+        q = codes.float().view(codes.shape[0], codes.shape[1] // self.block, self.block)
+        return _summed((q * scales.float()[:, :, None]).flatten(1), scale, out)
 
 
 def _fail(where: str, what: str) -> None:

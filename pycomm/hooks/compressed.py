@@ -1,4 +1,4 @@
-"""The engine behind pycomm's compression hooks (fp16, bf16, int8, onebit).
+"""The engine behind pycomm's compression hooks (fp16, bf16, int8, fp8, int4, onebit).
 
 Two-phase all-reduce: every rank encodes its whole bucket (pre-scaled by 1/N, plus
 its error-feedback residual) and sends chunk j to rank j (phase 1, all-to-all, a

@@ -1,9 +1,11 @@
-"""8-bit and 1-bit hooks with error feedback, over the two-phase all-reduce."""
+"""8-bit, fp8, 4-bit and 1-bit hooks with error feedback, over the two-phase all-reduce."""
 
 from typing import Any, Optional
 
+import torch
+
 from pycomm._validate import check_int
-from pycomm.hooks.codec import Codec, Int8Codec, OneBitCodec
+from pycomm.hooks.codec import Codec, Fp8Codec, Int4Codec, Int8Codec, OneBitCodec
 from pycomm.hooks.compressed import CompressedState
 
 
@@ -29,6 +31,61 @@ class Int8State(CompressedState):
 
     def options(self) -> dict[str, Any]:
         return {**super().options(), "block": self.codec.block}
+
+
+class Fp8State(CompressedState):
+    """State of the ``fp8`` hook: float8 e4m3 codes (``torch.float8_e4m3fn``), one fp32
+    scale (absmax / 448) per ``block`` elements (default 64: the bytes of int8's), error
+    feedback on by default.
+
+    Example:
+        >>> ddp.register_comm_hook(Fp8State(None, block=64), compressed_hook)
+    """
+
+    hook_name = "fp8"
+    option_names = (*CompressedState.option_names, "block")
+    default_bucket_cap_mb = 8.0
+    default_block = 64
+
+    def make_codec(self, options: dict[str, Any]) -> Codec:
+        return Fp8Codec(check_int(self.where, "block", options.get("block", self.default_block)))
+
+    def options(self) -> dict[str, Any]:
+        return {**super().options(), "block": self.codec.block}
+
+
+_SCALE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+class Int4State(CompressedState):
+    """State of the ``int4`` hook: signed 4-bit codes (two a byte, q in [-7, 7]), one scale
+    (absmax / 7) per ``block`` elements (default 64, even), stored as ``scale_dtype``
+    ("float32", the default, or "bfloat16"), error feedback on by default.
+
+    Example:
+        >>> ddp.register_comm_hook(Int4State(None, block=64), compressed_hook)
+    """
+
+    hook_name = "int4"
+    option_names = (*CompressedState.option_names, "block", "scale_dtype")
+    default_bucket_cap_mb = 8.0
+    default_block = 64
+    default_scale_dtype = "float32"
+
+    def make_codec(self, options: dict[str, Any]) -> Codec:
+        block = check_int(self.where, "block", options.get("block", self.default_block), 2)
+        if block % 2:
+            raise ValueError(f"{self.where}: block={block}, expected an even number (2 a byte)")
+        name = options.get("scale_dtype", self.default_scale_dtype)
+        if name not in _SCALE_DTYPES:
+            raise ValueError(
+                f"{self.where}: scale_dtype={name!r}, expected one of {', '.join(_SCALE_DTYPES)}"
+            )
+        return Int4Codec(block, _SCALE_DTYPES[name])
+
+    def options(self) -> dict[str, Any]:
+        scale = next(k for k, v in _SCALE_DTYPES.items() if v == self.codec.scale_dtype)
+        return {**super().options(), "block": self.codec.block, "scale_dtype": scale}
 
 
 class OneBitState(CompressedState):

@@ -219,7 +219,7 @@ def hook_names(auto: Optional[bool] = None) -> list[str]:
 
     Example:
         >>> pycomm.hooks.hook_names(auto=True)
-        ['allreduce', 'bf16', 'fp16', 'int8', 'onebit']
+        ['allreduce', 'bf16', 'fp16', 'int8', 'fp8', 'int4', 'onebit']
     """
     return [n for n, s in _SPECS.items() if auto is None or s.auto == auto]
 
