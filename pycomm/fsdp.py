@@ -45,7 +45,7 @@ except ImportError:  # FSDP calls allocate() and __call__(), nothing else
     ReduceScatter = object  # type: ignore[misc,assignment]
 
 from pycomm.hooks import AllreduceState, CompressedState, hook_spec
-from pycomm.hooks.state import check_owner
+from pycomm.hooks.state import HookState
 
 __all__ = ["FSDPCompression", "ModuleReduceScatter", "compress"]
 
@@ -179,25 +179,27 @@ class ModuleReduceScatter(ReduceScatter):
         self.stats.update(state["stats"])
 
 
-class FSDPCompression:
+class FSDPCompression(HookState):
     """What :func:`compress` returns for a model: one :class:`ModuleReduceScatter` per
     ``FSDPModule`` (``modules``, by name), their summed ``stats`` and one checkpointable
-    state per rank.
+    state per rank. A :class:`~pycomm.hooks.HookState`, so ``pycomm.checkpoint``'s
+    ``save_rank_state``/``load_rank_state`` take it as they take a DDP hook's state.
 
     Example:
         >>> comm = pycomm.fsdp.compress(model, hook="int8", error_feedback=True)
-        >>> torch.save(comm.state_dict(), f"comm_rank{dist.get_rank()}.pt")
-        >>> comm.load_state_dict(torch.load(f"comm_rank{dist.get_rank()}.pt"))
+        >>> pycomm.checkpoint.save_rank_state(comm, "out/step-100")   # every rank its own file
+        >>> pycomm.checkpoint.load_rank_state(comm, "out/step-100")   # on resume, every rank
     """
+
+    hook_name = "fsdp"
 
     def __init__(
         self, hook: str, options: dict[str, Any], modules: dict[str, ModuleReduceScatter]
     ) -> None:
+        super().__init__(None)
         self.hook = hook
-        self.options = options
+        self.hook_options = options
         self.modules = modules
-        self.rank = dist.get_rank()
-        self.world_size = dist.get_world_size()
 
     @property
     def stats(self) -> dict[str, Any]:
@@ -210,12 +212,11 @@ class FSDPCompression:
         out["compression"] = out["bytes_fp32"] / out["bytes_sent"] if out["bytes_sent"] else 1.0
         return out
 
+    def options(self) -> dict[str, Any]:
+        return {"hook": self.hook, **self.hook_options}
+
     def fingerprint(self) -> dict[str, Any]:
-        return {
-            "hook": self.hook,
-            "options": sorted(self.options.items()),
-            "modules": sorted(self.modules),
-        }
+        return {**super().fingerprint(), "modules": sorted(self.modules)}
 
     def state_dict(self) -> dict[str, Any]:
         """This rank's state: every module's residual, warm-up count and counters."""
@@ -229,14 +230,7 @@ class FSDPCompression:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state_dict` of this rank; another hook, option or model (or another
         rank's state) is a ValueError naming it."""
-        mine, theirs = self.fingerprint(), state.get("fingerprint", {})
-        for key in mine:
-            if mine[key] != theirs.get(key):
-                raise ValueError(
-                    f"pycomm.fsdp: cannot load the state: {key} is {theirs.get(key)!r} in it "
-                    f"but {mine[key]!r} here"
-                )
-        check_owner("fsdp", state, self.rank, self.world_size)
+        self.check_fingerprint(state)
         for name, m in self.modules.items():
             m.load_state_dict(state["modules"][name])
 

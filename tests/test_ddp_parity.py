@@ -16,6 +16,15 @@ import pycomm
 
 K = 3
 HOOKS = ["allreduce", "bf16", "fp16", "int8", "onebit", "powersgd", "auto"]
+_REFERENCES: dict = {}
+
+
+def _reference(fn, *args):
+    """The plain-DDP run ``fn(*args)`` on 2 ranks, run once for every test that compares to it."""
+    key = (fn.__name__, args)
+    if key not in _REFERENCES:
+        _REFERENCES[key] = run_ranks(fn, 2, *args, timeout=120)
+    return _REFERENCES[key]
 
 
 # --- 1. parameters no rank used in a window ------------------------------------------------
@@ -113,7 +122,7 @@ def _rank_unused(hook, bucket_view, static, opt_name, cut):
     ids=["copy", "view", "copy-static", "view-static", "copy-resume", "view-resume"],
 )
 def test_unused_parameters_match_ddp_no_sync_bitwise(bucket_view, static, cut, opt_name):
-    ref = run_ranks(_rank_unused, 2, "plain", bucket_view, static, opt_name, None, timeout=120)
+    ref = _reference(_rank_unused, "plain", bucket_view, static, opt_name, None)
     ours = run_ranks(_rank_unused, 2, "allreduce", bucket_view, static, opt_name, cut, timeout=120)
     for (ref_p, ref_none, _), (p, none, c_moved) in zip(ref, ours):
         assert not c_moved
@@ -240,7 +249,7 @@ def _rank_sparse_by_hand(k, steps, max_grad_norm):
 def test_sparse_gradients_allreduce_is_plain_ddp(k):
     """allreduce over sparse gradients, with TrainLoop's norm and clipping: bitwise TrainLoop
     over plain DDP, and within float rounding of the loop written by hand."""
-    ref = run_ranks(_rank_sparse, 2, "plain", k, 4, 0.5, timeout=120)
+    ref = _reference(_rank_sparse, "plain", k, 4, 0.5)
     ours = run_ranks(_rank_sparse, 2, "allreduce", k, 4, 0.5, timeout=120)
     hand = run_ranks(_rank_sparse_by_hand, 2, k, 4, 0.5, timeout=120)
     for (ref_p, ref_norms, _), (p, norms, stats), (hand_p, hand_norms) in zip(ref, ours, hand):
@@ -258,7 +267,7 @@ def test_sparse_gradients_allreduce_is_plain_ddp(k):
 def test_sparse_buckets_are_exact_under_every_hook(hook, k):
     """The embeddings (sparse, reduced exactly) move bitwise as under plain DDP; the dense
     buckets are compressed; the ranks agree."""
-    ref = run_ranks(_rank_sparse, 2, "plain", k, 5, None, timeout=120)
+    ref = _reference(_rank_sparse, "plain", k, 5, None)
     ours = run_ranks(_rank_sparse, 2, hook, k, 5, None, timeout=120)
     for (ref_p, _, _), (p, _, stats) in zip(ref, ours):
         for name in ("emb.weight", "bag.weight"):

@@ -12,6 +12,16 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 import pycomm
 import pycomm.fsdp
 
+_REFERENCES: dict = {}
+
+
+def _reference(nprocs, *args):
+    """FSDP2's own run ``_rank_train("fsdp", *args)``, once for every test comparing to it."""
+    key = (nprocs, repr(args))
+    if key not in _REFERENCES:
+        _REFERENCES[key] = run_ranks(_rank_train, nprocs, "fsdp", *args, timeout=120)
+    return _REFERENCES[key]
+
 
 def _model(seed=0):
     torch.manual_seed(seed)
@@ -69,7 +79,7 @@ def _rank_train(hook, per_block, steps, options, divide=None, k=1):
 @pytest.mark.parametrize("nprocs", [2, 4])
 @pytest.mark.parametrize("per_block", [True, False], ids=["per-block", "root"])
 def test_allreduce_is_fsdp_reduction_within_rounding(nprocs, per_block):
-    ref = run_ranks(_rank_train, nprocs, "fsdp", per_block, 3, {}, timeout=120)
+    ref = _reference(nprocs, per_block, 3, {})
     ours = run_ranks(_rank_train, nprocs, "allreduce", per_block, 3, {}, timeout=120)
     for (ref_p, ref_g, _), (p, g, stats) in zip(ref, ours):
         for a, b in zip(g, ref_g):
@@ -82,17 +92,16 @@ def test_allreduce_is_fsdp_reduction_within_rounding(nprocs, per_block):
 def test_gradient_divide_factor_and_sum_are_honoured():
     # a divide factor of 1: FSDP asks for a plain SUM; 8: PREMUL_SUM(1/8)
     for divide in (1.0, 8.0):
-        ref = run_ranks(_rank_train, 2, "fsdp", True, 2, {}, divide, timeout=120)
+        ref = _reference(2, True, 2, {}, divide)
         ours = run_ranks(_rank_train, 2, "allreduce", True, 2, {}, divide, timeout=120)
         for (_, ref_g, _), (_, g, _) in zip(ref, ours):
             for a, b in zip(g, ref_g):
                 torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
 
 
-@pytest.mark.parametrize("nprocs", [2, 4])
-@pytest.mark.parametrize("hook", ["bf16", "int8"])
+@pytest.mark.parametrize("hook,nprocs", [("bf16", 2), ("int8", 2), ("int8", 4)])
 def test_compressed_hooks_train_and_ranks_agree(hook, nprocs):
-    ref = run_ranks(_rank_train, nprocs, "fsdp", True, 6, {}, timeout=120)
+    ref = _reference(nprocs, True, 6, {})
     ours = run_ranks(_rank_train, nprocs, hook, True, 6, {}, timeout=120)
     for r in range(1, nprocs):
         assert torch.equal(ours[0][0], ours[r][0])
@@ -112,7 +121,7 @@ def test_compressed_hooks_train_and_ranks_agree(hook, nprocs):
 def test_accumulation_through_fsdp_no_sync_equals_one_large_batch():
     k = 3
     ours = run_ranks(_rank_train, 2, "allreduce", True, 2, {}, None, k, timeout=120)
-    ref = run_ranks(_rank_train, 2, "fsdp", True, 2, {}, None, k, timeout=120)
+    ref = _reference(2, True, 2, {}, None, k)
     for (p, _, stats), (ref_p, _, _) in zip(ours, ref):
         assert stats[-1]["calls"] == 2 * 3  # one reduce-scatter per block per window
         torch.testing.assert_close(p, ref_p, rtol=1e-6, atol=1e-7)
@@ -120,7 +129,7 @@ def test_accumulation_through_fsdp_no_sync_equals_one_large_batch():
     assert torch.equal(int8[0][0], int8[1][0])
 
 
-def _rank_resume(options):
+def _rank_resume(options, folder=None):
     data = _data(6, seed=3)
 
     def build():
@@ -147,10 +156,15 @@ def _rank_resume(options):
     saved = copy.deepcopy(
         {"model": m.state_dict(), "opt": opt.state_dict(), "comm": comm.state_dict()}
     )
+    if folder is not None:  # each rank its own file, through pycomm.checkpoint
+        pycomm.checkpoint.save_rank_state(comm, folder)
     m, comm, opt = build()
     m.load_state_dict(saved["model"])
     opt.load_state_dict(saved["opt"])
-    comm.load_state_dict(saved["comm"])
+    if folder is not None:
+        assert pycomm.checkpoint.load_rank_state(comm, folder)
+    else:
+        comm.load_state_dict(saved["comm"])
     for x, y in data[3:]:
         step(m, opt, x, y)
     return straight, _full(m), comm.stats
@@ -159,8 +173,9 @@ def _rank_resume(options):
 @pytest.mark.parametrize(
     "options", [{"error_feedback": True}, {"error_feedback": True, "residual_dtype": "bfloat16"}]
 )
-def test_resume_is_bitwise(options):
-    for straight, resumed, stats in run_ranks(_rank_resume, 2, options, timeout=120):
+def test_resume_is_bitwise(options, tmp_path):
+    folder = str(tmp_path) if "residual_dtype" in options else None
+    for straight, resumed, stats in run_ranks(_rank_resume, 2, options, folder, timeout=120):
         assert torch.equal(straight, resumed)
         assert stats["residual_bytes"] > 0
 
@@ -266,3 +281,30 @@ def test_bench_fsdp_measures_the_reduce_scatter_on_the_wire(tmp_path):
         assert int8["rs_wire_bytes_per_step"] >= int8["counted_bytes_per_step"]
         assert int8["rs_wire_bytes_per_step"] < 1.2 * int8["counted_bytes_per_step"]
         assert doc["hooks"]["int8"]["rs_wire_vs_fsdp"] < 0.3
+
+
+def _rank_placement(hook):
+    from torch.distributed.tensor import Shard
+
+    m = _model()
+    for i in (0, 2):  # on their last dimension (FSDP needs it even: not the 63-wide head)
+        fully_shard(m[i], shard_placement_fn=lambda p: Shard(p.dim() - 1))
+    fully_shard(m[4])
+    fully_shard(m)
+    if hook != "fsdp":
+        pycomm.fsdp.compress(m, hook=hook)
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    for x, y in _data(3):
+        torch.nn.functional.mse_loss(m(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    return _full(m)
+
+
+def test_shard_placement_fn_on_one_mesh():
+    ref = run_ranks(_rank_placement, 2, "fsdp", timeout=120)
+    ours = run_ranks(_rank_placement, 2, "allreduce", timeout=120)
+    int8 = run_ranks(_rank_placement, 2, "int8", timeout=120)
+    for a, b in zip(ours, ref):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+    assert torch.equal(int8[0], int8[1])

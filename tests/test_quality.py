@@ -37,7 +37,7 @@ def test_hooks_hold_their_accuracy_limits():
     "flag, value, message",
     [
         ("--tasks", "digits,charlm", "unknown task 'digits'; valid: digits-small"),
-        ("--hooks", "int8,int4", "unknown hook 'int4'; valid: allreduce, fp16"),
+        ("--hooks", "int8,int3", "unknown hook 'int3'; valid: allreduce, fp16"),
         ("--optimizers", "adam", "unknown optimizer 'adam'; valid: sgd, adamw"),
     ],
 )
