@@ -1,13 +1,13 @@
-"""Codec kernels (encode16, quantize_int8, quantize_onebit and their *_sum decoders) against the
-machine's copy bandwidth and the same math in torch eager ops; and the int4 and fp8 codecs
-(pycomm.hooks.Int4Codec, Fp8Codec: pure PyTorch, no fused kernels yet), side by side with
-int8 at the same block (``--int8-block 64`` for int8's default).
+"""Codec kernels (encode16, quantize_int8, quantize_int4, quantize_fp8, quantize_onebit and their
+*_sum decoders) against the machine's copy bandwidth and the same math in torch eager ops; then
+int4 and fp8 against int8 at the same block, side by side (time per call of one bucket: per
+element, as every codec encodes and decodes the same n elements).
 
 The eager side is pycomm.reference: the definition of each codec, written as plain torch ops.
 For each op: GB/s (bytes read + written per call / median time), the ratio to a plain
 ``dst.copy_(src)`` of the bucket (``copy/ours``: 1.0 is the floor a memory-bound op can reach),
-and the speedup over eager. Timing as in kernel_bench.py. The decoders sum R rows
-of m = bucket elements each into an fp32 out of m elements.
+and the speedup over eager (second table: over int8). Timing as in kernel_bench.py. The
+decoders sum R rows of m = bucket elements each into an fp32 out of m elements.
 
     python benchmarks/bench_codecs.py [--mb 25] [--reps 21] [--cold] [--json FILE]
 """
@@ -21,7 +21,6 @@ import kernel_bench
 import torch
 
 from pycomm import ops, reference
-from pycomm.hooks import Fp8Codec, Int4Codec
 
 
 def _has_residual_out() -> bool:
@@ -129,36 +128,58 @@ def main() -> None:
         lambda: reference.dequantize_onebit_sum(bits, bscales, b1, 0.5, out_eager),
     )
 
-    # int4 and fp8: the codecs as the hooks call them (residual in, new residual out)
+    # int4 and fp8 as the hooks call them (residual in, new residual out), against eager
     o_ours, o_eager = torch.empty(n), torch.empty(n)
-    for name, codec, code_bytes in (
-        (f"Int4Codec b{b4}", Int4Codec(b4), n // 2),
-        (f"Fp8Codec b{b4}", Fp8Codec(b4), n),
-    ):
-        int4 = isinstance(codec, Int4Codec)
-        sd = codec.scale_dtype
-        ref = (
-            (lambda sd=sd: reference.quantize_int4(x, r_eager, 0.5, b4, n, sd, o_eager))
-            if int4
-            else (lambda: reference.quantize_fp8(x, r_eager, 0.5, b4, n, o_eager))
-        )
-        case(
-            f"{name} encode +residual_out",
-            n * (4 + 4 + 4) + code_bytes + 4 * n // b4,
-            lambda c=codec: c.encode(x, r_ours, 0.5, n, o_ours),
-            ref,
-        )
-        enc = [codec.encode(torch.randn(n), None, 1.0, n) for _ in range(rows)]
-        c4, s4 = torch.stack([c for c, _ in enc]), torch.stack([s for _, s in enc])
-        dec = reference.dequantize_int4_sum if int4 else reference.dequantize_fp8_sum
-        case(
-            f"{name} decode_sum R={rows}",
-            rows * (code_bytes + 4 * n // b4) + n * 4,
-            lambda c=codec, c4=c4, s4=s4: c.decode_sum(c4, s4, 0.5, out_ours),
-            lambda d=dec, c4=c4, s4=s4: d(c4, s4, b4, 0.5, out_eager),
-        )
+    enc8 = lambda: ops.quantize_int8(x, r_ours, 0.5, b4, n, o_ours)  # noqa: E731
+    enc4 = lambda: ops.quantize_int4(x, r_ours, 0.5, b4, n, o_ours)  # noqa: E731
+    enc_fp8 = lambda: ops.quantize_fp8(x, r_ours, 0.5, b4, n, o_ours)  # noqa: E731
+    case(
+        f"quantize_int4 +residual_out b{b4}",
+        n * (4 + 4 + 4) + n // 2 + 4 * n // b4,
+        enc4,
+        lambda: reference.quantize_int4(x, r_eager, 0.5, b4, n, o_eager),
+    )
+    case(
+        f"quantize_fp8 +residual_out b{b4}",
+        n * (4 + 4 + 4 + 1) + 4 * n // b4,
+        enc_fp8,
+        lambda: reference.quantize_fp8(x, r_eager, 0.5, b4, n, o_eager),
+    )
 
-    bench.report(int8_block=b8, onebit_block=b1, decode_rows=rows, int4_block=b4)
+    def rows_of(encode):
+        enc = [encode(torch.randn(n), None, 1.0, b4, n) for _ in range(rows)]
+        return torch.stack([c for c, _ in enc]), torch.stack([s for _, s in enc])
+
+    c8, s8 = rows_of(ops.quantize_int8)
+    c4, s4 = rows_of(ops.quantize_int4)
+    cf, sf = rows_of(ops.quantize_fp8)
+    dec8 = lambda: ops.dequantize_int8_sum(c8, s8, b4, 0.5, out_ours)  # noqa: E731
+    dec4 = lambda: ops.dequantize_int4_sum(c4, s4, b4, 0.5, out_ours)  # noqa: E731
+    dec_fp8 = lambda: ops.dequantize_fp8_sum(cf, sf, b4, 0.5, out_ours)  # noqa: E731
+    case(
+        f"dequantize_int4_sum R={rows}",
+        rows * (n // 2 + 4 * n // b4) + n * 4,
+        dec4,
+        lambda: reference.dequantize_int4_sum(c4, s4, b4, 0.5, out_eager),
+    )
+    case(
+        f"dequantize_fp8_sum R={rows}",
+        rows * (n + 4 * n // b4) + n * 4,
+        dec_fp8,
+        lambda: reference.dequantize_fp8_sum(cf, sf, b4, 0.5, out_eager),
+    )
+
+    # the same n elements through int4 or fp8 and through int8, at one block: the speedup
+    # column is int8's time over ours (> 1: faster per element than int8)
+    vs8 = kernel_bench.Bench(args, n, "int8")
+    vs8.case(f"quantize_int4 b{b4}", n * (4 + 4 + 4) + n // 2 + 4 * n // b4, enc4, enc8)
+    vs8.case(f"quantize_fp8 b{b4}", n * (4 + 4 + 4 + 1) + 4 * n // b4, enc_fp8, enc8)
+    vs8.case(f"dequantize_int4_sum R={rows}", rows * (n // 2 + 4 * n // b4) + n * 4, dec4, dec8)
+    vs8.case(f"dequantize_fp8_sum R={rows}", rows * (n + 4 * n // b4) + n * 4, dec_fp8, dec8)
+
+    bench.report(int8_block=b8, onebit_block=b1, decode_rows=rows, int4_block=b4, vs_int8=vs8.rows)
+    print(f"int4 and fp8 against int8 at block {b4}:")
+    vs8.print_table()
 
 
 if __name__ == "__main__":

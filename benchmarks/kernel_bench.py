@@ -95,24 +95,14 @@ class Bench:
 
     def report(self, **config) -> None:
         """Print the table; write JSON with ``config`` when --json was given."""
-        a, o = self.args, self.other
+        a = self.args
         state = "cold (scrubbed caches)" if a.cold else f"warm (after {a.warm_ms:g} ms of calls)"
         print(
             f"torch {torch.__version__}, {torch.get_num_threads()} threads, {a.mb:g} MB "
             f"buckets ({self.n} elements), median of {a.reps}, {state}"
         )
         print(f"copy_ floor: {self.copy_gbs:.2f} GB/s ({self.copy_s * 1e3:.2f} ms for {a.mb:g} MB)")
-        width = max(28, max(len(r["case"]) for r in self.rows) + 2)
-        print(
-            f"{'case':<{width}}{'ours ms':>9}{o + ' ms':>10}{'ours GB/s':>11}{'copy/ours':>11}"
-            f"{'vs ' + o:>10}"
-        )
-        for r in self.rows:
-            print(
-                f"{r['case']:<{width}}{r['ours_ms']:>9.3f}{r[o + '_ms']:>10.3f}"
-                f"{r['ours_gbs']:>11.2f}{r['copy_over_ours']:>10.2f}x"
-                f"{r['speedup_vs_' + o]:>9.2f}x"
-            )
+        self.print_table()
         if a.json:
             with open(a.json, "w") as f:
                 json.dump(
@@ -131,3 +121,18 @@ class Bench:
                     f,
                     indent=1,
                 )
+
+    def print_table(self) -> None:
+        """The cases' table: ours, the other side, GB/s, the copy floor's ratio, speedup."""
+        o = self.other
+        width = max(28, max(len(r["case"]) for r in self.rows) + 2)
+        print(
+            f"{'case':<{width}}{'ours ms':>9}{o + ' ms':>10}{'ours GB/s':>11}{'copy/ours':>11}"
+            f"{'vs ' + o:>10}"
+        )
+        for r in self.rows:
+            print(
+                f"{r['case']:<{width}}{r['ours_ms']:>9.3f}{r[o + '_ms']:>10.3f}"
+                f"{r['ours_gbs']:>11.2f}{r['copy_over_ours']:>10.2f}x"
+                f"{r['speedup_vs_' + o]:>9.2f}x"
+            )

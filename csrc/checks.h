@@ -88,7 +88,7 @@ inline void check_flat_total(const char* op, const at::Tensor& flat, at::TensorL
   if (!tensors.empty()) check_same_device(op, "tensors[0]", tensors[0], "flat", flat);
 }
 
-// --- encoders (encode16, quantize_int8, quantize_onebit) -------------------------------------
+// --- encoders (encode16, quantize_int8, quantize_int4, quantize_onebit) --------------------------
 
 // r: [numel] fp32 or bf16 (half the memory and traffic; the new residual is rounded to it),
 // contiguous on x's device.
@@ -140,7 +140,7 @@ inline void check_block(const char* op, int64_t block, int64_t numel, int64_t mu
               block);
 }
 
-// --- decoders (decode16_sum, dequantize_int8_sum, dequantize_onebit_sum) ---------------------
+// --- decoders (decode16_sum, dequantize_int8_sum, dequantize_int4_sum, dequantize_onebit_sum)
 
 // t: [rows, cols], each row contiguous and rows apart by at least a row: a row-major tensor,
 // or a column slice of one. The decoders (CPU and CUDA) read each row through the row stride,
@@ -263,6 +263,17 @@ inline void check_quantize(const char* op, const at::Tensor& x,
   check_block(op, block, numel, multiple_of);
 }
 
+// As check_quantize with an even block, and scale_dtype Float or BFloat16.
+inline void check_quantize_int4(const at::Tensor& x, const std::optional<at::Tensor>& residual,
+                                int64_t block, int64_t numel,
+                                const std::optional<at::Tensor>& residual_out,
+                                at::ScalarType scale_dtype) {
+  constexpr const char* op = "pycomm.quantize_int4";
+  check_quantize(op, x, residual, block, numel, residual_out, 2);
+  TORCH_CHECK(scale_dtype == at::kFloat || scale_dtype == at::kBFloat16, op,
+              ": scale_dtype is ", scale_dtype, ", expected Float or BFloat16");
+}
+
 // chunks: [R, m] Half/BFloat16, rows contiguous. out: contiguous float, numel <= m.
 inline void check_decode16_sum(const at::Tensor& chunks, const at::Tensor& out) {
   constexpr const char* op = "pycomm.decode16_sum";
@@ -283,6 +294,39 @@ inline void check_dequantize_int8_sum(const at::Tensor& codes, const at::Tensor&
   TORCH_CHECK(m % block == 0, op, ": codes has m = ", m,
               " columns, expected a multiple of block = ", block);
   check_scales(op, scales, at::kFloat, "codes", codes, rows, m, block);
+  check_out(op, out, "codes", codes, m);
+}
+
+// codes: [R, m] float8_e4m3fn, rows contiguous, m % block == 0. scales: [R, m / block] fp32.
+// out: as decode16_sum's.
+inline void check_dequantize_fp8_sum(const at::Tensor& codes, const at::Tensor& scales,
+                                     int64_t block, const at::Tensor& out) {
+  constexpr const char* op = "pycomm.dequantize_fp8_sum";
+  check_rows(op, "codes", codes, codes.scalar_type() == at::kFloat8_e4m3fn, "Float8_e4m3fn");
+  const c10::SymInt rows = codes.sym_size(0), m = codes.sym_size(1);
+  TORCH_CHECK(block >= 1, op, ": block is ", block, ", expected >= 1");
+  TORCH_CHECK(m % block == 0, op, ": codes has m = ", m,
+              " columns, expected a multiple of block = ", block);
+  check_scales(op, scales, at::kFloat, "codes", codes, rows, m, block);
+  check_out(op, out, "codes", codes, m);
+}
+
+// codes: [R, m / 2] uint8, rows contiguous, block even, m % block == 0. scales: [R, m / block]
+// Float or BFloat16. out: as decode16_sum's.
+inline void check_dequantize_int4_sum(const at::Tensor& codes, const at::Tensor& scales,
+                                      int64_t block, const at::Tensor& out) {
+  constexpr const char* op = "pycomm.dequantize_int4_sum";
+  check_rows(op, "codes", codes, codes.scalar_type() == at::kByte, "Byte (uint8)");
+  const c10::SymInt rows = codes.sym_size(0), m = codes.sym_size(1) * 2;
+  TORCH_CHECK(block >= 1, op, ": block is ", block, ", expected >= 1");
+  TORCH_CHECK(block % 2 == 0, op, ": block is ", block, ", expected a multiple of 2");
+  TORCH_CHECK(m % block == 0, op, ": codes has m = ", m,
+              " elements (2 per column), expected a multiple of block = ", block);
+  TORCH_CHECK(scales.defined(), op, ": scales is an undefined tensor");
+  const auto st = scales.scalar_type();
+  TORCH_CHECK(st == at::kFloat || st == at::kBFloat16, op, ": scales has dtype ", st,
+              ", expected Float or BFloat16");
+  check_scales(op, scales, st, "codes", codes, rows, m, block);
   check_out(op, out, "codes", codes, m);
 }
 

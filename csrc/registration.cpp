@@ -46,6 +46,19 @@ TORCH_LIBRARY(pycomm, m) {
   // has scale NaN and codes 0.
   m.def("quantize_int8(Tensor x, Tensor(a!)? residual, float scale, int block, int numel, "
         "Tensor(b!)? residual_out=None) -> (Tensor, Tensor)");
+  // block % 2 == 0 divides numel; scale_dtype Float or BFloat16. Returns (codes Byte
+  // [numel / 2], scales scale_dtype [numel / block]): per block s = absmax / 7 rounded to
+  // scale_dtype, codes q = round_half_even(y * (1 / s)) clamped to [-7, 7], two a byte (element
+  // 2k in the low nibble of byte k, two's complement); a non-finite block has scale NaN and
+  // codes 0.
+  m.def("quantize_int4(Tensor x, Tensor(a!)? residual, float scale, int block, int numel, "
+        "Tensor(b!)? residual_out=None, ScalarType scale_dtype=float32) -> (Tensor, Tensor)");
+  // block >= 1 divides numel. Returns (codes Float8_e4m3fn [numel], scales Float
+  // [numel / block]): per block s = absmax / 448, codes = e4m3fn(clamp(y * (448 / absmax),
+  // -448, 448)) rounded to nearest even (torch's cast); a non-finite block has scale NaN and
+  // codes 0.
+  m.def("quantize_fp8(Tensor x, Tensor(a!)? residual, float scale, int block, int numel, "
+        "Tensor(b!)? residual_out=None) -> (Tensor, Tensor)");
   // block % 8 == 0 divides numel. Returns (bits Byte [numel / 8], scales BFloat16
   // [numel / block]): bit j of byte k is y[8k + j] >= 0; scale = mean |y| of the block, NaN
   // for a non-finite block.
@@ -61,6 +74,13 @@ TORCH_LIBRARY(pycomm, m) {
   m.def("decode16_sum(Tensor chunks, float scale, Tensor(a!) out) -> Tensor");
   // codes: [R, m] Char, m % block == 0; scales: [R, m / block] Float.
   m.def("dequantize_int8_sum(Tensor codes, Tensor scales, int block, float scale, "
+        "Tensor(a!) out) -> Tensor");
+  // codes: [R, m / 2] Byte, block even, m % block == 0; scales: [R, m / block] Float or
+  // BFloat16.
+  m.def("dequantize_int4_sum(Tensor codes, Tensor scales, int block, float scale, "
+        "Tensor(a!) out) -> Tensor");
+  // codes: [R, m] Float8_e4m3fn, m % block == 0; scales: [R, m / block] Float.
+  m.def("dequantize_fp8_sum(Tensor codes, Tensor scales, int block, float scale, "
         "Tensor(a!) out) -> Tensor");
   // bits: [R, m / 8] Byte, block % 8 == 0, m % block == 0; scales: [R, m / block] BFloat16.
   m.def("dequantize_onebit_sum(Tensor bits, Tensor scales, int block, float scale, "

@@ -1,11 +1,19 @@
 """The argument checks shared by the public entry points: one message format everywhere,
 ``<where>: <name>=<value>, expected <what>``, raised as ValueError."""
 
-from typing import Any
+from typing import Any, Optional
 
 
-def check_int(where: str, name: str, value: Any, minimum: int = 1, source: str = "") -> int:
-    """``value`` if it is an int (not a bool) >= ``minimum``, else a ValueError naming it.
+def check_int(
+    where: str,
+    name: str,
+    value: Any,
+    minimum: int = 1,
+    source: str = "",
+    maximum: Optional[int] = None,
+) -> int:
+    """``value`` if it is an int (not a bool) >= ``minimum`` (and <= ``maximum`` when given),
+    else a ValueError naming it.
 
     Args:
         where: who checks, e.g. ``"pycomm int8 hook"``; starts the message.
@@ -13,13 +21,18 @@ def check_int(where: str, name: str, value: Any, minimum: int = 1, source: str =
         value: what was given.
         minimum: the smallest value accepted.
         source: where the value came from, e.g. ``"argument"``; shown in brackets when given.
+        maximum: the largest value accepted (None: no limit).
 
     Returns:
         ``value``, unchanged.
     """
+    origin = f" ({source})" if source else ""
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        origin = f" ({source})" if source else ""
         raise ValueError(f"{where}: {name}={value!r}{origin}, expected an int >= {minimum}")
+    if maximum is not None and value > maximum:
+        raise ValueError(
+            f"{where}: {name}={value!r}{origin}, expected an int from {minimum} to {maximum}"
+        )
     return value
 
 

@@ -8,6 +8,7 @@ validates every value before any socket is opened, and calls
 from __future__ import annotations
 
 import datetime
+import gc
 import inspect
 import logging
 import operator
@@ -559,6 +560,10 @@ def shutdown() -> None:
     """
     set_nodes(None)
     if dist.is_available() and dist.is_initialized():
+        # DDP models in reference cycles would otherwise keep the group's worker threads alive
+        # into interpreter finalization, where gloo can abort the process ("terminate called
+        # without an active exception").
+        gc.collect()
         dist.destroy_process_group()
         logger.debug("process group destroyed")
 

@@ -45,7 +45,7 @@ except ImportError:  # FSDP calls allocate() and __call__(), nothing else
     ReduceScatter = object  # type: ignore[misc,assignment]
 
 from pycomm.hooks import AllreduceState, CompressedState, hook_spec
-from pycomm.hooks.state import HookState
+from pycomm.hooks.state import HookState, accepts_dtype, dtype_names
 
 __all__ = ["FSDPCompression", "ModuleReduceScatter", "compress"]
 
@@ -121,9 +121,17 @@ class ModuleReduceScatter(ReduceScatter):
                 f"elements for an output of {s} on {n} ranks, expected {n * s}"
             )
         scale = _scale(op, n)
+        st = self.state
+        if st is not None and not accepts_dtype(st, input_tensor.dtype):
+            # every rank reduces the same dtype: each raises here, none waits in a collective
+            raise TypeError(
+                f"pycomm.fsdp ({self.name or 'root'}): the {self.hook} hook reduces "
+                f"{dtype_names(st.grad_dtypes)} gradients, and FSDP reduces this module's in "
+                f"{str(input_tensor.dtype).replace('torch.', '')}; expected a model of those "
+                "dtypes, MixedPrecisionPolicy(reduce_dtype=torch.float32), or hook='allreduce'"
+            )
         self.stats["calls"] += 1
         self.stats["bytes_fp32"] += (n - 1) * s * 4
-        st = self.state
         if st is None or self.iter < st.start_iter:
             self._exact(output_tensor, input_tensor, group, n, s, scale)
         else:
@@ -135,7 +143,8 @@ class ModuleReduceScatter(ReduceScatter):
         recv = torch.empty_like(x)
         dist.all_to_all_single(recv, x.contiguous(), group=group)
         self.stats["bytes_sent"] += (n - 1) * s * x.element_size()
-        rows = recv.view(n, s).float()
+        # fp32 sums, or float64's own: exact for every dtype FSDP reduces in
+        rows = recv.view(n, s).to(torch.promote_types(x.dtype, torch.float32))
         acc = rows[0].clone()
         for r in range(1, n):  # in rank order: every rank sums its chunk the same way
             acc += rows[r]
@@ -276,7 +285,8 @@ def compress(model: torch.nn.Module, hook: str = "int8", **options: Any) -> FSDP
 
     Args:
         model: a model whose modules (the root included, or not) were ``fully_shard``-ed.
-        hook: ``"allreduce"`` (exact fp32 reduce-scatter) or a compressed hook of the
+        hook: ``"allreduce"`` (the exact reduce-scatter, summed in fp32, or in float64 for
+            float64 gradients) or a compressed hook of the
             registry (``"bf16"``, ``"fp16"``, ``"int8"``, ``"onebit"``, a user's codec).
         options: the hook's options (``block``, ``start_iter``, ``error_feedback``
             (default False here), ``residual_dtype``, a user codec's own).

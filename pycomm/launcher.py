@@ -6,10 +6,10 @@ rendezvous store and supervises the ranks), for tests and single-machine runs; a
 from __future__ import annotations
 
 import faulthandler
-import gc
 import logging
 import multiprocessing
 import multiprocessing.connection
+import multiprocessing.reduction
 import os
 import pickle
 import shutil
@@ -25,9 +25,17 @@ import torch.distributed as dist
 
 from pycomm.dist import Timeout, init, resolve_backend, shutdown, to_timedelta
 
-__all__ = ["LaunchError", "LaunchTimeoutError", "launch"]
+__all__ = ["FORKSERVER_PRELOAD", "START_METHODS", "LaunchError", "LaunchTimeoutError", "launch"]
 
 logger = logging.getLogger(__name__)
+
+# How launch() starts its ranks: a fresh interpreter each (spawn), or forked from a server
+# process that imported FORKSERVER_PRELOAD once (forkserver; torch._dynamo: DDP imports it).
+# A program that starts the forkserver itself before its first launch sets this preload too
+# (multiprocessing.set_forkserver_preload), or its ranks import torch each.
+START_METHODS = ("spawn", "forkserver")
+FORKSERVER_PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "pycomm"]
+START_METHOD_ENV = "PYCOMM_START_METHOD"
 
 # Keeps the file that faulthandler dumps a launched rank's stacks into open for the
 # lifetime of the rank (faulthandler holds only the file descriptor).
@@ -75,6 +83,67 @@ class LaunchTimeoutError(LaunchError, TimeoutError):
         self.unfinished = tuple(unfinished)
 
 
+class _ParentStdio:
+    """The launching process's stdout and stderr, and its environment, for a rank forked from
+    the forkserver: without them it would write where the server's went, and read the
+    environment the server started with. Pickled with the rank's arguments, the descriptors
+    travel as multiprocessing sends any descriptor to a child; one that is closed here is
+    left as the server's."""
+
+    def __init__(self) -> None:
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (OSError, ValueError, AttributeError):
+                pass
+        self.environ = dict(os.environ)
+        self.fds = [fd for fd in (1, 2) if _is_open(fd)]
+
+    def __reduce__(self):
+        dups = tuple(multiprocessing.reduction.DupFd(fd) for fd in self.fds)
+        return (_ParentStdio._rebuild, (self.environ, self.fds, dups))
+
+    @staticmethod
+    def _rebuild(environ: dict, targets: list, dups: tuple) -> dict:
+        return {"environ": environ, "fds": {t: d.detach() for t, d in zip(targets, dups)}}
+
+
+def _is_open(fd: int) -> bool:
+    try:
+        os.fstat(fd)
+    except OSError:
+        return False
+    return True
+
+
+def _adopt_parent(parent: dict) -> None:
+    """In a forked rank: the launching process's environment, stdout and stderr."""
+    os.environ.clear()
+    os.environ.update(parent["environ"])
+    for target, fd in parent["fds"].items():
+        os.dup2(fd, target)
+        os.close(fd)
+
+
+def _start_method(start_method: Optional[str]) -> str:
+    """launch()'s ``start_method``, or the environment's default, checked."""
+    if start_method is None:
+        value = os.environ.get(START_METHOD_ENV) or None
+        if value is None:
+            return "spawn"
+        what = f"{START_METHOD_ENV}={value!r} (environment)"
+    else:
+        value, what = start_method, f"start_method={start_method!r} (argument)"
+    if value not in START_METHODS:
+        raise ValueError(f"{what} is invalid; expected one of {', '.join(START_METHODS)}")
+    available = [m for m in START_METHODS if m in multiprocessing.get_all_start_methods()]
+    if value not in available:
+        raise ValueError(
+            f"{what} is not available on this platform; expected one of {', '.join(available)}"
+        )
+    return value
+
+
 def _worker(
     fn: Callable[..., Any],
     args: tuple,
@@ -86,8 +155,11 @@ def _worker(
     conn: multiprocessing.connection.Connection,
     stack_path: str,
     setup: Optional[Callable[[int], Any]] = None,
+    parent: Optional[dict] = None,
 ) -> None:
     global _stack_file
+    if parent is not None:
+        _adopt_parent(parent)
     os.environ.update(
         RANK=str(rank),
         WORLD_SIZE=str(nprocs),
@@ -109,9 +181,6 @@ def _worker(
         # backend is already resolved ('tcp' -> 'gloo'): launch() warned once, in the parent.
         init(backend, timeout=timeout)
         result = fn(*args)
-        # DDP models in reference cycles would otherwise keep their process group's worker
-        # threads alive into interpreter finalization, where gloo can abort the process.
-        gc.collect()
         shutdown()
         message: tuple = ("ok", result)
     except BaseException as exc:  # report everything, SystemExit and KeyboardInterrupt too
@@ -219,6 +288,7 @@ def launch(
     backend: str = "gloo",
     timeout: Timeout = None,
     setup: Optional[Callable[[int], Any]] = None,
+    start_method: Optional[str] = None,
 ) -> list:
     """Run ``fn(*args)`` on ``nprocs`` local ranks and return their results in rank order.
 
@@ -235,6 +305,15 @@ def launch(
     ``setup`` (picklable), if given, runs as ``setup(rank)`` in each rank before :func:`init`:
     the place to change a rank's environment (``pycomm.bench`` puts ranks into simulated
     nodes' network namespaces with torchrun's multi-node variables).
+
+    ``start_method`` (default: the ``PYCOMM_START_METHOD`` environment variable, else
+    ``"spawn"``): ``"spawn"`` starts each rank as a fresh interpreter, which imports torch
+    (seconds of CPU per rank). ``"forkserver"`` forks each rank from one server process that
+    imported torch and pycomm once, at this process's first such launch: later launches start
+    their ranks in a fraction of a second (for programs that launch many times: tests,
+    sweeps). A forked rank gets this process's environment, working directory, ``sys.path``,
+    stdout and stderr as at the call, as a spawned one does; modules imported by the server
+    (torch, pycomm) have read their environment once, when the server started.
 
     Example:
         >>> def work(x):
@@ -254,10 +333,15 @@ def launch(
             f"nprocs={nprocs} (argument) is invalid for nccl; expected at most "
             f"{torch.cuda.device_count()} (one rank per visible GPU)"
         )
+    method = _start_method(start_method)
     td = to_timedelta(timeout)
     seconds = td.total_seconds() if td is not None else None
 
-    ctx = multiprocessing.get_context("spawn")
+    ctx = multiprocessing.get_context(method)
+    parent = None
+    if method == "forkserver":
+        ctx.set_forkserver_preload(FORKSERVER_PRELOAD)  # read when the server starts
+        parent = _ParentStdio()
     store = _make_store(nprocs)
     port = store.port
     procs: list = []
@@ -282,6 +366,7 @@ def launch(
                     writer,
                     os.path.join(stack_dir, f"rank{rank}.txt"),
                     setup,
+                    parent,
                 ),
                 name=f"pycomm-rank{rank}",
             )

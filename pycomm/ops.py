@@ -171,6 +171,50 @@ def quantize_int8(
     )
 
 
+def quantize_int4(
+    x: torch.Tensor,
+    residual: Optional[torch.Tensor],
+    scale: float,
+    block: int,
+    numel: int,
+    residual_out: Optional[torch.Tensor] = None,
+    scale_dtype: torch.dtype = torch.float32,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Signed int4 codes of ``y = x * scale + residual`` (two a byte, element ``2k`` in the
+    low nibble of byte ``k``) per block of ``block`` (even) elements, with error feedback, in
+    one pass: ``s = absmax / 7`` stored as ``scale_dtype`` (fp32 or bf16), ``q =
+    round_half_even(y / s)`` in [-7, 7]. Returns ``(codes uint8 [numel / 2], scales
+    scale_dtype [numel / block])``; a block holding NaN or Inf gets scale NaN and codes 0.
+
+    Example:
+        >>> codes, scales = pycomm.ops.quantize_int4(bucket, residual, 1.0, 64, n)
+    """
+    return torch.ops.pycomm.quantize_int4(
+        x, residual, float(scale), int(block), int(numel), residual_out, scale_dtype
+    )
+
+
+def quantize_fp8(
+    x: torch.Tensor,
+    residual: Optional[torch.Tensor],
+    scale: float,
+    block: int,
+    numel: int,
+    residual_out: Optional[torch.Tensor] = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """float8 e4m3 codes of ``y = x * scale + residual`` per block of ``block`` elements, with
+    error feedback, in one pass: ``s = absmax / 448`` (fp32), ``code = e4m3(y / s)`` rounded
+    to nearest even as torch's cast rounds. Returns ``(codes float8_e4m3fn [numel], scales
+    fp32 [numel / block])``; a block holding NaN or Inf gets scale NaN and codes 0.
+
+    Example:
+        >>> codes, scales = pycomm.ops.quantize_fp8(bucket, residual, 1.0, 64, n)
+    """
+    return torch.ops.pycomm.quantize_fp8(
+        x, residual, float(scale), int(block), int(numel), residual_out
+    )
+
+
 def quantize_onebit(
     x: torch.Tensor,
     residual: Optional[torch.Tensor],
@@ -213,6 +257,32 @@ def dequantize_int8_sum(
         >>> stats = pycomm.ops.dequantize_int8_sum(codes, scales, 64, 1 / world_size, chunk)
     """
     return torch.ops.pycomm.dequantize_int8_sum(codes, scales, int(block), float(scale), out)
+
+
+def dequantize_int4_sum(
+    codes: torch.Tensor, scales: torch.Tensor, block: int, scale: float, out: torch.Tensor
+) -> torch.Tensor:
+    """``out = scale * sum_r q[r] * scales[r]`` (per block) over the rows of ``codes`` ([R,
+    m / 2] uint8, two int4 codes a byte; ``scales`` [R, m / block] fp32 or bf16), in fp32 in
+    row order. Returns fp64 ``[sum of out**2 over finite out, count of non-finite out]``.
+
+    Example:
+        >>> stats = pycomm.ops.dequantize_int4_sum(codes, scales, 64, 1 / world_size, chunk)
+    """
+    return torch.ops.pycomm.dequantize_int4_sum(codes, scales, int(block), float(scale), out)
+
+
+def dequantize_fp8_sum(
+    codes: torch.Tensor, scales: torch.Tensor, block: int, scale: float, out: torch.Tensor
+) -> torch.Tensor:
+    """``out = scale * sum_r codes[r] * scales[r]`` (per block) over the rows of ``codes``
+    ([R, m] float8_e4m3fn; ``scales`` [R, m / block] fp32), in fp32 in row order. Returns fp64
+    ``[sum of out**2 over finite out, count of non-finite out]``.
+
+    Example:
+        >>> stats = pycomm.ops.dequantize_fp8_sum(codes, scales, 64, 1 / world_size, chunk)
+    """
+    return torch.ops.pycomm.dequantize_fp8_sum(codes, scales, int(block), float(scale), out)
 
 
 def dequantize_onebit_sum(

@@ -155,7 +155,7 @@ def dequantize_onebit_sum(bits, scales, block, scale, out):
     return _finish(acc, scale, out)
 
 
-def quantize_int4(x, residual, scale, block, numel, scale_dtype=torch.float32, residual_out=None):
+def quantize_int4(x, residual, scale, block, numel, residual_out=None, scale_dtype=torch.float32):
     """Signed int4 per block of ``block`` (even) elements: s = absmax / 7 rounded to
     ``scale_dtype`` (fp32 or bf16), q = round_half_even(y * (1 / s)) in [-7, 7], decode q * s;
     two codes a byte, element 2k in the low nibble of byte k (two's complement). Returns

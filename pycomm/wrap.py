@@ -13,6 +13,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from pycomm._validate import check_int
 from pycomm.hooks import AccumulateState, AutoState, HookState, accumulate_hook
 from pycomm.hooks.registry import hook_names, hook_spec
+from pycomm.hooks.state import accepts_dtype, dtype_names
 
 logger = logging.getLogger(__name__)
 
@@ -147,11 +148,20 @@ def _agree_across_ranks(where: str, fields: dict[str, Any], group) -> None:
             )
 
 
-def ddp_parameters(ddp: DDP) -> list[torch.Tensor]:
-    """The trainable parameters DDP reduces, in ``module.parameters()`` order: those excluded
-    from DDP (``_set_params_and_buffers_to_ignore_for_model``) are left out."""
+def named_ddp_parameters(ddp: DDP) -> list[tuple[str, torch.Tensor]]:
+    """The trainable parameters DDP reduces, with their names, in
+    ``module.named_parameters()`` order: those excluded from DDP
+    (``_set_params_and_buffers_to_ignore_for_model``) are left out."""
     ignored = getattr(ddp, "parameters_to_ignore", None) or ()
-    return [p for n, p in ddp.module.named_parameters() if p.requires_grad and n not in ignored]
+    return [
+        (n, p) for n, p in ddp.module.named_parameters() if p.requires_grad and n not in ignored
+    ]
+
+
+def ddp_parameters(ddp: DDP) -> list[torch.Tensor]:
+    """The trainable parameters DDP reduces, in ``module.parameters()`` order (see
+    :func:`named_ddp_parameters`)."""
+    return [p for _, p in named_ddp_parameters(ddp)]
 
 
 def sparse_parameters(ddp: DDP) -> list[torch.Tensor]:
@@ -178,11 +188,43 @@ def _make_state(
     return hook_pair(hook)
 
 
+def _reduced_dtype(ddp: DDP, param: torch.Tensor) -> torch.dtype:
+    """The dtype DDP reduces ``param``'s gradient in: its own, or DDP's mixed precision's."""
+    mp = getattr(ddp, "mixed_precision", None)
+    if mp is None:
+        return param.dtype
+    return mp.reduce_dtype or mp.param_dtype or param.dtype
+
+
+def _check_grad_dtypes(ddp: DDP, state: HookState) -> None:
+    """Refuse, at registration and on every rank (they hold the same model), a hook that
+    cannot reduce the dtype of a gradient DDP will hand it; AutoState narrows its candidates
+    to the hooks that can. Sparse gradients are reduced exactly by every hook."""
+    sparse = {id(p) for p in sparse_parameters(ddp)}
+    dtypes: dict[torch.dtype, str] = {}
+    for name, p in named_ddp_parameters(ddp):
+        if id(p) not in sparse:
+            dtypes.setdefault(_reduced_dtype(ddp, p), name)
+    if isinstance(state, AutoState):
+        state.expect_dtypes(tuple(dtypes))
+        return
+    for dtype, name in dtypes.items():
+        if not accepts_dtype(state, dtype):
+            fits = sorted(h for h in hook_names() if accepts_dtype(hook_spec(h).state, dtype))
+            raise TypeError(
+                f"pycomm.register: the {state.hook_name} hook reduces "
+                f"{dtype_names(state.grad_dtypes)} gradients, and parameter {name!r} has dtype "
+                f"{str(dtype).replace('torch.', '')}; expected a model of those dtypes (such as "
+                f"model.float()), or a hook that reduces it: {', '.join(fits) or 'none'}"
+            )
+
+
 def _attach(
     ddp: DDP, hook: HookArg, hook_options: dict[str, Any], accumulate_steps: int
 ) -> HookState:
     state, fn = _make_state(ddp, hook, hook_options)
     state.bind()
+    _check_grad_dtypes(ddp, state)
     params = ddp_parameters(ddp)
     if hasattr(state, "bind_parameters"):  # the hook's own bucket layout (resumes bit for bit)
         sparse = {id(p) for p in sparse_parameters(ddp)}

@@ -97,13 +97,13 @@ def bits_equal(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
     nan = got.isnan()
     bad = (nan != want.isnan()).nonzero()
     assert bad.numel() == 0, f"{what}: NaN at different places, first {bad[:4].tolist()}"
-    ints = {2: torch.int16, 4: torch.int32, 8: torch.int64}[got.element_size()]
+    ints = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[got.element_size()]
     a, b = got.contiguous().view(ints), want.contiguous().view(ints)
     bad = ((a != b) & ~nan).nonzero()
     first = bad[:4].view(-1)
     assert bad.numel() == 0, (
         f"{what}: {bad.shape[0]} elements differ, first at {first.tolist()}: "
-        f"{got.reshape(-1)[first].tolist()} != {want.reshape(-1)[first].tolist()}"
+        f"{got.reshape(-1)[first].float().tolist()} != {want.reshape(-1)[first].float().tolist()}"
     )
 
 
@@ -115,14 +115,15 @@ def poisoned(t: torch.Tensor) -> torch.Tensor:
 
 
 def sizes(block: int, big: int) -> list[int]:
-    return sorted(
-        {0, 1, max(block - 1, 0), block, block + 1, 2047, 2049, 8191, 8193, 1_000_003, big}
-    )
+    """Sizes around the CUDA kernels' boundaries (a block, a 2048-element tile, 8192-element
+    chunks, a million) up to the sweep's large size ``big`` (at least the chunks')."""
+    every = {0, 1, max(block - 1, 0), block, block + 1, 2047, 2049, 8191, 8193, 1_000_003, big}
+    return sorted(n for n in every if n <= max(big, 8193))
 
 
 def check_fusion(run: Run, big: int) -> None:
     dev = run.to
-    for n in (0, 1, 7, 9, 2047, 2049, 8191, 8193, 1_000_003, big):
+    for n in sorted({0, 1, 7, 9, 2047, 2049, 8191, 8193, 1_000_003, big} & set(sizes(1, big))):
         for din in DTYPES:
             for dout in DTYPES:
                 ts = [run.randn(n, din), run.randn(n + 3, din)]
@@ -204,6 +205,8 @@ def check_encoder(run: Run, name: str, x, scale, arg, numel, rdtype) -> None:
 def check_codecs(run: Run, big: int) -> None:
     for name, blocks, scale in (
         ("quantize_int8", [1, 3, 64, 100, 256, 2048, 2560, 4096], 0.5),
+        ("quantize_int4", [2, 6, 64, 256, 2048, 4096], 0.5),
+        ("quantize_fp8", [1, 3, 64, 256, 4096], 0.5),
         ("quantize_onebit", [8, 64, 256, 4096], 2.0),
         ("encode16", [torch.float16, torch.bfloat16], 3.0),
     ):
@@ -229,6 +232,8 @@ def check_codecs(run: Run, big: int) -> None:
     for i, x in enumerate((base.t(), base[::3, ::2], base[:, 5], base.reshape(-1)[3:6403])):
         for name, arg in (
             ("quantize_int8", 64),
+            ("quantize_int4", 64),
+            ("quantize_fp8", 64),
             ("quantize_onebit", 64),
             ("encode16", torch.bfloat16),
         ):
@@ -281,6 +286,30 @@ def check_decoders(run: Run, big: int) -> None:
                                 run, "dequantize_int8_sum", a, o
                             ),
                         )
+            for name, blocks in (("int4", (2, 6, 64, 256)), ("fp8", (1, 3, 64, 256))):
+                for block in blocks:
+                    for n in (1, block + 1, 20011, big // rows):
+                        numel = (-(-n // block) + 1) * block
+                        sd = {"scale_dtype": torch.bfloat16} if block == 6 else {}
+                        enc = [
+                            getattr(ops, f"quantize_{name}")(
+                                run.randn(n), None, r + 1.0, block, numel, **sd
+                            )
+                            for r in range(rows)
+                        ]
+                        codes, scales = (
+                            torch.stack([c for c, _ in enc]),
+                            torch.stack([s for _, s in enc]),
+                        )
+                        for short in (0, 3, block + 5):
+                            out = torch.full((max(numel - short, 0),), 7.0, dtype=out_dtype)
+                            op = f"dequantize_{name}_sum"
+                            run.check(
+                                f"{op} R={rows} b={block} m={numel} out={out.numel()} {out_dtype}",
+                                lambda a=(codes, scales, block, 0.5), o=out, op=op: check_sum(
+                                    run, op, a, o
+                                ),
+                            )
             for block in (8, 64, 256):
                 for n in (1, block + 1, 20011, big // rows):
                     numel = (-(-n // block) + 1) * block
@@ -375,6 +404,13 @@ def timing(run: Run, mb: float, reps: int) -> list[dict[str, Any]]:
     q8 = [ops.quantize_int8(t, None, 1.0, b8, n) for t in rnd]
     codes = [torch.stack([c, c.flip(0)]) for c, _ in q8]
     scales8 = [torch.stack([s, s.flip(0)]) for _, s in q8]
+    b4 = 64  # int4 and fp8 at their default block
+    q4 = [ops.quantize_int4(t, None, 1.0, b4, n) for t in rnd]
+    codes4 = [torch.stack([c, c.flip(0)]) for c, _ in q4]
+    scales4 = [torch.stack([s, s.flip(0)]) for _, s in q4]
+    qf = [ops.quantize_fp8(t, None, 1.0, b4, n) for t in rnd]
+    codes_f = [torch.stack([c, c.view(torch.uint8).flip(0).view(c.dtype)]) for c, _ in qf]
+    scales_f = [torch.stack([s, s.flip(0)]) for _, s in qf]
     q1 = [ops.quantize_onebit(t, None, 1.0, b1, n) for t in rnd]
     bits = [torch.stack([c, c.flip(0)]) for c, _ in q1]
     scales1 = [torch.stack([s, s.flip(0)]) for _, s in q1]
@@ -422,6 +458,18 @@ def timing(run: Run, mb: float, reps: int) -> list[dict[str, Any]]:
         lambda i: ops.quantize_onebit(rnd[i], res[i], 0.5, b1, n),
     )
     case(
+        f"quantize_int4 +residual b{b4}",
+        n * (4 + 4 + 4) + n // 2 + 4 * n // b4,
+        True,
+        lambda i: ops.quantize_int4(rnd[i], res[i], 0.5, b4, n),
+    )
+    case(
+        f"quantize_fp8 +residual b{b4}",
+        n * (4 + 4 + 4 + 1) + 4 * n // b4,
+        True,
+        lambda i: ops.quantize_fp8(rnd[i], res[i], 0.5, b4, n),
+    )
+    case(
         f"decode16_sum bf16 R={rows}",
         rows * n * 2 + n * 4,
         True,
@@ -432,6 +480,18 @@ def timing(run: Run, mb: float, reps: int) -> list[dict[str, Any]]:
         rows * (n + 4 * n // b8) + n * 4,
         True,
         lambda i: ops.dequantize_int8_sum(codes[i], scales8[i], b8, 0.5, outs[i]),
+    )
+    case(
+        f"dequantize_int4_sum R={rows}",
+        rows * (n // 2 + 4 * n // b4) + n * 4,
+        True,
+        lambda i: ops.dequantize_int4_sum(codes4[i], scales4[i], b4, 0.5, outs[i]),
+    )
+    case(
+        f"dequantize_fp8_sum R={rows}",
+        rows * (n + 4 * n // b4) + n * 4,
+        True,
+        lambda i: ops.dequantize_fp8_sum(codes_f[i], scales_f[i], b4, 0.5, outs[i]),
     )
     case(
         f"dequantize_onebit_sum R={rows}",

@@ -7,11 +7,12 @@
 #      torch's libstdc++ and an error message with an integer raises instead of crashing
 #   3. scripts/gpu_validate.py: every op against pycomm.reference on fresh random data, then
 #      the timing table against the device's copy bandwidth (25 MB buckets)
-#   4. pytest on the GPU: the kernel cases of tests/test_ops.py and tests/test_codecs.py on
+#   4. where ncu is installed, Nsight Compute on the decoder kernels ($OUT/ncu_decoders.txt)
+#   5. pytest on the GPU: the kernel cases of tests/test_ops.py and tests/test_codecs.py on
 #      their cuda backend, and tests/test_cuda.py: streams, opcheck, and the hooks on CUDA
 #      tensors (2 ranks sharing the GPU over gloo, NCCL at world size 1); the cpu and emulated
 #      backends are left to CI (make test, scripts/cuda_check.sh), they need no GPU
-#   5. python -m pycomm.bench --device cuda: 2 ranks sharing the GPU over gloo, --link 10gbit,
+#   6. python -m pycomm.bench --device cuda: 2 ranks sharing the GPU over gloo, --link 10gbit,
 #      a GPT-2 small sized transformer, the hooks side by side with their peak GPU memory
 # Logs, tables and JSON go to $OUT (the device tool's folder that comes back), else to
 # gpu_validate_out/. Nothing is installed: the machine's python3 and torch are used as found.
@@ -121,6 +122,19 @@ phase build-check
 "$PY" scripts/gpu_validate.py --out "$OUT" ${ARGS[@]+"${ARGS[@]}"} 2>&1 | tee "$OUT/gpu_validate.log"
 [ "${PIPESTATUS[0]}" = 0 ] || STATUS=1
 phase validate
+
+# Nsight Compute on the decoders, where ncu is installed: the first launch of each decoder
+# kernel (each template instance: mangled names) in a timing pass of one replay; speed of light
+# (memory throughput), occupancy and launch statistics (registers a thread)
+if [ "$CPU" = 0 ] && command -v ncu >/dev/null 2>&1; then
+  timeout 240 ncu --kernel-name-base mangled --kernel-id ::regex:sum_rows_kernel:1 \
+    --section SpeedOfLight --section Occupancy --section LaunchStats \
+    "$PY" scripts/gpu_validate.py --skip-checks --reps 1 --out "$OUT/ncu_run" \
+    >"$OUT/ncu_decoders.txt" 2>&1 || echo "gpu_validate: ncu did not finish (ncu_decoders.txt)"
+  grep -E "sum_rows_kernel|Memory Throughput|DRAM Throughput|Achieved Occupancy|Registers Per" \
+    "$OUT/ncu_decoders.txt" | head -60
+  phase ncu
+fi
 
 if [ "$PYTEST" = 1 ]; then
   # the kernel cases' cuda backend (test_ops, test_codecs) and the whole of test_cuda.py

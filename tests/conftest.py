@@ -21,11 +21,23 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import multiprocessing
 import os
+import subprocess
+import sys
 import tempfile
 
 import pytest
 import torch
+
+from pycomm import launcher
+
+# Ranks fork from one server that imported torch once (pycomm.launch's start_method): a
+# launch costs a fraction of a second instead of each rank's import of torch. The tests of
+# launch itself run both start methods.
+os.environ.setdefault("PYCOMM_START_METHOD", "forkserver")
+# whichever starts the server first (a launch, or a test's own forkserver processes)
+multiprocessing.set_forkserver_preload(launcher.FORKSERVER_PRELOAD)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CSRC = os.path.join(ROOT, "csrc")
@@ -60,6 +72,34 @@ def _sources_digest() -> str:
 
 
 _EMU_LIB = None
+# A process building the emulator while the session's first tests run (see
+# pytest_collection_finish), or None.
+_EMU_BUILDER = None
+
+
+def _emu_build_dir() -> str:
+    return os.environ.get("PYCOMM_EMU_BUILD") or os.path.join(
+        tempfile.gettempdir(), f"pycomm_cuda_emu_{_sources_digest()}"
+    )
+
+
+def pytest_collection_finish(session) -> None:
+    """When collected tests run on the emulator: build it in a process of its own now (half a
+    minute of one core; ninja's check alone when the cached build is this checkout's), beside
+    the tests that come first."""
+    global _EMU_BUILDER
+    wanted = any(
+        getattr(item, "callspec", None) is not None and item.callspec.params.get("be") == "emu"
+        for item in session.items
+    )
+    if not wanted or skip_reason("emu") is not None:
+        return
+    _EMU_BUILDER = subprocess.Popen(
+        [sys.executable, "-c", "import conftest; conftest.load_emulator()"],
+        cwd=os.path.dirname(os.path.abspath(__file__)),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
 
 
 def load_emulator() -> None:
@@ -74,9 +114,10 @@ def load_emulator() -> None:
     for name in pycomm_ops():
         schema = str(getattr(torch.ops.pycomm, name).default._schema)
         lib.define(schema.split("::", 1)[1])
-    build = os.environ.get("PYCOMM_EMU_BUILD") or os.path.join(
-        tempfile.gettempdir(), f"pycomm_cuda_emu_{_sources_digest()}"
-    )
+    if _EMU_BUILDER is not None:
+        # done building (a failed build fails again below, with its compiler's message)
+        _EMU_BUILDER.wait()
+    build = _emu_build_dir()
     os.makedirs(build, exist_ok=True)
     load(
         name="pycomm_cuda_emu",

@@ -51,7 +51,14 @@ def _serve(inboxes: list, outbox) -> None:
             message = ("ok", fn(*args))
         except BaseException as exc:  # noqa: BLE001 - reported to the parent, which fails
             message = ("error", f"{traceback.format_exc()}\n{exc!r}")
+        # The job's garbage (DDP models in reference cycles keep their groups' threads) goes
+        # now; what survives it (torch, the modules jobs imported) is frozen out of every
+        # later collection. Without the freeze each collection walks torch's ~300K objects:
+        # 0.13 s of CPU per rank per job (0.17 s a job on 2 ranks, 0.6 s on 4, on 2 cores),
+        # more than most jobs' own work. Frozen objects are still freed by their reference
+        # counts; only a cycle among them that becomes garbage later stays in memory.
         gc.collect()
+        gc.freeze()
         try:  # plain pickle: torch's would share tensors through this process's memory
             payload = pickle.dumps(message)
         except Exception as exc:  # noqa: BLE001

@@ -21,8 +21,11 @@ CASES = [
     ("int8", {"residual_dtype": "bfloat16"}, 5e-2),
     ("onebit", {}, 1.5),
     ("onebit", {"residual_dtype": torch.bfloat16}, 1.5),
-    ("int4", {}, 0.4),
-    ("int4", {"scale_dtype": "bfloat16", "residual_dtype": "bfloat16"}, 0.4),
+    # a step's error grows with the block (the step s = absmax / 7 with absmax over more
+    # elements): 0.26-0.41 measured at the default 128
+    ("int4", {}, 0.5),
+    ("int4", {"block": 64}, 0.4),
+    ("int4", {"scale_dtype": "bfloat16", "residual_dtype": "bfloat16"}, 0.5),
     ("fp8", {}, 0.1),
 ]
 

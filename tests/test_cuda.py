@@ -55,6 +55,14 @@ def test_gpu_validate_script_runs_on_cpu(tmp_path):
     assert report["checks_failed"] == 0 and len(report["checks"]) > 2000
     ops_timed = {r["op"].split()[0] for r in report["timing"]}
     assert {"encode16", "quantize_int8", "dequantize_onebit_sum", "pack"} <= ops_timed
+    assert {
+        "quantize_int4",
+        "dequantize_int4_sum",
+        "quantize_fp8",
+        "dequantize_fp8_sum",
+    } <= ops_timed
+    checked = {c["check"].split()[0] for c in report["checks"]}
+    assert {"quantize_int4", "dequantize_int4_sum", "quantize_fp8", "dequantize_fp8_sum"} <= checked
     assert "copy%" in out.stdout
 
 
@@ -79,6 +87,9 @@ _BAD = [
     ("quantize_int8", lambda: (torch.ones(10), torch.zeros(32)[::2], 1.0, 8, 16)),
     ("quantize_int8", lambda: (torch.ones(10), None, 1.0, 6, 16)),
     ("quantize_onebit", lambda: (torch.ones(10), None, 1.0, 4, 16)),
+    ("quantize_int4", lambda: (torch.ones(10), None, 1.0, 3, 12)),
+    ("quantize_int4", lambda: (torch.ones(16), None, 1.0, 8, 16, None, torch.float16)),
+    ("quantize_fp8", lambda: (torch.ones(10), None, 1.0, 3, 16)),
     ("quantize_int8", lambda: (torch.ones(16), None, 1.0, 8, 16, torch.zeros(16))),
     ("quantize_onebit", lambda: (torch.ones(16), torch.zeros(16), 1.0, 8, 16, torch.zeros(8))),
     (
@@ -99,6 +110,20 @@ _BAD = [
     (
         "dequantize_onebit_sum",
         lambda: (torch.zeros(2, 2).byte(), torch.ones(2, 2), 8, 1.0, torch.empty(16)),
+    ),
+    (
+        "dequantize_int4_sum",
+        lambda: (torch.zeros(2, 2).byte(), torch.ones(2, 2).half(), 2, 1.0, torch.empty(4)),
+    ),
+    (
+        "dequantize_fp8_sum",
+        lambda: (
+            torch.zeros(2, 16).to(torch.float8_e4m3fn),
+            torch.ones(2, 3),
+            8,
+            1.0,
+            torch.empty(16),
+        ),
     ),
     ("pack_into_", lambda: (torch.ones(10)[::2], [torch.ones(5)], 1.0)),  # strided flat
     ("pack_into_", lambda: (torch.ones(4), [torch.ones(5)], 1.0)),  # short flat
@@ -154,6 +179,8 @@ def test_fake_mode_gives_the_kernels_shapes():
 _BF16_CASES = [
     ("quantize_int8", 1, 1), ("quantize_int8", 3, 3), ("quantize_int8", 64, 64),
     ("quantize_int8", 2048, 2048), ("quantize_int8", 4096, 4096),
+    ("quantize_int4", 6, 6), ("quantize_int4", 4096, 4096),
+    ("quantize_fp8", 3, 3), ("quantize_fp8", 64, 64),
     ("quantize_onebit", 8, 8), ("quantize_onebit", 64, 64), ("quantize_onebit", 4096, 4096),
     ("encode16", torch.bfloat16, 8), ("encode16", torch.float16, 8),
 ]  # fmt: skip
@@ -248,6 +275,15 @@ def _opcheck_samples():
             torch.empty(100, device=d, dtype=torch.bfloat16),
         ),
     )
+    yield "quantize_int4", lambda d: (x.to(d), torch.randn(320, device=d), 0.5, 64, 320)
+    yield "quantize_fp8", lambda d: (x.to(d), None, 1.0, 3, 321)
+    yield "dequantize_int4_sum", lambda d: (
+        torch.randint(0, 256, (2, 64), device=d, dtype=torch.uint8),
+        torch.rand(2, 2, device=d).bfloat16(),
+        64,
+        0.5,
+        torch.empty(100, device=d),
+    )  # fmt: skip
     yield "dequantize_onebit_sum", lambda d: (
         torch.randint(0, 256, (3, 16), device=d, dtype=torch.uint8),
         torch.rand(3, 2, device=d).bfloat16(),
@@ -372,7 +408,7 @@ print("STEPS", state.stats["steps"])
 """
 
 
-@pytest.mark.parametrize("hook", ["allreduce", "fp16", "bf16", "int8", "onebit"])
+@pytest.mark.parametrize("hook", ["allreduce", "fp16", "bf16", "int8", "int4", "fp8", "onebit"])
 def test_hooks_never_synchronize_the_host(cuda, hook):
     out = subprocess.run(
         [sys.executable, "-c", SYNC_FREE, hook], capture_output=True, text=True, timeout=300
@@ -399,12 +435,16 @@ def test_ops_never_synchronize_the_host(cuda):
         ops.dequantize_onebit_sum(bits.view(1, -1), bscales.view(1, -1), block, 0.5, out)
         enc = ops.encode16(x, r, 1.0, torch.bfloat16, n)
         ops.decode16_sum(enc.view(1, -1), 1.0, out)
+        codes4, scales4 = ops.quantize_int4(x, r, 1.0, block, n)
+        ops.dequantize_int4_sum(codes4.view(1, -1), scales4.view(1, -1), block, 0.5, out)
+        codes8, scales8 = ops.quantize_fp8(x, r, 1.0, block, n)
+        ops.dequantize_fp8_sum(codes8.view(1, -1), scales8.view(1, -1), block, 0.5, out)
     finally:
         torch.cuda.set_sync_debug_mode(0)
     torch.cuda.synchronize()
 
 
-@pytest.mark.parametrize("hook", ["allreduce", "bf16", "int8", "onebit"])
+@pytest.mark.parametrize("hook", ["allreduce", "bf16", "int8", "int4", "fp8", "onebit"])
 def test_hooks_on_cuda_nccl_world_one(cuda, hook):
     import pycomm
 

@@ -20,6 +20,7 @@ import sys
 import tempfile
 import threading
 import time
+import warnings
 
 import pytest
 import torch
@@ -101,8 +102,9 @@ def _run_with_env(fn, env, out, args):
 
 def spawn_ranks(fn, envs, *args, deadline=60.0):
     """Run ``fn(*args)`` in one spawned process per environment in ``envs``; their results in
-    order. A process still running after ``deadline`` seconds fails the test."""
-    ctx = multiprocessing.get_context("spawn")
+    order. A process still running after ``deadline`` seconds fails the test. Started as
+    pycomm.launch starts ranks (PYCOMM_START_METHOD: forkserver in this suite, see conftest)."""
+    ctx = multiprocessing.get_context(os.environ.get("PYCOMM_START_METHOD") or "spawn")
     tmp = tempfile.mkdtemp(prefix="pycomm-faults-")
     try:
         outs = [os.path.join(tmp, f"{i}.pkl") for i in range(len(envs))]
@@ -317,7 +319,20 @@ def _int8_ddp(group, on_step):
     return ddp, {"step": None}
 
 
-def _rank_fault_in_hook(out_dir, kind, fault, k):
+def _wait_for_everyone(ready, deadline=60.0):
+    """A barrier across launches: mark this process ready in ``ready`` (a folder, with the
+    number of processes to wait for), then wait for all of them; so that the faults begin
+    once every launch running side by side is past its start-up."""
+    folder, count = ready
+    open(os.path.join(folder, f"{os.getpid()}.ready"), "w").close()
+    end = time.monotonic() + deadline
+    while len([f for f in os.listdir(folder) if f.endswith(".ready")]) < count:
+        if time.monotonic() > end:
+            raise TimeoutError(f"only some of {count} processes started within {deadline} s")
+        time.sleep(0.05)
+
+
+def _rank_fault_in_hook(out_dir, kind, fault, k, ready):
     """Train on a group with timeout T; rank 1 dies or stalls inside the hook at step k. The
     survivors write their error and how long after the step began it came, then re-raise."""
     rank = dist.get_rank()
@@ -331,6 +346,7 @@ def _rank_fault_in_hook(out_dir, kind, fault, k):
 
     ddp, state = (_int8_ddp if kind == "int8" else _custom_hook_ddp)(group, on_step)
     opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
+    _wait_for_everyone(ready)
     for step in range(k + 3):
         if state["step"] is not None:
             state["step"] = step
@@ -345,35 +361,61 @@ def _rank_fault_in_hook(out_dir, kind, fault, k):
     return "finished"
 
 
-@pytest.mark.parametrize("kind", ["custom", "int8"])
-def test_rank_killed_in_hook_others_see_a_lost_peer(tmp_path, kind):
-    k = 3  # the int8 hook compresses from iteration 2 on (start_iter)
-    with pytest.raises(pycomm.LaunchError) as err:
-        run_ranks(_rank_fault_in_hook, 2, str(tmp_path), kind, "die", k, timeout=90, fresh=True)
-    e = err.value
+FAULTS = {"die": 3, "stall": 2}  # the fault and its step; int8 compresses from iteration 2 on
+KINDS = ("custom", "int8")
+
+
+@pytest.fixture(scope="module")
+def faults_in_hook(tmp_path_factory):
+    """The four launches of rows 4 and 5 (a rank dies or stalls, in a hook of our own or in
+    int8) side by side, in threads: 8 processes, one start-up's wait and one T instead of
+    four. Their ranks start faulting together once all 8 are built (``_wait_for_everyone``),
+    so that no launch's start-up slows another's failure. {(fault, kind): (the LaunchError or
+    None, rank 0's record or None)}."""
+    ready = str(tmp_path_factory.mktemp("ready"))
+    results = {}
+
+    def one(fault, kind):
+        out_dir = tmp_path_factory.mktemp(f"{fault}-{kind}")
+        args = (str(out_dir), kind, fault, FAULTS[fault], (ready, 2 * len(FAULTS) * len(KINDS)))
+        try:
+            run_ranks(_rank_fault_in_hook, 2, *args, timeout=90, fresh=True)
+            error = None
+        except pycomm.LaunchError as exc:
+            error = exc
+        record = out_dir / "rank0.json"
+        results[fault, kind] = (error, json.loads(record.read_text()) if record.exists() else None)
+
+    threads = [threading.Thread(target=one, args=(f, k)) for f in FAULTS for k in KINDS]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return results
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_rank_killed_in_hook_others_see_a_lost_peer(faults_in_hook, kind):
+    e, survivor = faults_in_hook["die", kind]
+    assert isinstance(e, pycomm.LaunchError), e
     assert (e.rank, e.exitcode) == (1, KILL_CODE), str(e)
     assert "rank 1" in str(e) and f"code {KILL_CODE}" in str(e)
-    survivor = json.loads((tmp_path / "rank0.json").read_text())
-    assert survivor["step"] == k
+    assert survivor["step"] == FAULTS["die"]
     assert PEER_LOST.search(survivor["error"]), survivor["error"]
     assert survivor["elapsed"] < BOUND, survivor
 
 
-@pytest.mark.parametrize("kind", ["custom", "int8"])
-def test_rank_stalled_in_hook_is_named_after_the_timeout(tmp_path, kind):
+@pytest.mark.parametrize("kind", KINDS)
+def test_rank_stalled_in_hook_is_named_after_the_timeout(faults_in_hook, kind):
     # int8: rank 0 waits in the two-phase exchange, on the hook's own process groups, which
     # must time out as the group given to the hook does (not after torch's default 30 min)
-    k = 2
-    with pytest.raises(pycomm.LaunchError) as err:
-        run_ranks(_rank_fault_in_hook, 2, str(tmp_path), kind, "stall", k, timeout=90, fresh=True)
-    e = err.value
+    e, survivor = faults_in_hook["stall", kind]
     assert isinstance(e, TimeoutError), str(e)
     assert e.rank == 1 and e.unfinished == (1,), str(e)
     assert "[1]" in str(e) and "stalled" in str(e)
     hook = "stalling_or_dying_hook" if kind == "custom" else "dying_int8_hook"
     assert hook in e.traceback  # where rank 1 was stuck
-    survivor = json.loads((tmp_path / "rank0.json").read_text())
-    assert survivor["step"] == k
+    assert survivor["step"] == FAULTS["stall"]
     assert re.search(r"timed out|timeout", survivor["error"], re.I), survivor["error"]
     assert T - 0.5 < survivor["elapsed"] < BOUND, survivor
 
@@ -608,12 +650,23 @@ def test_checkpoint_save_load_atomic_and_mismatches(tmp_path):
 # ------------------------------------------ row 9: torchrun --max-restarts=1, a rank killed
 
 
+def _torchrun_logs(log_dir) -> str:
+    """The tail of each attempt's rank logs that torchrun's ``--log-dir`` wrote."""
+    parts = []
+    for path in sorted(log_dir.rglob("*.log")):
+        text = path.read_text(errors="replace")
+        if text.strip():
+            parts.append(f"--- {path.relative_to(log_dir)}:\n{text[-1500:]}")
+    return "\n".join(parts) or "(no rank logs)"
+
+
 def test_torchrun_restart_resumes_from_checkpoint_equal_to_uninterrupted(tmp_path):
     env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARS}
     # A fresh rendezvous store per restart: torchrun's shared one keeps the failed attempt's
     # addresses, which a restarted rank may read (pytorch/pytorch#135712; pycomm.init warns).
     env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
     steps, every, kill_step = 10, 3, 7  # checkpoints after steps 3, 6, 9; killed at step 7
+    log_dir = tmp_path / "logs"
     cmd = [
         sys.executable,
         "-m",
@@ -621,10 +674,17 @@ def test_torchrun_restart_resumes_from_checkpoint_equal_to_uninterrupted(tmp_pat
         "--standalone",
         "--nproc-per-node",
         "2",
+        # One restart is needed; a second one absorbs a rare abort inside torch's gloo of a
+        # restarted rank ("terminate called without an active exception", seen once in CI),
+        # as a production job's restart budget would. Which attempt finished is checked below.
         "--max-restarts",
-        "1",
+        "2",
         "--monitor-interval",
         "0.2",
+        "--log-dir",
+        str(log_dir),
+        "--tee",
+        "3",
         os.path.join(SCRIPTS, "train_restart.py"),
         str(tmp_path),
         str(steps),
@@ -643,12 +703,21 @@ def test_torchrun_restart_resumes_from_checkpoint_equal_to_uninterrupted(tmp_pat
         except subprocess.TimeoutExpired:
             proc.kill()
             out, _ = proc.communicate()
-        pytest.fail(f"torchrun still running after 100 s:\n{out[-6000:]}")
-    assert proc.returncode == 0, out[-4000:]
+        pytest.fail(f"torchrun still running after 100 s:\n{_torchrun_logs(log_dir)}")
+    assert proc.returncode == 0, f"{out[-2000:]}\n{_torchrun_logs(log_dir)}"
     records = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    logs = _torchrun_logs(log_dir)
+    restart = records[0]["restart"]
     for r in records:
-        assert r["restart"] == 1  # the first attempt was killed, the second finished
-        assert r["resumed_from"] == 6  # the last checkpoint before the kill
-        assert r["final"] == r["uninterrupted"]
+        assert r["restart"] == restart  # both ranks finished in the same attempt
+        assert r["final"] == r["uninterrupted"], logs
     assert records[0]["final"] == records[1]["final"]
     assert (tmp_path / "killed.txt").read_text() == f"rank 1 killed at step {kill_step}"
+    if restart == 1:  # the first attempt was killed, the second finished
+        assert [r["resumed_from"] for r in records] == [6, 6]  # the last checkpoint before the kill
+    else:
+        # The second attempt failed too (logged below); the third resumed from the last
+        # checkpoint that the second one saved (6, or 9 when it failed after step 9).
+        assert restart == 2, logs
+        assert records[0]["resumed_from"] == records[1]["resumed_from"] in (6, 9), logs
+        warnings.warn(f"torchrun needed a second restart:\n{logs}", stacklevel=1)

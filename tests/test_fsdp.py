@@ -200,6 +200,37 @@ def test_mixed_precision_reduce_dtype():
     assert ranks[0][2]["compression"] > 1.5
 
 
+def _rank_float64(hook):
+    """Gradients of 2 steps of a float64 model, or the error of the first backward."""
+    m = _shard(_model().double())
+    if hook != "fsdp":
+        pycomm.fsdp.compress(m, hook=hook)
+    grads = []
+    try:
+        for x, y in _data(2):
+            torch.nn.functional.mse_loss(m(x.double()), y.double()).backward()
+            grads.append(_grads(m))
+            m.zero_grad()
+    except TypeError as e:
+        return str(e)
+    return grads
+
+
+def test_float64_is_reduced_in_float64_and_refused_by_a_compressed_hook():
+    ref = run_ranks(_rank_float64, 2, "fsdp", timeout=120)
+    ours = run_ranks(_rank_float64, 2, "allreduce", timeout=120)
+    for ref_g, g in zip(ref, ours):
+        for a, b in zip(g, ref_g):
+            assert a.dtype == torch.float64
+            torch.testing.assert_close(a, b, rtol=1e-13, atol=1e-15)  # not summed in fp32
+    for message in run_ranks(_rank_float64, 2, "int8", timeout=120):
+        assert message == (
+            "pycomm.fsdp (4): the int8 hook reduces float32, bfloat16 or float16 gradients, "
+            "and FSDP reduces this module's in float64; expected a model of those dtypes, "
+            "MixedPrecisionPolicy(reduce_dtype=torch.float32), or hook='allreduce'"
+        )
+
+
 def _rank_refusals():
     errors = {}
 
@@ -253,27 +284,23 @@ def test_refusals_are_clear_and_the_same_on_every_rank(nprocs):
         assert "2-D device mesh (HSDP)" in e["hsdp"]
 
 
-def test_bench_fsdp_measures_the_reduce_scatter_on_the_wire(tmp_path):
+def test_bench_fsdp_measures_the_reduce_scatter_on_the_wire(tmp_path, capfd):
     """python -m pycomm.bench --fsdp under --link: the reduce-scatter's bytes on the shaped
-    loopback agree with what the hook counts (its own payload, plus TCP/IP headers)."""
+    loopback agree with what the hook counts (its own payload, plus TCP/IP headers). Its
+    main() in this process, which has torch imported already (a shaped run re-runs itself
+    under ``python -m pycomm.bench`` in a namespace of its own)."""
     import json
-    import subprocess
-    import sys
 
     from pycomm.bench import link
+    from pycomm.bench.__main__ import main
 
     path = tmp_path / "fsdp.json"
-    args = ["--steps", "2", "--warmup", "2", "--layers", "2", "--width", "256", "--batch", "8"]
+    # 4 steps: the bench takes each hook's fewest bytes, and some steps carry more
+    args = ["--steps", "4", "--warmup", "2", "--layers", "2", "--width", "256", "--batch", "8"]
     args += ["--hooks", "fsdp,int8", "--json", str(path)]
     if link.cannot_shape() is None:
         args += ["--link", "10gbit"]
-    out = subprocess.run(
-        [sys.executable, "-m", "pycomm.bench", "--fsdp", *args],
-        capture_output=True,
-        text=True,
-        timeout=180,
-    )
-    assert out.returncode == 0, out.stderr
+    assert main(["--fsdp", *args]) == 0, capfd.readouterr().err
     doc = json.loads(path.read_text())
     int8 = doc["hooks"]["int8"]
     assert int8["counted_bytes_per_step"] > 0

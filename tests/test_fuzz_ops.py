@@ -175,7 +175,9 @@ def _has_residual_out(name):
     return any(a.name == "residual_out" for a in getattr(OPS, name).default._schema.arguments)
 
 
-@pytest.mark.parametrize("op", ["encode16", "quantize_int8", "quantize_onebit"])
+@pytest.mark.parametrize(
+    "op", ["encode16", "quantize_int8", "quantize_int4", "quantize_fp8", "quantize_onebit"]
+)
 @FUZZ
 @given(st.data())
 def test_fuzz_encoders(op, data):
@@ -197,16 +199,30 @@ def test_fuzz_encoders(op, data):
         args.append(data.draw(tensors(shape=(max(numel, 0),), dtype=torch.float32)))
         if residual is not None and data.draw(st.booleans()):
             args[-1] = residual  # the same tensor for residual and residual_out: overlapping
+    if op == "quantize_int4":
+        if len(args) == 5:
+            args.append(None)
+        args.append(data.draw(st.sampled_from([torch.float32, torch.bfloat16, torch.float16])))
     result = _call(op, *args)
     if isinstance(result, (torch.Tensor, tuple)) and x.device.type == "cpu":
         codes = result if isinstance(result, torch.Tensor) else result[0]
-        assert codes.numel() == (numel // 8 if op == "quantize_onebit" else numel)
+        per_byte = {"quantize_onebit": 8, "quantize_int4": 2}.get(op, 1)
+        assert codes.numel() == numel // per_byte
 
 
 # ---------------------------------------------------------------------------- decoders
 
 
-@pytest.mark.parametrize("op", ["decode16_sum", "dequantize_int8_sum", "dequantize_onebit_sum"])
+@pytest.mark.parametrize(
+    "op",
+    [
+        "decode16_sum",
+        "dequantize_int8_sum",
+        "dequantize_int4_sum",
+        "dequantize_fp8_sum",
+        "dequantize_onebit_sum",
+    ],
+)
 @FUZZ
 @given(st.data())
 def test_fuzz_decoders(op, data):
@@ -228,6 +244,14 @@ def test_fuzz_decoders(op, data):
     if op == "dequantize_int8_sum":
         codes = data.draw(tensors(shape=(rows, m), dtype=torch.int8))
         scales = data.draw(tensors(shape=(rows, m // good), dtype=torch.float32))
+    elif op == "dequantize_fp8_sum":
+        codes = data.draw(tensors(shape=(rows, m), dtype=torch.uint8))
+        codes = codes.view(torch.float8_e4m3fn) if data.draw(st.booleans()) else codes
+        scales = data.draw(tensors(shape=(rows, m // good), dtype=torch.float32))
+    elif op == "dequantize_int4_sum":
+        codes = data.draw(tensors(shape=(rows, m // 2), dtype=torch.uint8))
+        sdtype = data.draw(st.sampled_from([torch.float32, torch.bfloat16, torch.float16]))
+        scales = data.draw(tensors(shape=(rows, m // good), dtype=sdtype))
     else:
         codes = data.draw(tensors(shape=(rows, m // 8), dtype=torch.uint8))
         scales = data.draw(tensors(shape=(rows, m // good), dtype=torch.bfloat16))
@@ -248,6 +272,8 @@ def test_fuzz_python_wrappers(data):
         lambda: pycomm.ops.scale_(x, 2.0),
         lambda: pycomm.ops.quantize_int8(x, None, 1.0, block, numel),
         lambda: pycomm.ops.quantize_onebit(x, None, 1.0, block, numel),
+        lambda: pycomm.ops.quantize_int4(x, None, 1.0, block, numel, None, torch.bfloat16),
+        lambda: pycomm.ops.quantize_fp8(x, None, 1.0, block, numel),
         lambda: pycomm.ops.encode16(x, None, 1.0, torch.bfloat16, numel),
     ]
     for call in calls:

@@ -1,4 +1,4 @@
-"""The int4 and fp8 codecs (pure PyTorch) against their references in pycomm.reference, and
+"""The int4 and fp8 codecs (their fused ops) against their references in pycomm.reference, and
 the int4 and fp8 hooks on gloo ranks: bytes, rank agreement, training, accumulation, resume."""
 
 import pytest
@@ -14,7 +14,7 @@ DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 CODECS = [
     ("int4-b64", lambda: Int4Codec(64)),
     ("int4-b32-bf16", lambda: Int4Codec(32, torch.bfloat16)),
-    ("int4-b128", lambda: Int4Codec(128)),
+    ("int4-b128", lambda: Int4Codec()),
     ("fp8-b64", lambda: Fp8Codec(64)),
     ("fp8-b128", lambda: Fp8Codec(128)),
 ]
@@ -24,7 +24,7 @@ IDS = [c[0] for c in CODECS]
 def _ref_encode(codec, x, residual, scale, numel, residual_out=None):
     if isinstance(codec, Int4Codec):
         return reference.quantize_int4(
-            x, residual, scale, codec.block, numel, codec.scale_dtype, residual_out
+            x, residual, scale, codec.block, numel, residual_out, codec.scale_dtype
         )
     return reference.quantize_fp8(x, residual, scale, codec.block, numel, residual_out)
 
@@ -200,12 +200,30 @@ def test_bytes_against_int8():
             r"pycomm int4 hook.*scale_dtype='float16', expected one of float32, bfloat16",
         ),
         (lambda: pycomm.hooks.Fp8State(None, block=0), r"pycomm fp8 hook.*block"),
-        (lambda: Int4Codec().encode(torch.ones(65), None, 1.0, 64), r"numel=64, expected >="),
+        # a bucket is padded to whole blocks: a huge block would allocate gigabytes
+        *(
+            (
+                lambda state=state: state(None, block=10**9),
+                rf"pycomm {name} hook: block=1000000000, expected an int from \d+ to 65536",
+            )
+            for name, state in (
+                ("int8", pycomm.hooks.Int8State),
+                ("fp8", pycomm.hooks.Fp8State),
+                ("int4", pycomm.hooks.Int4State),
+                ("onebit", pycomm.hooks.OneBitState),
+            )
+        ),
     ],
 )
 def test_bad_input_names_argument_value_and_expectation(make, pattern):
     with pytest.raises(ValueError, match=pattern):
         make()
+
+
+def test_int4_kernel_refuses_a_short_numel():
+    # the fused kernel's own check (the same from its Meta kernel: tests/test_codecs.py)
+    with pytest.raises(RuntimeError, match=r"quantize_int4: numel is 64, expected >= x.numel"):
+        Int4Codec().encode(torch.ones(65), None, 1.0, 64)
 
 
 # --- through pycomm.wrap on 2 gloo ranks --------------------------------------------------

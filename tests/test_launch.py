@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import sys
 import time
 
 import pytest
@@ -57,6 +58,12 @@ def _hang_on_rank1(pid_dir):
     return "rank 0 done"
 
 
+def _rank_environment(name):
+    print(f"rank {dist.get_rank()} says hello", flush=True)
+    print(f"rank {dist.get_rank()} warns", file=sys.stderr, flush=True)
+    return os.environ.get(name), os.path.realpath(os.getcwd())
+
+
 def _unpicklable_result():
     return lambda: None
 
@@ -99,9 +106,11 @@ def _fresh(monkeypatch):
     pycomm.shutdown()
 
 
-@pytest.mark.parametrize("nprocs", [2, 4])
-def test_results_in_rank_order(nprocs):
-    results = run_ranks(_rank_report, nprocs, 0.5, timeout=60, fresh=True)
+@pytest.mark.parametrize("method", plaunch.START_METHODS)
+def test_results_in_rank_order(method):
+    # 4 ranks (2 ranks: test_tcp_backend_through_launch_warns_and_uses_gloo)
+    nprocs = 4
+    results = pycomm.launch(_rank_report, nprocs, 0.5, timeout=60, start_method=method)
     assert [r[:4] for r in results] == [(rank, nprocs, rank, "gloo") for rank in range(nprocs)]
     expected_sum = 0.5 * nprocs * (nprocs + 1) / 2
     assert [r[4] for r in results] == [expected_sum] * nprocs
@@ -122,9 +131,10 @@ def test_failing_rank_raises_launch_error_with_its_traceback(tmp_path):
     _assert_all_gone(_recorded_pids(tmp_path, 2))
 
 
-def test_dying_rank_names_rank_and_exit_code(tmp_path):
+@pytest.mark.parametrize("method", plaunch.START_METHODS)
+def test_dying_rank_names_rank_and_exit_code(tmp_path, method):
     with pytest.raises(pycomm.LaunchError) as err:
-        run_ranks(_exit_on_rank1, 2, str(tmp_path), timeout=60, fresh=True)
+        pycomm.launch(_exit_on_rank1, 2, str(tmp_path), timeout=60, start_method=method)
     e = err.value
     assert (e.rank, e.exitcode) == (1, 3)
     assert "rank 1" in str(e) and "code 3" in str(e)
@@ -135,18 +145,63 @@ def test_hanging_rank_times_out(tmp_path):
     start = time.monotonic()
     with pytest.raises(pycomm.LaunchError) as err:
         # long enough that both ranks have started and rank 1 sits in its sleep even on a
-        # loaded machine (start-up alone took ~4 s under load)
-        run_ranks(_hang_on_rank1, 2, str(tmp_path), timeout=15, fresh=True)
+        # loaded machine (start-up alone took ~4 s under load: 10 s is 2.5 times that)
+        run_ranks(_hang_on_rank1, 2, str(tmp_path), timeout=10, fresh=True)
     elapsed = time.monotonic() - start
     e = err.value
     assert isinstance(e, TimeoutError)
     assert e.rank == 1 and e.unfinished == (1,)
-    assert "[1]" in str(e) and "15 s" in str(e)
+    assert "[1]" in str(e) and "10 s" in str(e)
     # the hung rank's stack is dumped before it is killed
     assert "_hang_on_rank1" in e.traceback
-    # a bound on the hang, not a speed measurement: 15 s timeout + start-up + 2 s kill grace
+    # a bound on the hang, not a speed measurement: 10 s timeout + start-up + 2 s kill grace
     assert elapsed < 45
     _assert_all_gone(_recorded_pids(tmp_path, 2))
+
+
+@pytest.mark.parametrize("method", plaunch.START_METHODS)
+def test_ranks_see_the_callers_environment_directory_and_output(
+    method, monkeypatch, tmp_path, capfd
+):
+    # a forkserver started by an earlier launch, before the change below
+    assert pycomm.launch(_rank_report, 1, 1.0, timeout=60, start_method=method)[0][4] == 1.0
+    monkeypatch.setenv("PYCOMM_TEST_VALUE", "set after the first launch")
+    monkeypatch.chdir(tmp_path)
+    capfd.readouterr()
+    results = pycomm.launch(
+        _rank_environment, 2, "PYCOMM_TEST_VALUE", timeout=60, start_method=method
+    )
+    out, err = capfd.readouterr()
+    assert results == [("set after the first launch", os.path.realpath(tmp_path))] * 2
+    assert "rank 0 says hello" in out and "rank 1 says hello" in out, out
+    assert "rank 0 warns" in err and "rank 1 warns" in err, err
+    assert launched_children() == []
+
+
+def test_invalid_start_method(monkeypatch):
+    with pytest.raises(ValueError) as err:
+        pycomm.launch(_rank_report, 2, 1.0, start_method="fork")
+    assert "start_method='fork' (argument) is invalid; expected one of spawn, forkserver" in str(
+        err.value
+    )
+    monkeypatch.setenv("PYCOMM_START_METHOD", "thread")
+    with pytest.raises(ValueError) as err:
+        pycomm.launch(_rank_report, 2, 1.0)
+    assert "PYCOMM_START_METHOD='thread' (environment) is invalid; expected one of" in str(
+        err.value
+    )
+    # where the platform has no forkserver (Windows)
+    monkeypatch.setattr(multiprocessing, "get_all_start_methods", lambda: ["spawn"])
+    with pytest.raises(ValueError) as err:
+        pycomm.launch(_rank_report, 2, 1.0, start_method="forkserver")
+    assert (
+        "start_method='forkserver' (argument) is not available on this platform; expected one "
+        "of spawn" in str(err.value)
+    )
+    monkeypatch.setenv("PYCOMM_START_METHOD", "forkserver")
+    with pytest.raises(ValueError, match=r"PYCOMM_START_METHOD='forkserver' \(environment\) is "):
+        pycomm.launch(_rank_report, 2, 1.0)
+    assert launched_children() == []
 
 
 def test_unpicklable_result_is_reported():
@@ -167,6 +222,9 @@ def test_tcp_backend_through_launch_warns_and_uses_gloo():
         results = run_ranks(_rank_report, 2, 1.0, backend="tcp", timeout=60, fresh=True)
     assert [r[:4] for r in results] == [(0, 2, 0, "gloo"), (1, 2, 1, "gloo")]
     assert [r[4] for r in results] == [3.0, 3.0]
+    pids = [r[5] for r in results]
+    assert len(set(pids)) == 2 and os.getpid() not in pids
+    _assert_all_gone(pids)
 
 
 @pytest.mark.parametrize("nprocs", [0, -1, 1.5, "2", True, None])

@@ -89,6 +89,12 @@ _BAD = [
     (_broken(code_dtype=None), "code_dtype=None, expected a torch.dtype"),
     (_broken(block=0), "block=0, expected a positive int"),
     (_broken(encode=_drop_residual), "is not y - decode"),
+    (_broken(encode=lambda self, *a: torch.zeros(8)), r"returned Tensor, expected \(codes, s"),
+    (
+        _broken(decode_sum=lambda self, c, s, sc, out: out.view(3, -1)),
+        r"decode_sum\(codes of 1 row, scales, 1.0, out of 8\) raised RuntimeError: shape",
+    ),
+    (_broken(code_bytes=lambda self, m: m // 0), r"code_bytes\(8\) raised ZeroDivisionError"),
     (_broken(decode_sum=lambda self, c, s, sc, out: torch.zeros(2)), "expected float64 .2."),
     (
         _broken(
@@ -121,6 +127,8 @@ def test_built_in_codecs_pass_the_self_check():
         Int4Codec(32, torch.bfloat16),
         Fp8Codec(64),
         PlainCodec(),
+        PlainCodec(block=1),  # short blocks: the check still decodes into a shorter out
+        PlainCodec(block=3),
     ):
         check_codec(codec)
     for name in hook_names():
@@ -154,6 +162,8 @@ def my_hook(state, bucket):
     "args, kwargs, pattern",
     [
         (("int8", MyState, my_hook), {}, "the name is taken by pycomm.hooks.quantized.Int8State"),
+        # a taken name is the first problem reported, before the codec's self-check
+        (("int8",), {"codec": _broken(code_dtype=torch.int16)}, "the name is taken by pycomm"),
         (("My-Hook", MyState, my_hook), {}, "name='My-Hook', expected lowercase letters"),
         (("mine", object, my_hook), {}, "state=<class 'object'>, expected a pycomm.hooks.Hook"),
         (("mine", MyState, 3), {}, "hook=3, expected a function hook"),

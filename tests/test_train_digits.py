@@ -42,7 +42,9 @@ def _rank_train(epochs, batch):
 
 
 def test_compressed_hooks_train_as_well_as_fp32():
-    results = run_ranks(_rank_train, 4, 15, 16, timeout=300)
+    # 6 epochs of 22 steps: the exact all-reduce is at 96% already (96.7% after 15), onebit
+    # compresses from its step 20 on
+    results = run_ranks(_rank_train, 4, 6, 16, timeout=300)
     acc = results[0]
     assert all(r == acc for r in results)  # every rank ends with the same model
     assert acc["allreduce"] > 90.0, acc

@@ -29,8 +29,10 @@ def _model(seed=0, hidden=64):
 def _train(ddp, steps=STEPS):
     opt = torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9)
     g = torch.Generator().manual_seed(100 + dist.get_rank())
+    dtype = next(ddp.parameters()).dtype
     for _ in range(steps):
         x, y = torch.randn(8, 32, generator=g), torch.randn(8, 4, generator=g)
+        x, y = x.to(dtype), y.to(dtype)
         loss = ((ddp(x) - y) ** 2).mean()
         opt.zero_grad()
         loss.backward()
@@ -126,23 +128,31 @@ def test_mismatch_raises_on_every_rank(kind, pattern):
         assert re.search(pattern, m), m
 
 
-def _rank_api_errors():
+def _errors(calls):
+    """What each call raises, as (type name, message), or None."""
     out = {}
-    model = _model()
-    for name, call in {
-        "unknown_hook": lambda: pycomm.wrap(model, hook="zstd"),
-        "zero_steps": lambda: pycomm.wrap(model, accumulate_steps=0),
-        "float_steps": lambda: pycomm.wrap(model, accumulate_steps=2.0),
-        "accumulate": lambda: pycomm.hook_state(pycomm.wrap(_model(), accumulate_steps=4)),
-        "psgd_option": lambda: pycomm.wrap(model, hook="powersgd", hook_options={"rank": 2}),
-        "no_state": lambda: pycomm.hook_state(DDP(_model())),
-        "not_ddp": lambda: pycomm.register(model),
-    }.items():
+    for name, call in calls.items():
         try:
             call()
             out[name] = None
         except Exception as e:  # noqa: BLE001 - the test inspects type and message
             out[name] = (type(e).__name__, str(e))
+    return out
+
+
+def _rank_api_errors():
+    model = _model()
+    out = _errors(
+        {
+            "unknown_hook": lambda: pycomm.wrap(model, hook="zstd"),
+            "zero_steps": lambda: pycomm.wrap(model, accumulate_steps=0),
+            "float_steps": lambda: pycomm.wrap(model, accumulate_steps=2.0),
+            "accumulate": lambda: pycomm.hook_state(pycomm.wrap(_model(), accumulate_steps=4)),
+            "psgd_option": lambda: pycomm.wrap(model, hook="powersgd", hook_options={"rank": 2}),
+            "no_state": lambda: pycomm.hook_state(DDP(_model())),
+            "not_ddp": lambda: pycomm.register(model),
+        }
+    )
     ddp = DDP(_model())
     pycomm.register(ddp, hook="allreduce")
     try:
@@ -170,6 +180,43 @@ def test_api_errors():
     assert out["no_state"][0] == "ValueError" and "no pycomm hook" in out["no_state"][1]
     assert out["not_ddp"][0] == "TypeError"
     assert out["twice"][0] == "RuntimeError" and "already has a pycomm hook" in out["twice"][1]
+
+
+def _rank_grad_dtypes():
+    mixed = _model()
+    mixed[2].double()  # one float64 layer in an fp32 model
+    out = _errors(
+        {
+            "int8": lambda: pycomm.wrap(mixed, hook="int8"),
+            "accumulated": lambda: pycomm.wrap(mixed, hook="fp16", accumulate_steps=2),
+            "auto_allow": lambda: pycomm.wrap(
+                _model().double(), hook="auto", hook_options={"allow": ["int8", "bf16"]}
+            ),
+        }
+    )
+    # auto on a float64 model: its candidates narrow to the hooks that reduce float64
+    ours = pycomm.wrap(_model().double(), hook="auto", hook_options={"start_iter": 2})
+    plain = DDP(_model().double())
+    got, want = _train(ours, steps=6), _train(plain, steps=6)
+    out["auto_choice"] = pycomm.hook_state(ours).stats["auto"]["choice"]
+    out["auto_equal"] = all(torch.equal(a, b) for a, b in zip(got, want))
+    return out
+
+
+def test_a_hook_that_cannot_reduce_a_gradient_dtype_is_refused_at_registration():
+    for out in run_ranks(_rank_grad_dtypes, 2, timeout=90):
+        for name, hook in (("int8", "int8"), ("accumulated", "fp16")):
+            kind, message = out[name]
+            assert kind == "TypeError"
+            assert message.startswith(
+                f"pycomm.register: the {hook} hook reduces float32, bfloat16 or float16 "
+                "gradients, and parameter '2.weight' has dtype float64"
+            )
+            assert "a hook that reduces it: allreduce, auto, powersgd" in message
+        kind, message = out["auto_allow"]
+        assert kind == "TypeError"
+        assert "no hook in allow=['bf16', 'int8'] reduces gradients of dtype float64" in message
+        assert out["auto_choice"] == "allreduce" and out["auto_equal"]
 
 
 def _rank_state_dict():

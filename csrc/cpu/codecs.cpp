@@ -1,5 +1,6 @@
 // Compression codecs on the CPU: the kernels of the encoders encode16, quantize_int8,
-// quantize_onebit and the decoders decode16_sum, dequantize_int8_sum, dequantize_onebit_sum (their
+// quantize_int4, quantize_fp8, quantize_onebit and the decoders decode16_sum,
+// dequantize_int8_sum, dequantize_int4_sum, dequantize_fp8_sum, dequantize_onebit_sum (their
 // host entries, shared with CUDA, are csrc/host/codecs.h).
 //
 // Every op is one pass over memory. An encoder stages a tile of y = x * scale + residual on the
@@ -16,6 +17,7 @@
 // than ~2^(29 - log2 block) in magnitude) and the decoders' squared norm.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <c10/util/Float8_e4m3fn.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -90,6 +92,139 @@ inline void store_codes(int8_t* p, const FVec& q) {
   float f[8];
   q.store(f);
   for (int k = 0; k < 8; ++k) p[k] = static_cast<int8_t>(f[k]);
+#endif
+}
+
+// Stores 16 integral fp32 values in [-7, 7] as 8 bytes of two's-complement nibbles: element 2k
+// in the low nibble of byte k, a then b.
+inline void store_nibbles(uint8_t* p, const FVec& a, const FVec& b) {
+#ifdef CPU_CAPABILITY_AVX2
+  // 16-bit lanes, within 128-bit halves: [a0-3 b0-3 | a4-7 b4-7], each code's low 4 bits
+  const __m256i v = _mm256_and_si256(
+      _mm256_packs_epi32(_mm256_cvttps_epi32(a), _mm256_cvttps_epi32(b)), _mm256_set1_epi16(15));
+  // dword k holds codes 2k (bits 0-3) and 2k + 1 (bits 16-19): or-ing it shifted right by 12
+  // makes its low byte the packed byte
+  const __m256i t = _mm256_or_si256(v, _mm256_srli_epi32(v, 12));
+  // the low bytes to their places: a's 4 bytes first, then b's (the low half holds bytes 0, 1,
+  // 4, 5 of the result, the high half 2, 3, 6, 7), the two halves then or-ed together
+  const __m256i pick = _mm256_setr_epi8(0, 4, -1, -1, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1,
+                                        -1, -1, -1, 0, 4, -1, -1, 8, 12, -1, -1, -1, -1, -1, -1,
+                                        -1, -1);
+  const __m256i bytes = _mm256_shuffle_epi8(t, pick);
+  _mm_storel_epi64(reinterpret_cast<__m128i*>(p),
+                   _mm_or_si128(_mm256_castsi256_si128(bytes), _mm256_extracti128_si256(bytes, 1)));
+#else
+  float f[16];
+  a.store(f);
+  b.store(f + 8);
+  for (int k = 0; k < 8; ++k) {
+    const auto lo = static_cast<uint8_t>(static_cast<int>(f[2 * k]) & 15);
+    const auto hi = static_cast<uint8_t>(static_cast<int>(f[2 * k + 1]) & 15);
+    p[k] = static_cast<uint8_t>(lo | (hi << 4));
+  }
+#endif
+}
+
+// kNibbles[b] = the two int4 codes of byte b as fp32: (low nibble, high nibble), sign-extended.
+const std::array<std::array<float, 2>, 256> kNibbles = [] {
+  std::array<std::array<float, 2>, 256> t{};
+  for (int b = 0; b < 256; ++b) {
+    const int lo = b & 15, hi = b >> 4;
+    t[b] = {static_cast<float>(lo >= 8 ? lo - 16 : lo), static_cast<float>(hi >= 8 ? hi - 16 : hi)};
+  }
+  return t;
+}();
+
+// The 8 int4 codes of 4 bytes as fp32 (exact): element k in nibble k % 2 of byte k / 2.
+inline FVec load_nibbles(const uint8_t* p) {
+#ifdef CPU_CAPABILITY_AVX2
+  int32_t w;
+  std::memcpy(&w, p, 4);
+  // element k is bits [4k, 4k + 4) of w: shifted to the top, then arithmetically back down
+  const __m256i up = _mm256_sllv_epi32(_mm256_set1_epi32(w),
+                                       _mm256_setr_epi32(28, 24, 20, 16, 12, 8, 4, 0));
+  return _mm256_cvtepi32_ps(_mm256_srai_epi32(up, 28));
+#else
+  float f[8];
+  for (int k = 0; k < 4; ++k) {
+    f[2 * k] = kNibbles[p[k]][0];
+    f[2 * k + 1] = kNibbles[p[k]][1];
+  }
+  return FVec::loadu(f);
+#endif
+}
+
+// The fp32 value of every float8 e4m3fn byte (c10's conversion: 0x7F and 0xFF are NaN).
+const std::array<float, 256> kE4m3 = [] {
+  std::array<float, 256> t{};
+  for (int b = 0; b < 256; ++b) {
+    t[b] = static_cast<float>(c10::Float8_e4m3fn(static_cast<uint8_t>(b),
+                                                 c10::Float8_e4m3fn::from_bits()));
+  }
+  return t;
+}();
+
+// 8 finite fp32 values in [-448, 448] as float8 e4m3fn, rounded to nearest even as
+// c10::Float8_e4m3fn(float) rounds (torch's cast): their bytes to p, their values returned.
+inline FVec store_e4m3(uint8_t* p, const FVec& v) {
+#ifdef CPU_CAPABILITY_AVX2
+  const __m256i u = _mm256_castps_si256(v);
+  const __m256i sign = _mm256_and_si256(u, _mm256_set1_epi32(INT32_MIN));
+  const __m256i a = _mm256_xor_si256(u, sign);  // |v|
+  // |v| >= 2^-6, normal in e4m3: the mantissa rounded to 3 bits, to nearest even (a carry
+  // into the exponent is the next binade, as it should be); rn holds exponent and mantissa
+  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(a, 20), _mm256_set1_epi32(1));
+  const __m256i rn = _mm256_srli_epi32(
+      _mm256_add_epi32(_mm256_add_epi32(a, _mm256_set1_epi32(0x7FFFF)), odd), 20);
+  const __m256i normal_code = _mm256_sub_epi32(rn, _mm256_set1_epi32(120 << 3));
+  const __m256 normal_val = _mm256_castsi256_ps(_mm256_slli_epi32(rn, 20));
+  // |v| < 2^-6: a subnormal, code round_half_even(|v| * 2^9) (8 is 2^-6, the smallest normal)
+  const __m256 sub = _mm256_round_ps(_mm256_mul_ps(_mm256_castsi256_ps(a), _mm256_set1_ps(512.0f)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m256i is_sub = _mm256_cmpgt_epi32(_mm256_set1_epi32(121 << 23), a);
+  const __m256i code = _mm256_or_si256(
+      _mm256_blendv_epi8(normal_code, _mm256_cvttps_epi32(sub), is_sub),
+      _mm256_srli_epi32(sign, 24));
+  const __m256 val = _mm256_blendv_ps(normal_val, _mm256_mul_ps(sub, _mm256_set1_ps(1.0f / 512)),
+                                      _mm256_castsi256_ps(is_sub));
+  // byte 0 of each dword, the low lane's 4 then the high lane's
+  const __m256i pick = _mm256_setr_epi8(0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1,
+                                        -1, 0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1,
+                                        -1, -1);
+  const __m256i bytes = _mm256_shuffle_epi8(code, pick);
+  const int32_t lo = _mm256_extract_epi32(bytes, 0), hi = _mm256_extract_epi32(bytes, 4);
+  std::memcpy(p, &lo, 4);
+  std::memcpy(p + 4, &hi, 4);
+  return _mm256_or_ps(val, _mm256_castsi256_ps(sign));
+#else
+  float f[8], d[8];
+  v.store(f);
+  for (int k = 0; k < 8; ++k) {
+    const c10::Float8_e4m3fn c(f[k]);
+    p[k] = c.x;
+    d[k] = static_cast<float>(c);
+  }
+  return FVec::loadu(d);
+#endif
+}
+
+// 8 float8 e4m3fn bytes as fp32 (exact; 0x7F and 0xFF NaN).
+inline FVec load_e4m3(const uint8_t* p) {
+#ifdef CPU_CAPABILITY_AVX2
+  const __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  const __m256i mag = _mm256_and_si256(b, _mm256_set1_epi32(0x7F));
+  // exponent and mantissa moved into an fp32's (exponent bias 127 for 7) and scaled by 2^120:
+  // exact for normals and subnormals alike (an fp32 subnormal times 2^120 is normal)
+  const __m256 val = _mm256_mul_ps(_mm256_castsi256_ps(_mm256_slli_epi32(mag, 20)),
+                                   _mm256_set1_ps(0x1p120f));
+  const __m256i sign = _mm256_slli_epi32(_mm256_and_si256(b, _mm256_set1_epi32(0x80)), 24);
+  const __m256 nan = _mm256_castsi256_ps(_mm256_cmpeq_epi32(mag, _mm256_set1_epi32(0x7F)));
+  return _mm256_blendv_ps(_mm256_or_ps(val, _mm256_castsi256_ps(sign)), _mm256_set1_ps(kNaN),
+                          nan);
+#else
+  float f[8];
+  for (int k = 0; k < 8; ++k) f[k] = kE4m3[p[k]];
+  return FVec::loadu(f);
 #endif
 }
 
@@ -201,20 +336,22 @@ struct Int8Codec {
     return m;
   }
 
-  Param finish(int64_t blk, float absmax) const {
-    if (!(absmax <= kMaxFinite)) {
-      scales[blk] = kNaN;
-      return {kNaN, 0.0f, false};
-    }
-    const float s = absmax / 127.0f;
-    // The reference's `127.0 / absmax` is Tensor.__rtruediv__: reciprocal(absmax) * 127, two
+  // (s, inv) = (absmax / qmax, qmax / absmax), NaN and not finite for a non-finite absmax.
+  static Param of(float absmax, float qmax) {
+    if (!(absmax <= kMaxFinite)) return {kNaN, 0.0f, false};
+    // The reference's `qmax / absmax` is Tensor.__rtruediv__: reciprocal(absmax) * qmax, two
     // roundings, kept here so that codes match it.
-    float inv = absmax > 0.0f ? (1.0f / absmax) * 127.0f : 0.0f;
-    // absmax below ~127 / FLT_MAX: inv would be inf and y = 0 would give NaN codes; such a
+    float inv = absmax > 0.0f ? (1.0f / absmax) * qmax : 0.0f;
+    // absmax below ~qmax / FLT_MAX: inv would be inf and y = 0 would give NaN codes; such a
     // block quantizes to 0 and keeps all of y in the residual.
     if (!std::isfinite(inv)) inv = 0.0f;
-    scales[blk] = s;
-    return {s, inv, true};
+    return {absmax / qmax, inv, true};
+  }
+
+  Param finish(int64_t blk, float absmax) const {
+    const Param p = of(absmax, 127.0f);
+    scales[blk] = p.s;
+    return p;
   }
 
   // Codes (and residual) of elements [i, i + len) of one block.
@@ -240,6 +377,112 @@ struct Int8Codec {
       const float q = std::min(std::max(std::nearbyint(y[j] * p.inv), -127.0f), 127.0f);
       if (rp != nullptr) rp[j] = static_cast<R>(y[j] - q * p.s);
       c[j] = static_cast<int8_t>(q);
+    }
+  }
+};
+
+// Symmetric int4 per block: s = absmax / 7 rounded to S (float or BFloat16), q =
+// round_half_even(y * (1 / s)) clamped to ±7, two codes a byte.
+template <typename R, typename S>
+struct Int4Codec {
+  uint8_t* codes;      // [numel / 2]
+  S* scales;           // [numel / block]
+  R* r;                // [numel] residual written, or nullptr
+  const R* r_in;       // [numel] residual read (r itself when updated in place)
+  using Stat = float;  // absmax, as int8's
+  using Param = typename Int8Codec<R>::Param;
+
+  static float add(float m, const float* y, int64_t len) { return Int8Codec<R>::add(m, y, len); }
+
+  Param finish(int64_t blk, float absmax) const {
+    if (!(absmax <= kMaxFinite)) {
+      scales[blk] = static_cast<S>(kNaN);
+      return {kNaN, 0.0f, false};
+    }
+    const S stored = static_cast<S>(absmax / 7.0f);
+    const float s = static_cast<float>(stored);
+    // the reference's 1.0 / s: one rounding; 0 for an all-zero block, and where it overflows
+    float inv = s > 0.0f ? 1.0f / s : 0.0f;
+    if (!std::isfinite(inv)) inv = 0.0f;
+    scales[blk] = stored;
+    return {s, inv, true};
+  }
+
+  // Codes (and residual) of elements [i, i + len) of one block; i and len are even.
+  void quant(int64_t i, const float* y, int64_t len, const Param& p) const {
+    uint8_t* c = codes + i / 2;
+    if (!p.finite) {
+      std::memset(c, 0, len / 2);
+      keep_residual(r, r_in, i, len);
+      return;
+    }
+    constexpr int64_t W = FVec::size();
+    const FVec vs(p.s), vinv(p.inv);
+    R* rp = r != nullptr ? r + i : nullptr;
+    int64_t j = 0;
+    // no clamp to ±7 here: |y| <= absmax and inv = 1 / s with s = absmax / 7 rounded (to fp32,
+    // or bf16: 2^-6 relative at most, subnormals included, wherever inv is finite) keep
+    // |y * inv| below 7.2, which rounds into [-7, 7] (the scalar tail clamps as the reference)
+    for (; j + 2 * W <= len; j += 2 * W) {
+      const FVec y0 = FVec::loadu(y + j), y1 = FVec::loadu(y + j + W);
+      const FVec q0 = (y0 * vinv).round();
+      const FVec q1 = (y1 * vinv).round();
+      if (rp != nullptr) VecIO<R>::store(rp + j, y0 - q0 * vs, y1 - q1 * vs);
+      store_nibbles(c + (j >> 1), q0, q1);
+    }
+    for (; j < len; j += 2) {
+      uint8_t byte = 0;
+      for (int k = 0; k < 2; ++k) {
+        const float v = y[j + k];
+        const float q = std::min(std::max(std::nearbyint(v * p.inv), -7.0f), 7.0f);
+        if (rp != nullptr) rp[j + k] = static_cast<R>(v - q * p.s);
+        byte |= static_cast<uint8_t>((static_cast<int>(q) & 15) << (4 * k));
+      }
+      c[j >> 1] = byte;
+    }
+  }
+};
+
+// float8 e4m3fn per block: s = absmax / 448, code = e4m3(clamp(y * inv, ±448)) with inv
+// = (1 / absmax) * 448 (the reference's 448.0 / absmax: two roundings), decoded code * s.
+template <typename R>
+struct Fp8Codec {
+  uint8_t* codes;      // [numel], e4m3fn bytes
+  float* scales;       // [numel / block]
+  R* r;                // [numel] residual written, or nullptr
+  const R* r_in;       // [numel] residual read (r itself when updated in place)
+  using Stat = float;  // absmax, as int8's
+  using Param = typename Int8Codec<R>::Param;
+
+  static float add(float m, const float* y, int64_t len) { return Int8Codec<R>::add(m, y, len); }
+
+  Param finish(int64_t blk, float absmax) const {
+    const Param p = Int8Codec<R>::of(absmax, 448.0f);
+    scales[blk] = p.s;
+    return p;
+  }
+
+  void quant(int64_t i, const float* y, int64_t len, const Param& p) const {
+    uint8_t* c = codes + i;
+    if (!p.finite) {
+      std::memset(c, 0, len);
+      keep_residual(r, r_in, i, len);
+      return;
+    }
+    constexpr int64_t W = FVec::size();
+    const FVec vs(p.s), vinv(p.inv), lo(-448.0f), hi(448.0f);
+    R* rp = r != nullptr ? r + i : nullptr;
+    int64_t j = 0;
+    for (; j + 2 * W <= len; j += 2 * W) {
+      const FVec y0 = FVec::loadu(y + j), y1 = FVec::loadu(y + j + W);
+      const FVec d0 = store_e4m3(c + j, at::vec::clamp(y0 * vinv, lo, hi));
+      const FVec d1 = store_e4m3(c + j + W, at::vec::clamp(y1 * vinv, lo, hi));
+      if (rp != nullptr) VecIO<R>::store(rp + j, y0 - d0 * vs, y1 - d1 * vs);
+    }
+    for (; j < len; ++j) {
+      const c10::Float8_e4m3fn q(std::min(std::max(y[j] * p.inv, -448.0f), 448.0f));
+      c[j] = q.x;
+      if (rp != nullptr) rp[j] = static_cast<R>(y[j] - static_cast<float>(q) * p.s);
     }
   }
 };
@@ -493,6 +736,32 @@ void sum_rows_of(int64_t rows, float s, const at::Tensor& out, const at::Tensor&
   stats.data_ptr<double>()[1] = static_cast<double>(total_bad);
 }
 
+// The decoders of codes with a scale per block: out = s * the fp32 sum over rows, in row
+// order, of code(r, e) * scale(r, e / block). scale_of(r, b): row r's scale of block b;
+// codes8(r, e): row r's codes of elements [e, e + 8) as fp32 (e is a multiple of 8 from its
+// block's start, and blocks of 1-bit codes are multiples of 8; tiles start at multiples of 8);
+// code1(r, e): one code. Each element costs one multiply by its scale and one add. (e >= 0:
+// the callers index bytes with shifts, which a signed e / 2 would not compile to.)
+template <typename out_t, typename ScaleOf, typename Codes8, typename Code1>
+void sum_scaled_rows(int64_t rows, int64_t block, float s, const at::Tensor& out,
+                     const at::Tensor& stats, const ScaleOf& scale_of, const Codes8& codes8,
+                     const Code1& code1) {
+  sum_rows_of<out_t>(rows, s, out, stats, [&](int64_t r, int64_t i, int64_t len, float* acc,
+                                           auto first) {
+    constexpr bool kFirst = decltype(first)::value;
+    int64_t blk = i / block;
+    for (int64_t j = 0; j < len; ++blk) {
+      const int64_t seg_end = std::min(len, (blk + 1) * block - i);
+      const float sc = scale_of(r, blk);
+      const FVec vs(sc);
+      for (; j + FVec::size() <= seg_end; j += FVec::size()) {
+        acc_plus<kFirst>(acc + j, codes8(r, i + j) * vs).store(acc + j);
+      }
+      for (; j < seg_end; ++j) acc[j] = acc_plus<kFirst>(acc + j, code1(r, i + j) * sc);
+    }
+  });
+}
+
 // The CPU kernels of the codecs, behind their host entries (csrc/host/codecs.h: checks,
 // allocation, empty case, dtype dispatch).
 struct Cpu {
@@ -546,6 +815,20 @@ struct Cpu {
     encode_blocks(Source<T, R>{e.x, e.r, e.n, e.s}, numel / block, block, codec);
   }
 
+  template <typename T, typename R, typename S>
+  static void quantize_int4(const host::Encoding<T, R>& e, uint8_t* codes, S* scales,
+                            int64_t block, int64_t numel) {
+    const Int4Codec<R, S> codec{codes, scales, e.r_out, e.r};
+    encode_blocks(Source<T, R>{e.x, e.r, e.n, e.s}, numel / block, block, codec);
+  }
+
+  template <typename T, typename R>
+  static void quantize_fp8(const host::Encoding<T, R>& e, uint8_t* codes, float* scales,
+                           int64_t block, int64_t numel) {
+    const Fp8Codec<R> codec{codes, scales, e.r_out, e.r};
+    encode_blocks(Source<T, R>{e.x, e.r, e.n, e.s}, numel / block, block, codec);
+  }
+
   template <typename T, typename R>
   static void quantize_onebit(const host::Encoding<T, R>& e, uint8_t* bits,
                               at::BFloat16* scales, int64_t block, int64_t numel) {
@@ -576,51 +859,44 @@ struct Cpu {
   template <typename out_t>
   static void sum_rows(const host::Int8Rows& in, int64_t rows, float s, const at::Tensor& out,
                        const at::Tensor& stats) {
-    const int64_t block = in.block;
-    sum_rows_of<out_t>(rows, s, out, stats, [&](int64_t r, int64_t i, int64_t len, float* acc,
-                                             auto first) {
-      constexpr bool kFirst = decltype(first)::value;
-      const int8_t* p = in.q + r * in.ld + i;
-      const float* srow = in.sc + r * in.lds;
-      int64_t blk = i / block;
-      for (int64_t j = 0; j < len; ++blk) {
-        const int64_t seg_end = std::min(len, (blk + 1) * block - i);
-        const float sc = srow[blk];
-        const FVec vs(sc);
-        for (; j + FVec::size() <= seg_end; j += FVec::size()) {
-          acc_plus<kFirst>(acc + j, load_codes(p + j) * vs).store(acc + j);
-        }
-        for (; j < seg_end; ++j) acc[j] = acc_plus<kFirst>(acc + j, static_cast<float>(p[j]) * sc);
-      }
-    });
+    sum_scaled_rows<out_t>(
+        rows, in.block, s, out, stats, [&](int64_t r, int64_t b) { return in.sc[r * in.lds + b]; },
+        [&](int64_t r, int64_t e) { return load_codes(in.q + r * in.ld + e); },
+        [&](int64_t r, int64_t e) { return static_cast<float>(in.q[r * in.ld + e]); });
   }
 
-  // out = s * sum_r (bit ? +scale : -scale).
+  // out = s * sum_r q[r] * scales[r] (per block). Element e is nibble e % 2 of byte e / 2.
+  template <typename out_t, typename S>
+  static void sum_rows(const host::Int4Rows<S>& in, int64_t rows, float s, const at::Tensor& out,
+                       const at::Tensor& stats) {
+    sum_scaled_rows<out_t>(
+        rows, in.block, s, out, stats,
+        [&](int64_t r, int64_t b) { return static_cast<float>(in.sc[r * in.lds + b]); },
+        [&](int64_t r, int64_t e) { return load_nibbles(in.q + r * in.ld + (e >> 1)); },
+        [&](int64_t r, int64_t e) { return kNibbles[in.q[r * in.ld + (e >> 1)]][e & 1]; });
+  }
+
+  // out = s * sum_r codes[r] * scales[r] (per block), e4m3fn codes.
+  template <typename out_t>
+  static void sum_rows(const host::Fp8Rows& in, int64_t rows, float s, const at::Tensor& out,
+                       const at::Tensor& stats) {
+    sum_scaled_rows<out_t>(
+        rows, in.block, s, out, stats, [&](int64_t r, int64_t b) { return in.sc[r * in.lds + b]; },
+        [&](int64_t r, int64_t e) { return load_e4m3(in.q + r * in.ld + e); },
+        [&](int64_t r, int64_t e) { return kE4m3[in.q[r * in.ld + e]]; });
+  }
+
+  // out = s * sum_r (bit ? +scale : -scale). Element e is bit e % 8 of byte e / 8.
   template <typename out_t>
   static void sum_rows(const host::OnebitRows& in, int64_t rows, float s, const at::Tensor& out,
                        const at::Tensor& stats) {
-    const int64_t block = in.block;
-    // i is a multiple of 8 (tiles are), so a byte never straddles two calls
-    sum_rows_of<out_t>(rows, s, out, stats, [&](int64_t r, int64_t i, int64_t len, float* acc,
-                                             auto first) {
-      constexpr bool kFirst = decltype(first)::value;
-      const uint8_t* p = in.bits + r * in.ld + i / 8;  // p[k]: elements [8k, 8k + 8) of acc
-      const at::BFloat16* srow = in.sc + r * in.lds;
-      int64_t blk = i / block;
-      for (int64_t j = 0; j < len; ++blk) {
-        const int64_t seg_end = std::min(len, (blk + 1) * block - i);
-        const float sc = static_cast<float>(srow[blk]);
-        const FVec vs(sc);
-        for (; j + 8 <= seg_end; j += 8) {
-          const FVec sign = FVec::loadu(kSigns[p[j / 8]].data());
-          acc_plus<kFirst>(acc + j, sign * vs).store(acc + j);
-        }
-        for (; j < seg_end; ++j) {
-          const bool pos = (p[j / 8] >> (j % 8)) & 1;
-          acc[j] = acc_plus<kFirst>(acc + j, pos ? sc : -sc);
-        }
-      }
-    });
+    sum_scaled_rows<out_t>(
+        rows, in.block, s, out, stats,
+        [&](int64_t r, int64_t b) { return static_cast<float>(in.sc[r * in.lds + b]); },
+        [&](int64_t r, int64_t e) {
+          return FVec::loadu(kSigns[in.bits[r * in.ld + (e >> 3)]].data());
+        },
+        [&](int64_t r, int64_t e) { return kSigns[in.bits[r * in.ld + (e >> 3)]][e & 7]; });
   }
 };
 

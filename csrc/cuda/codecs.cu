@@ -1,6 +1,9 @@
 // Compression codecs on CUDA: the kernels of the encoders encode16, quantize_int8,
-// quantize_onebit and the decoders decode16_sum, dequantize_int8_sum, dequantize_onebit_sum
-// (their host entries, shared with the CPU, are csrc/host/codecs.h).
+// quantize_int4, quantize_fp8, quantize_onebit and the decoders decode16_sum,
+// dequantize_int8_sum, dequantize_int4_sum, dequantize_fp8_sum, dequantize_onebit_sum (their
+// host entries, shared with the CPU, are csrc/host/codecs.h). float8 e4m3fn is converted by
+// c10::Float8_e4m3fn (integer arithmetic, the same on host and device), so codes match
+// torch's cast bit for bit.
 //
 // Every op is one pass over memory. An encoder block stages a tile of y = x * scale + residual
 // in shared memory (whole codec blocks, at most kTile elements), takes each codec block's
@@ -8,10 +11,12 @@
 // then writes codes, scales and the new residual from the y it kept in registers: x and the
 // residual are read once, the outputs written once. A codec block longer than a tile gets a
 // thread block of its own, which reads its x and residual twice (statistic, then codes).
-// A decoder thread decodes kVec elements of up to kRowsAtOnce rows at a time (their loads in
-// flight together), sums them in fp32 in row order, scales, rounds and stores them, and adds
-// what it stored to the squared norm; per-block partial norms go to a workspace that one more
-// small kernel sums in a fixed order (deterministic, no atomics, no host synchronization).
+// A decoder thread owns runs of contiguous elements, as many as one 16-byte load of a row's
+// codes holds (see "decoders" below), fetches them from up to kRowsAtOnce rows at a time (their
+// loads in flight together), sums them in fp32 registers in row order, scales, rounds and
+// stores them 16 bytes at a time, and adds what it stored to the squared norm; per-block partial
+// norms go to a workspace that one more small kernel sums in a fixed order (deterministic, no
+// atomics, no host synchronization).
 //
 // The residual is fp32 or bf16 (R below): y is fp32 either way, and the new residual is rounded
 // to R only when it is stored (so a bf16 residual halves that traffic, nothing else changes).
@@ -21,6 +26,7 @@
 // than torch's: a 1-bit block's sum of |y| (exact unless one block spans more than about
 // 2^(29 - log2 block) in magnitude) and the decoders' squared norm (summed in fp64 here).
 #include <ATen/ATen.h>
+#include <c10/util/Float8_e4m3fn.h>
 #include <torch/library.h>
 
 #include <limits>
@@ -148,6 +154,32 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
+// The symmetric codecs' lanes [0, count) of elements from `off` of the codec blocks that
+// params[0] describes, each `block` long: q = round_half_even(y * inv) clamped to ±qmax and the
+// new residual y - q * s, with the (s, inv) of each element's block; a non-finite block's
+// (s NaN) lanes, and lanes past count, get code 0 and keep r_old.
+template <typename Param>
+__device__ __forceinline__ void symmetric_codes(int count, const float (&y)[kVec],
+                                                const float (&r_old)[kVec], const Param* params,
+                                                int64_t off, int64_t block, float qmax,
+                                                float (&q)[kVec], float (&r_new)[kVec]) {
+  int64_t b = off / block, next = (b + 1) * block;
+#pragma unroll
+  for (int k = 0; k < kVec; ++k) {
+    q[k] = 0.0f;
+    r_new[k] = r_old[k];
+    if (k >= count) continue;
+    if (off + k >= next) {
+      ++b;
+      next += block;
+    }
+    const Param p = params[b];
+    if (is_nan(p.s)) continue;  // codes 0, residual kept
+    q[k] = fminf(fmaxf(rint_even(fmul(y[k], p.inv)), -qmax), qmax);
+    r_new[k] = fsub(y[k], fmul(q[k], p.s));
+  }
+}
+
 // Symmetric int8 per block: s = absmax / 127, q = round_half_even(y * inv) clamped to ±127.
 // R: the residual's type.
 template <typename R>
@@ -166,18 +198,20 @@ struct Int8Codec {
   __device__ static float combine(float m, float a) { return (is_nan(a) || a > m) ? a : m; }
   __device__ static float add(float m, float y) { return combine(m, fabsf(y)); }
 
-  __device__ Param param(int64_t blk, float absmax, bool write) const {
-    if (!(absmax <= kMaxFinite)) {
-      if (write) scales[blk] = kNaN;
-      return {kNaN, 0.0f};
-    }
-    const float s = fdiv(absmax, 127.0f);
-    // the reference's `127.0 / absmax` is reciprocal(absmax) * 127: two roundings
-    float inv = absmax > 0.0f ? fmul(fdiv(1.0f, absmax), 127.0f) : 0.0f;
-    // absmax below ~127 / FLT_MAX: such a block quantizes to 0 and keeps y in the residual
+  // (s, inv) = (absmax / qmax, qmax / absmax), s NaN for a non-finite absmax
+  __device__ static Param of(float absmax, float qmax) {
+    if (!(absmax <= kMaxFinite)) return {kNaN, 0.0f};
+    // the reference's `qmax / absmax` is reciprocal(absmax) * qmax: two roundings
+    float inv = absmax > 0.0f ? fmul(fdiv(1.0f, absmax), qmax) : 0.0f;
+    // absmax below ~qmax / FLT_MAX: such a block quantizes to 0 and keeps y in the residual
     if (!finite(inv)) inv = 0.0f;
-    if (write) scales[blk] = s;
-    return {s, inv};
+    return {fdiv(absmax, qmax), inv};
+  }
+
+  __device__ Param param(int64_t blk, float absmax, bool write) const {
+    const Param p = of(absmax, 127.0f);
+    if (write) scales[blk] = p.s;
+    return p;
   }
 
   // Codes and residual of elements [i, i + count); element i is element `off` of the codec
@@ -185,21 +219,7 @@ struct Int8Codec {
   __device__ void store(int64_t i, int count, const float (&y)[kVec], const float (&r_old)[kVec],
                         const Param* params, int64_t off, int64_t block) const {
     float q[kVec], r_new[kVec];
-    int64_t b = off / block, next = (b + 1) * block;
-#pragma unroll
-    for (int k = 0; k < kVec; ++k) {
-      q[k] = 0.0f;
-      r_new[k] = r_old[k];
-      if (k >= count) continue;
-      if (off + k >= next) {
-        ++b;
-        next += block;
-      }
-      const Param p = params[b];
-      if (is_nan(p.s)) continue;  // codes 0, residual kept
-      q[k] = fminf(fmaxf(rint_even(fmul(y[k], p.inv)), -127.0f), 127.0f);
-      r_new[k] = fsub(y[k], fmul(q[k], p.s));
-    }
+    symmetric_codes(count, y, r_old, params, off, block, 127.0f, q, r_new);
     if (count == kVec && vec_ok(codes + i)) {
       Vec<int8_t, kVec> v;
 #pragma unroll
@@ -209,6 +229,115 @@ struct Int8Codec {
 #pragma unroll
       for (int k = 0; k < kVec; ++k) {
         if (k < count) codes[i + k] = static_cast<int8_t>(q[k]);
+      }
+    }
+    if (r != nullptr) store_r(r, i, count, r_new);
+  }
+};
+
+// Symmetric int4 per block: s = absmax / 7 rounded to S (float or BFloat16), q =
+// round_half_even(y * (1 / s)) clamped to ±7, two codes a byte (element 2k in the low nibble of
+// byte k). R: the residual's type.
+template <typename R, typename S>
+struct Int4Codec {
+  uint8_t* codes;  // [numel / 2]
+  S* scales;       // [numel / block]
+  R* r;            // [numel] residual written (a non-finite block's old value too), or nullptr
+  using Stat = float;  // absmax, as int8's
+  using Param = typename Int8Codec<R>::Param;
+  static constexpr int kMinBlock = 2;
+
+  __device__ static float identity() { return 0.0f; }
+  __device__ static float combine(float m, float a) { return Int8Codec<R>::combine(m, a); }
+  __device__ static float add(float m, float y) { return combine(m, fabsf(y)); }
+
+  __device__ Param param(int64_t blk, float absmax, bool write) const {
+    if (!(absmax <= kMaxFinite)) {
+      if (write) scales[blk] = static_cast<S>(kNaN);
+      return {kNaN, 0.0f};
+    }
+    const S stored = static_cast<S>(fdiv(absmax, 7.0f));
+    const float s = static_cast<float>(stored);
+    // the reference's 1.0 / s: one rounding; 0 for an all-zero block, and where it overflows
+    float inv = s > 0.0f ? fdiv(1.0f, s) : 0.0f;
+    if (!finite(inv)) inv = 0.0f;
+    if (write) scales[blk] = stored;
+    return {s, inv};
+  }
+
+  // Codes and residual of elements [i, i + count), as Int8Codec::store; i, count and the
+  // blocks are even, so each byte holds two elements of this thread.
+  __device__ void store(int64_t i, int count, const float (&y)[kVec], const float (&r_old)[kVec],
+                        const Param* params, int64_t off, int64_t block) const {
+    float q[kVec], r_new[kVec];
+    symmetric_codes(count, y, r_old, params, off, block, 7.0f, q, r_new);
+    Vec<uint8_t, kVec / 2> v;
+#pragma unroll
+    for (int k = 0; k < kVec / 2; ++k) {
+      const int lo = static_cast<int>(q[2 * k]) & 15, hi = static_cast<int>(q[2 * k + 1]) & 15;
+      v.v[k] = static_cast<uint8_t>(lo | (hi << 4));
+    }
+    uint8_t* c = codes + i / 2;
+    if (count == kVec && aligned(c, sizeof v)) {
+      store_vec(c, v);
+    } else {
+#pragma unroll
+      for (int k = 0; k < kVec / 2; ++k) {
+        if (2 * k < count) c[k] = v.v[k];
+      }
+    }
+    if (r != nullptr) store_r(r, i, count, r_new);
+  }
+};
+
+// float8 e4m3fn per block: s = absmax / 448, code = e4m3(clamp(y * inv, ±448)) with inv =
+// (1 / absmax) * 448 (the reference's 448.0 / absmax: two roundings), decoded code * s.
+// R: the residual's type.
+template <typename R>
+struct Fp8Codec {
+  uint8_t* codes;  // [numel], e4m3fn bytes
+  float* scales;   // [numel / block]
+  R* r;            // [numel] residual written (a non-finite block's old value too), or nullptr
+  using Stat = float;  // absmax, as int8's
+  using Param = typename Int8Codec<R>::Param;
+  static constexpr int kMinBlock = 1;
+
+  __device__ static float identity() { return 0.0f; }
+  __device__ static float combine(float m, float a) { return Int8Codec<R>::combine(m, a); }
+  __device__ static float add(float m, float y) { return combine(m, fabsf(y)); }
+
+  __device__ Param param(int64_t blk, float absmax, bool write) const {
+    const Param p = Int8Codec<R>::of(absmax, 448.0f);
+    if (write) scales[blk] = p.s;
+    return p;
+  }
+
+  __device__ void store(int64_t i, int count, const float (&y)[kVec], const float (&r_old)[kVec],
+                        const Param* params, int64_t off, int64_t block) const {
+    Vec<uint8_t, kVec> v;
+    float r_new[kVec];
+    int64_t b = off / block, next = (b + 1) * block;
+#pragma unroll
+    for (int k = 0; k < kVec; ++k) {
+      v.v[k] = 0;
+      r_new[k] = r_old[k];
+      if (k >= count) continue;
+      if (off + k >= next) {
+        ++b;
+        next += block;
+      }
+      const Param p = params[b];
+      if (is_nan(p.s)) continue;  // codes 0, residual kept
+      const c10::Float8_e4m3fn q(fminf(fmaxf(fmul(y[k], p.inv), -448.0f), 448.0f));
+      v.v[k] = q.x;
+      r_new[k] = fsub(y[k], fmul(static_cast<float>(q), p.s));
+    }
+    if (count == kVec && aligned(codes + i, sizeof v)) {
+      store_vec(codes + i, v);
+    } else {
+#pragma unroll
+      for (int k = 0; k < kVec; ++k) {
+        if (k < count) codes[i + k] = v.v[k];
       }
     }
     if (r != nullptr) store_r(r, i, count, r_new);
@@ -363,8 +492,71 @@ void encode_blocks(const Source<T, R>& src, const Codec& codec, int64_t numel, i
 
 // --- decoders ----------------------------------------------------------------------------
 
-// Each Rows::load(r, i, count, d) decodes elements [i, i + count) of row r into d (count >= 1,
-// lanes past count 0); the kernel adds the rows in order.
+// A decoder thread owns runs of Rows::kElems contiguous elements, kElems being what one
+// Rows::kBytes load of a row's codes holds (16 bytes; 4 for onebit's bits, whose 16 bytes
+// would be 128 sums). For up to kRowsAtOnce rows at a time it fetches the codes (their loads
+// in flight together, as wide as their alignment allows) and, when a run lies inside one codec
+// block (block % kElems == 0), that block's scale once; then it decodes and adds the rows in
+// row order into fp32 sums held in registers.
+//
+// Each Rows type gives: codes(r, i), the first byte of row r's codes of element i (i a
+// multiple of kElems); bytes_of(count), the bytes of count elements' codes from there;
+// scale(r, b), row r's scale of codec block b (kScaled types only); value(raw, k, s), element
+// k of a fetched run with scale s (s unused when !kScaled).
+
+// The bytes [p, p + nbytes) as N / 4 little-endian words, zero past nbytes (nbytes <= N): one
+// load of N bytes when p is N-aligned and nbytes == N, else of 8 or 4 where p allows, else
+// bytewise.
+template <int N>
+struct Raw {
+  static_assert(N % 4 == 0, "a run's codes are whole words");
+  uint32_t w[N / 4];
+
+  __device__ __forceinline__ uint32_t byte(int k) const {
+    return (w[k / 4] >> (8 * (k % 4))) & 0xFFu;
+  }
+};
+
+template <int N, int W>
+__device__ __forceinline__ void load_words(const uint8_t* p, Raw<N>& raw) {
+#pragma unroll
+  for (int k = 0; k < N / 4; k += W / 4) {
+    const uint32_t* words = reinterpret_cast<const uint32_t*>(p);
+    const Vec<uint32_t, W / 4> u = load_vec<uint32_t, W / 4>(words + k);
+#pragma unroll
+    for (int j = 0; j < W / 4; ++j) raw.w[k + j] = u.v[j];
+  }
+}
+
+template <int N>
+__device__ __forceinline__ Raw<N> fetch(const uint8_t* p, int nbytes) {
+  Raw<N> raw;
+  if (nbytes == N) {
+    if constexpr (N % 16 == 0) {
+      if (aligned(p, 16)) {
+        load_words<N, 16>(p, raw);
+        return raw;
+      }
+    }
+    if constexpr (N % 8 == 0) {
+      if (aligned(p, 8)) {
+        load_words<N, 8>(p, raw);
+        return raw;
+      }
+    }
+    if (aligned(p, 4)) {
+      load_words<N, 4>(p, raw);
+      return raw;
+    }
+  }
+#pragma unroll
+  for (int k = 0; k < N / 4; ++k) raw.w[k] = 0;
+#pragma unroll
+  for (int k = 0; k < N; ++k) {
+    if (k < nbytes) raw.w[k / 4] |= uint32_t{p[k]} << (8 * (k % 4));
+  }
+  return raw;
+}
 
 // Rows of [R, m] 16-bit chunks.
 template <typename T>
@@ -372,61 +564,112 @@ struct Rows16 : host::Chunks16<T> {  // c, ld: elements from one row to the next
                                      // slices of wider rows)
   using host::Chunks16<T>::c;
   using host::Chunks16<T>::ld;
+  static constexpr int kElems = 8, kBytes = 16;
+  static constexpr bool kScaled = false;
 
-  __device__ void load(int64_t r, int64_t i, int count, float (&d)[kVec]) const {
-    const T* p = c + r * ld + i;
-    if (count == kVec && vec_ok(p)) {
-      load8(p, d);
-      return;
-    }
-#pragma unroll
-    for (int k = 0; k < kVec; ++k) d[k] = k < count ? static_cast<float>(p[k]) : 0.0f;
+  __device__ const uint8_t* codes(int64_t r, int64_t i) const {
+    return reinterpret_cast<const uint8_t*>(c + r * ld + i);
+  }
+  __device__ static int bytes_of(int count) { return 2 * count; }
+  __device__ float scale(int64_t, int64_t) const { return 1.0f; }
+  __device__ static float value(const Raw<kBytes>& raw, int k, float) {
+    const uint16_t bits = static_cast<uint16_t>(raw.w[k / 2] >> (16 * (k % 2)));
+    return static_cast<float>(T(bits, T::from_bits()));
+  }
+};
+
+// What the scaled Rows share, over their host struct H (ld, lds: row strides of the codes in
+// bytes and of the scales; sc: the scales): codes of kPerByte elements a byte.
+template <typename H, int kPerByte>
+struct Scaled : H {
+  static constexpr bool kScaled = true;
+
+  __device__ static int bytes_of(int count) { return (count + kPerByte - 1) / kPerByte; }
+  __device__ float scale(int64_t r, int64_t b) const {
+    return static_cast<float>(this->sc[r * this->lds + b]);
   }
 };
 
 // Rows of [R, m] int8 codes with [R, m / block] fp32 scales: code * scale.
-struct RowsInt8 : host::Int8Rows {  // ld, lds: row strides of the codes and of the scales
+struct RowsInt8 : Scaled<host::Int8Rows, 1> {
+  static constexpr int kElems = 16, kBytes = 16;
 
-  __device__ void load(int64_t r, int64_t i, int count, float (&d)[kVec]) const {
-    const int8_t* p = q + r * ld + i;
-    const float* srow = sc + r * lds;
-    int8_t c[kVec];
-    if (count == kVec && vec_ok(p)) {
-      const Vec<int8_t, kVec> v = load_vec<int8_t, kVec>(p);
-#pragma unroll
-      for (int k = 0; k < kVec; ++k) c[k] = v.v[k];
-    } else {
-#pragma unroll
-      for (int k = 0; k < kVec; ++k) c[k] = k < count ? p[k] : 0;
-    }
-    int64_t b = i / block, next = (b + 1) * block;
-    float s = srow[b];
-#pragma unroll
-    for (int k = 0; k < kVec; ++k) {
-      if (k < count && i + k >= next) {
-        ++b;
-        next += block;
-        s = srow[b];
-      }
-      d[k] = fmul(static_cast<float>(c[k]), s);
-    }
+  __device__ const uint8_t* codes(int64_t r, int64_t i) const {
+    return reinterpret_cast<const uint8_t*>(q + r * ld + i);
+  }
+  __device__ static float value(const Raw<kBytes>& raw, int k, float s) {
+    return fmul(static_cast<float>(static_cast<int8_t>(raw.byte(k))), s);
   }
 };
 
-// Rows of [R, m / 8] sign bits with [R, m / block] bf16 scales: +scale or -scale.
-struct RowsOnebit : host::OnebitRows {  // ld, lds: row strides of the bits (bytes), scales
+// Rows of [R, m / 2] int4 codes (two a byte, the low nibble first) with [R, m / block] scales
+// of S: code * scale. A short run reads the byte of its last element, which the row holds (m
+// is even).
+template <typename S>
+struct RowsInt4 : Scaled<host::Int4Rows<S>, 2> {
+  static constexpr int kElems = 32, kBytes = 16;
 
-  // i is a multiple of 8 and block of 8: elements [i, i + 8) are one byte of one codec block
-  __device__ void load(int64_t r, int64_t i, int count, float (&d)[kVec]) const {
-    const uint8_t byte = bits[r * ld + i / 8];
-    const float s = static_cast<float>(sc[r * lds + i / block]);
-#pragma unroll
-    for (int k = 0; k < kVec; ++k) d[k] = ((byte >> k) & 1) ? s : -s;  // ±s, as the CPU's ±1 * s
+  __device__ const uint8_t* codes(int64_t r, int64_t i) const {
+    return this->q + r * this->ld + i / 2;
+  }
+  __device__ static float value(const Raw<kBytes>& raw, int k, float s) {
+    const int nib = static_cast<int>((raw.w[k / 8] >> (4 * (k % 8))) & 15u);
+    return fmul(static_cast<float>(nib >= 8 ? nib - 16 : nib), s);
   }
 };
 
-// Rows decoded per step: their loads are in flight together, their sums still in row order.
+// Rows of [R, m] float8 e4m3fn codes with [R, m / block] fp32 scales: code * scale.
+struct RowsFp8 : Scaled<host::Fp8Rows, 1> {
+  static constexpr int kElems = 16, kBytes = 16;
+
+  __device__ const uint8_t* codes(int64_t r, int64_t i) const { return q + r * ld + i; }
+  __device__ static float value(const Raw<kBytes>& raw, int k, float s) {
+    const c10::Float8_e4m3fn c(static_cast<uint8_t>(raw.byte(k)), c10::Float8_e4m3fn::from_bits());
+    return fmul(static_cast<float>(c), s);
+  }
+};
+
+// Rows of [R, m / 8] sign bits with [R, m / block] bf16 scales: +scale or -scale (the CPU's
+// ±1 * s, the same bits). A short run reads the bytes its elements touch, which the row holds
+// (m is a multiple of 8).
+struct RowsOnebit : Scaled<host::OnebitRows, 8> {
+  static constexpr int kElems = 32, kBytes = 4;
+
+  __device__ const uint8_t* codes(int64_t r, int64_t i) const { return bits + r * ld + i / 8; }
+  __device__ static float value(const Raw<kBytes>& raw, int k, float s) {
+    return ((raw.w[0] >> k) & 1u) ? s : -s;
+  }
+};
+
+// Rows fetched per step: their loads are in flight together, their sums still in row order.
 constexpr int kRowsAtOnce = 4;
+
+// The E elements of v to out, 16 bytes at a time when out is aligned to them and all count.
+template <int E, typename out_t>
+__device__ __forceinline__ void store_run(out_t* out, const float (&v)[E], int count) {
+  constexpr int kPer = 16 / sizeof(out_t);
+  static_assert(E % kPer == 0, "a run is whole 16-byte stores");
+  if (count == E && aligned(out, 16)) {
+#pragma unroll
+    for (int k = 0; k < E; k += kPer) {
+      Vec<out_t, kPer> u;
+#pragma unroll
+      for (int j = 0; j < kPer; ++j) u.v[j] = static_cast<out_t>(v[k + j]);
+      store_vec<out_t, kPer>(out + k, u);
+    }
+    return;
+  }
+#pragma unroll
+  for (int k = 0; k < E; ++k) {
+    if (k < count) out[k] = static_cast<out_t>(v[k]);
+  }
+}
+
+// Elements of a decoder's grid-stride loop that one block covers per pass.
+template <typename Rows>
+constexpr int64_t decode_per_block() {
+  return int64_t{kThreads} * Rows::kElems;
+}
 
 // out[i] = round(scale * sum over rows, in row order, of rows' element i) for i < m_out, in a
 // grid-stride loop; partial[blockIdx.x] = sum of out^2 over this block's finite out,
@@ -435,40 +678,57 @@ template <typename out_t, typename Rows>
 __global__ void __launch_bounds__(kThreads)
     sum_rows_kernel(Rows rows, int64_t nrows, float scale, out_t* out, int64_t m_out,
                     double* partial) {
+  constexpr int E = Rows::kElems;
+  int64_t block = 1;
+  if constexpr (Rows::kScaled) block = rows.block;
+  const bool one_scale = block % E == 0;  // every run inside one codec block
   double sq = 0.0, bad = 0.0;
-  const int64_t stride = int64_t{gridDim.x} * kThreads * kVec;
-  for (int64_t i = (int64_t{blockIdx.x} * kThreads + threadIdx.x) * kVec; i < m_out;
-       i += stride) {
-    const int count = static_cast<int>(std::min<int64_t>(kVec, m_out - i));
-    float acc[kVec];
+  const int64_t stride = int64_t{gridDim.x} * decode_per_block<Rows>();
+  for (int64_t i = (int64_t{blockIdx.x} * kThreads + threadIdx.x) * E; i < m_out; i += stride) {
+    const int count = static_cast<int>(std::min<int64_t>(E, m_out - i));
+    float acc[E];
     for (int64_t r0 = 0; r0 < nrows; r0 += kRowsAtOnce) {
-      float d[kRowsAtOnce][kVec];
+      Raw<Rows::kBytes> raw[kRowsAtOnce];
+      float s[kRowsAtOnce];
 #pragma unroll
       for (int u = 0; u < kRowsAtOnce; ++u) {
-        if (r0 + u < nrows) rows.load(r0 + u, i, count, d[u]);
+        if (r0 + u < nrows) {
+          raw[u] = fetch<Rows::kBytes>(rows.codes(r0 + u, i), Rows::bytes_of(count));
+          s[u] = Rows::kScaled && one_scale ? rows.scale(r0 + u, i / block) : 1.0f;
+        }
       }
 #pragma unroll
       for (int u = 0; u < kRowsAtOnce; ++u) {
         if (r0 + u >= nrows) break;
         // the first row adds to +0, as the reference's zeros do (0 + -0 is +0)
+        const bool first = r0 + u == 0;
+        if (!Rows::kScaled || one_scale) {
 #pragma unroll
-        for (int k = 0; k < kVec; ++k) acc[k] = fadd(r0 + u == 0 ? 0.0f : acc[k], d[u][k]);
+          for (int k = 0; k < E; ++k) {
+            acc[k] = fadd(first ? 0.0f : acc[k], Rows::value(raw[u], k, s[u]));
+          }
+        } else {  // runs crossing codec blocks: the scale of each element's block
+          int64_t b = i / block, next = (b + 1) * block;
+          float sb = rows.scale(r0 + u, b);
+#pragma unroll
+          for (int k = 0; k < E; ++k) {
+            if (k < count && i + k >= next) {
+              ++b;
+              next += block;
+              sb = rows.scale(r0 + u, b);
+            }
+            acc[k] = fadd(first ? 0.0f : acc[k], Rows::value(raw[u], k, sb));
+          }
+        }
       }
     }
-    float v[kVec];
+    float v[E];
 #pragma unroll
-    for (int k = 0; k < kVec; ++k) v[k] = fmul(acc[k], scale);
-    if (count == kVec && vec_ok(out + i)) {
-      store8(out + i, v);
-    } else {
+    for (int k = 0; k < E; ++k) v[k] = fmul(acc[k], scale);
+    store_run<E>(out + i, v, count);
+    // loops to E with a guard, not to count: constant indices keep the arrays in registers
 #pragma unroll
-      for (int k = 0; k < kVec; ++k) {
-        if (k < count) out[i + k] = static_cast<out_t>(v[k]);
-      }
-    }
-    // loops to kVec with a guard, not to count: constant indices keep the arrays in registers
-#pragma unroll
-    for (int k = 0; k < kVec; ++k) {
+    for (int k = 0; k < E; ++k) {
       if (k >= count) continue;
       const float stored = round_to<out_t>(v[k]);
       if (finite(stored)) {
@@ -509,7 +769,7 @@ void launch_sum_rows(const Rows& rows, int64_t nrows, float scale, const at::Ten
                      const at::Tensor& stats) {
   const int64_t m_out = out.numel();
   const Stream stream = current_stream();
-  const int64_t grid = blocks_for(m_out);
+  const int64_t grid = blocks_for(m_out, decode_per_block<Rows>());
   at::Tensor partial = at::empty({2 * grid}, stats.options());
   PYCOMM_LAUNCH(static_cast<unsigned>(grid), kThreads, stream, sum_rows_kernel<out_t, Rows>)(
       rows, nrows, scale, out.data_ptr<out_t>(), m_out, partial.data_ptr<double>());
@@ -538,6 +798,20 @@ struct Cuda {
                   current_stream());
   }
 
+  template <typename T, typename R, typename S>
+  static void quantize_int4(const host::Encoding<T, R>& e, uint8_t* codes, S* scales,
+                            int64_t block, int64_t numel) {
+    encode_blocks(Source<T, R>{e}, Int4Codec<R, S>{codes, scales, e.r_out}, numel, block,
+                  current_stream());
+  }
+
+  template <typename T, typename R>
+  static void quantize_fp8(const host::Encoding<T, R>& e, uint8_t* codes, float* scales,
+                           int64_t block, int64_t numel) {
+    encode_blocks(Source<T, R>{e}, Fp8Codec<R>{codes, scales, e.r_out}, numel, block,
+                  current_stream());
+  }
+
   template <typename T, typename R>
   static void quantize_onebit(const host::Encoding<T, R>& e, uint8_t* bits,
                               at::BFloat16* scales, int64_t block, int64_t numel) {
@@ -555,6 +829,16 @@ struct Cuda {
   static void sum_rows(const host::Int8Rows& in, int64_t rows, float s, const at::Tensor& out,
                        const at::Tensor& stats) {
     launch_sum_rows<out_t>(RowsInt8{in}, rows, s, out, stats);
+  }
+  template <typename out_t, typename S>
+  static void sum_rows(const host::Int4Rows<S>& in, int64_t rows, float s, const at::Tensor& out,
+                       const at::Tensor& stats) {
+    launch_sum_rows<out_t>(RowsInt4<S>{in}, rows, s, out, stats);
+  }
+  template <typename out_t>
+  static void sum_rows(const host::Fp8Rows& in, int64_t rows, float s, const at::Tensor& out,
+                       const at::Tensor& stats) {
+    launch_sum_rows<out_t>(RowsFp8{in}, rows, s, out, stats);
   }
   template <typename out_t>
   static void sum_rows(const host::OnebitRows& in, int64_t rows, float s, const at::Tensor& out,

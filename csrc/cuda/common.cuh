@@ -246,10 +246,10 @@ inline int64_t resident_blocks() {
 #endif
 }
 
-// Blocks for a grid-stride loop over n elements at kVec per thread: at most one wave, so that
-// every thread gets the same number of groups (within one) whatever n is.
-inline int64_t blocks_for(int64_t n) {
-  const int64_t per_block = int64_t{kThreads} * kVec;
+// Blocks for a grid-stride loop over n elements, per_block a block's elements per pass (kVec a
+// thread by default): at most one wave of the device, so that every thread gets the same
+// number of groups (within one) whatever n is.
+inline int64_t blocks_for(int64_t n, int64_t per_block = int64_t{kThreads} * kVec) {
   return std::max<int64_t>(1, std::min<int64_t>(resident_blocks(), (n + per_block - 1) / per_block));
 }
 

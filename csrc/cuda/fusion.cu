@@ -30,9 +30,11 @@ namespace {
 constexpr int64_t kChunk = int64_t{kThreads} * kVec * 4;
 
 // One launch's tensors. Block b copies chunk (b - first_block[i]) of tensor i, where
-// first_block[i] <= b < first_block[i + 1]. Sized to stay under the 4 KB of kernel parameters.
+// first_block[i] <= b < first_block[i + 1]. 256 tensors (7 KB) a launch: a bucket's tensors
+// in one launch, within the 32 KB of kernel parameters that CUDA 12.1 and later give Volta and
+// later GPUs (torch 2.11, pycomm's oldest, is built with CUDA 12.6 or later).
 struct CopyTable {
-  static constexpr int kMax = 96;
+  static constexpr int kMax = 256;
   const void* src[kMax];
   void* dst[kMax];
   int64_t numel[kMax];

@@ -1,5 +1,6 @@
-// The one host entry of each codec op (encode16, quantize_int8, quantize_onebit, decode16_sum,
-// dequantize_int8_sum, dequantize_onebit_sum), shared by every device: the argument checks
+// The one host entry of each codec op (encode16, quantize_int8, quantize_int4, quantize_fp8,
+// quantize_onebit, decode16_sum, dequantize_int8_sum, dequantize_int4_sum, dequantize_fp8_sum,
+// dequantize_onebit_sum), shared by every device: the argument checks
 // (csrc/checks.h), the outputs' allocation, the empty case and the dtype dispatch happen here,
 // once; a device's launcher D (csrc/cpu/codecs.cpp, csrc/cuda/codecs.cu) only runs its kernels
 // on arguments that passed them, described by the plain structs below. The Meta kernels'
@@ -9,12 +10,14 @@
 //   Guard                                    constructed from x's / out's device around a launch
 //   encode16(Encoding<T, R>, out_t* out, numel)     out [numel] = y rounded (Half, BFloat16)
 //   quantize_int8(Encoding<T, R>, codes, scales, block, numel)
+//   quantize_int4(Encoding<T, R>, codes, S* scales, block, numel)  (S: float or BFloat16)
+//   quantize_fp8(Encoding<T, R>, codes, scales, block, numel)   (codes: e4m3fn bytes)
 //   quantize_onebit(Encoding<T, R>, bits, scales, block, numel)
 // (numel > 0; the residual updated as the schema says), and
 //   sum_rows<out_t>(rows, nrows, s, out, stats)   the decoders, for rows of each kind
-//       (Chunks16<T>, Int8Rows, OnebitRows): out (contiguous, numel > 0) = s * the fp32 sum
-//       over rows, in row order, of each row's decoded elements; stats (Double [2] on out's
-//       device) = (sum of out^2 over finite out, count of non-finite out).
+//       (Chunks16<T>, Int8Rows, Int4Rows<S>, Fp8Rows, OnebitRows): out (contiguous, numel > 0) = s *
+//       the fp32 sum over rows, in row order, of each row's decoded elements; stats (Double
+//       [2] on out's device) = (sum of out^2 over finite out, count of non-finite out).
 #pragma once
 #include <ATen/ATen.h>
 #include <torch/library.h>
@@ -51,6 +54,20 @@ struct Int8Rows {
   const float* sc;
   int64_t ld, lds, block;
 };
+// Two int4 codes a byte (element i in nibble i % 2 of byte i / 2, the low one first), scales
+// of S (float or BFloat16).
+template <typename S>
+struct Int4Rows {
+  const uint8_t* q;
+  const S* sc;
+  int64_t ld, lds, block;  // ld in bytes
+};
+// float8 e4m3fn codes, as their bytes.
+struct Fp8Rows {
+  const uint8_t* q;
+  const float* sc;
+  int64_t ld, lds, block;
+};
 struct OnebitRows {
   const uint8_t* bits;
   const at::BFloat16* sc;
@@ -65,6 +82,18 @@ void dispatch_16bit(at::ScalarType t, F&& f) {
   dispatch_float(t, [&](auto tag) {
     if constexpr (!std::is_same_v<decltype(tag), float>) f(tag);
   });
+}
+
+// Calls f(S{}) with S the C++ type of an int4 scale dtype (Float or BFloat16).
+template <typename F>
+void dispatch_scale(at::ScalarType t, F&& f) {
+  TORCH_INTERNAL_ASSERT(t == at::kFloat || t == at::kBFloat16, "dispatch_scale: unchecked dtype ",
+                        t);
+  if (t == at::kFloat) {
+    f(float{});
+  } else {
+    f(at::BFloat16{});
+  }
 }
 
 // Calls f(Encoding<T, R>) for x (staged contiguous when it is not), reading residual and
@@ -125,6 +154,47 @@ std::tuple<at::Tensor, at::Tensor> quantize_int8(const at::Tensor& x,
   const typename D::Guard guard(x.device());
   with_encoding(x, residual, scale, residual_out, [&](const auto& src) {
     D::quantize_int8(src, codes.data_ptr<int8_t>(), scales.data_ptr<float>(), block, numel);
+  });
+  return {codes, scales};
+}
+
+// x, residual: as encode16. block % 2 == 0, numel % block == 0, scale_dtype Float or
+// BFloat16. Returns (codes uint8 [numel / 2], scales scale_dtype [numel / block]).
+template <typename D>
+std::tuple<at::Tensor, at::Tensor> quantize_int4(const at::Tensor& x,
+                                                 const std::optional<at::Tensor>& residual,
+                                                 double scale, int64_t block, int64_t numel,
+                                                 const std::optional<at::Tensor>& residual_out,
+                                                 at::ScalarType scale_dtype) {
+  check_quantize_int4(x, residual, block, numel, residual_out, scale_dtype);
+  at::Tensor codes = at::empty({numel / 2}, x.options().dtype(at::kByte));
+  at::Tensor scales = at::empty({numel / block}, x.options().dtype(scale_dtype));
+  if (numel == 0 || !launches<D>) return {codes, scales};
+  const typename D::Guard guard(x.device());
+  with_encoding(x, residual, scale, residual_out, [&](const auto& src) {
+    dispatch_scale(scale_dtype, [&](auto s_tag) {
+      using S = decltype(s_tag);
+      D::quantize_int4(src, codes.data_ptr<uint8_t>(), scales.data_ptr<S>(), block, numel);
+    });
+  });
+  return {codes, scales};
+}
+
+// x, residual: as encode16. block >= 1, numel % block == 0. Returns (codes float8_e4m3fn
+// [numel], scales fp32 [numel / block]).
+template <typename D>
+std::tuple<at::Tensor, at::Tensor> quantize_fp8(const at::Tensor& x,
+                                                const std::optional<at::Tensor>& residual,
+                                                double scale, int64_t block, int64_t numel,
+                                                const std::optional<at::Tensor>& residual_out) {
+  check_quantize("pycomm.quantize_fp8", x, residual, block, numel, residual_out, 1);
+  at::Tensor codes = at::empty({numel}, x.options().dtype(at::kFloat8_e4m3fn));
+  at::Tensor scales = at::empty({numel / block}, x.options().dtype(at::kFloat));
+  if (numel == 0 || !launches<D>) return {codes, scales};
+  const typename D::Guard guard(x.device());
+  with_encoding(x, residual, scale, residual_out, [&](const auto& src) {
+    D::quantize_fp8(src, static_cast<uint8_t*>(codes.data_ptr()), scales.data_ptr<float>(), block,
+                    numel);
   });
   return {codes, scales};
 }
@@ -199,6 +269,35 @@ at::Tensor dequantize_int8_sum(const at::Tensor& codes, const at::Tensor& scales
   return decode_sum<D>(rows, codes.size(0), scale, out);
 }
 
+// codes: [R, m / 2] uint8, rows contiguous, block even, m % block == 0. scales: [R, m / block]
+// Float or BFloat16, rows contiguous. out: as decode16_sum. out = scale * sum_r q[r] * scales[r].
+template <typename D>
+at::Tensor dequantize_int4_sum(const at::Tensor& codes, const at::Tensor& scales, int64_t block,
+                               double scale, const at::Tensor& out) {
+  check_dequantize_int4_sum(codes, scales, block, out);
+  if (auto done = nothing_to_decode<D>(out)) return *done;
+  at::Tensor stats;
+  dispatch_scale(scales.scalar_type(), [&](auto s_tag) {
+    using S = decltype(s_tag);
+    const Int4Rows<S> rows{codes.const_data_ptr<uint8_t>(), scales.const_data_ptr<S>(),
+                           codes.stride(0), scales.stride(0), block};
+    stats = decode_sum<D>(rows, codes.size(0), scale, out);
+  });
+  return stats;
+}
+
+// codes: [R, m] float8_e4m3fn, rows contiguous, m % block == 0. scales: [R, m / block] fp32,
+// rows contiguous. out: as decode16_sum. out = scale * sum_r codes[r] * scales[r] (per block).
+template <typename D>
+at::Tensor dequantize_fp8_sum(const at::Tensor& codes, const at::Tensor& scales, int64_t block,
+                              double scale, const at::Tensor& out) {
+  check_dequantize_fp8_sum(codes, scales, block, out);
+  if (auto done = nothing_to_decode<D>(out)) return *done;
+  const Fp8Rows rows{static_cast<const uint8_t*>(codes.const_data_ptr()),
+                     scales.const_data_ptr<float>(), codes.stride(0), scales.stride(0), block};
+  return decode_sum<D>(rows, codes.size(0), scale, out);
+}
+
 // bits: [R, m / 8] uint8, rows contiguous, m % block == 0, block % 8 == 0. scales:
 // [R, m / block] bf16, rows contiguous. out: as decode16_sum. out = scale * sum_r (bit ? +s : -s).
 template <typename D>
@@ -216,9 +315,13 @@ template <typename D>
 void register_codecs(torch::Library& m) {
   m.impl("encode16", &encode16<D>);
   m.impl("quantize_int8", &quantize_int8<D>);
+  m.impl("quantize_int4", &quantize_int4<D>);
+  m.impl("quantize_fp8", &quantize_fp8<D>);
   m.impl("quantize_onebit", &quantize_onebit<D>);
   m.impl("decode16_sum", &decode16_sum<D>);
   m.impl("dequantize_int8_sum", &dequantize_int8_sum<D>);
+  m.impl("dequantize_int4_sum", &dequantize_int4_sum<D>);
+  m.impl("dequantize_fp8_sum", &dequantize_fp8_sum<D>);
   m.impl("dequantize_onebit_sum", &dequantize_onebit_sum<D>);
 }
 

@@ -20,6 +20,10 @@ struct Meta {
   template <typename... A>
   static void quantize_int8(A&&...) {}
   template <typename... A>
+  static void quantize_int4(A&&...) {}
+  template <typename... A>
+  static void quantize_fp8(A&&...) {}
+  template <typename... A>
   static void quantize_onebit(A&&...) {}
   template <typename out_t, typename... A>
   static void sum_rows(A&&...) {}

@@ -51,7 +51,7 @@ for _name, _state, _codec, _text in (
         "int4",
         Int4State,
         lambda: Int4Codec(Int4State.default_block),
-        "int4 codes (two a byte), a fp32 scale per 64, error feedback, two-phase exchange",
+        "int4 codes (two a byte), a fp32 scale per 128, error feedback, two-phase exchange",
     ),
     (
         "onebit",

@@ -70,17 +70,9 @@ def allreduce_hook(
         return completed(tensor)
     plan = state.node_plan
     if plan is not None:
-        n = tensor.numel()
+        cross = hier.exact_cross(plan, tensor.numel())
         return hier.node_reduce(
-            state,
-            plan,
-            bucket,
-            tensor,
-            bucket.index(),
-            hier.exact_cross(plan),
-            hier.exact_bytes(plan, n),
-            1,
-            prescale=1.0 / state.world_size,
+            state, plan, bucket, tensor, bucket.index(), cross, prescale=1.0 / state.world_size
         )
     return exact_allreduce(state, bucket, tensor, state.process_group)
 

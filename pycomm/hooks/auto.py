@@ -51,10 +51,10 @@ at ``intra_s_per_byte``) and only its 1/L shard goes across nodes (``inter_s_per
 
 The order of exactness is allreduce, bf16, fp16, int8, fp8, int4, onebit, flat before node
 (bf16 and fp16 send the same bytes through the same kernel: bf16 has fp32's range). Which
-hooks are candidates is the accuracy budget: ``allow`` (default allreduce, bf16, fp16 and
-int8, the hooks within 0.5 points or 1% of the exact all-reduce's quality in the quality
-suite; onebit's limit is 1 point or 3%, int4 fell 1.47% behind on the transformer with plain
-SGD, and fp8 has no fused kernels yet: each runs only when allowed).
+hooks are candidates is the accuracy budget: ``allow`` (default allreduce, bf16, fp16, int8,
+fp8 and int4, the hooks within 0.5 points or 1% of the exact all-reduce's quality on every
+task and optimizer of the quality suite; onebit's limit is 1 point or 3%: it runs only when
+allowed).
 
 The bucket size is DDP's: DDP takes ``bucket_cap_mb`` when it is built and has no way to change
 it afterwards, so ``pycomm.wrap(hook="auto")`` builds it with 8 MB buckets (the compressed
@@ -78,7 +78,14 @@ from pycomm.hooks.codec import Codec
 from pycomm.hooks.compressed import CompressedState
 from pycomm.hooks.groups import phase_groups
 from pycomm.hooks.registry import hook_names, hook_spec
-from pycomm.hooks.state import HookState, check_bucket, is_sparse, ring_bytes
+from pycomm.hooks.state import (
+    HookState,
+    accepts_dtype,
+    check_bucket,
+    dtype_names,
+    is_sparse,
+    ring_bytes,
+)
 from pycomm.hooks.warmup import Warmup, timed, timed_allreduce
 
 logger = logging.getLogger(__name__)
@@ -102,7 +109,7 @@ def codec_of(hook: str) -> Optional[Codec]:
 
 
 # within 0.5 points or 1% of the exact all-reduce in the quality suite (onebit: 1 point or 3%)
-DEFAULT_ALLOW = ("allreduce", "bf16", "fp16", "int8")
+DEFAULT_ALLOW = ("allreduce", "bf16", "fp16", "int8", "fp8", "int4")
 _PROBE_MAX = 1 << 21
 # the scalar measurements, all-reduced with MAX in this order
 _MAXED = (
@@ -284,7 +291,8 @@ class AutoState(HookState):
     """State of :func:`auto_hook`: measures the warm-up, decides, then holds the chosen
     hook's state (:attr:`chosen`) and hands every bucket to it.
 
-    Options: ``allow`` (the hooks it may choose; default allreduce, bf16, fp16, int8),
+    Options: ``allow`` (the hooks it may choose; default allreduce, bf16, fp16, int8, fp8,
+    int4),
     ``hierarchy`` (``"auto"``: choose flat or node when the job spans several nodes with
     several ranks each; ``"flat"``, ``"node"``: that one), ``start_iter`` (exact, measured
     iterations before the decision; default 5, at least 2). The chosen hook runs at its
@@ -317,6 +325,7 @@ class AutoState(HookState):
         # per measured iteration: forward end, bucket ready and reduced times, numels
         self.warmup = Warmup()
         self.device = torch.device("cpu")
+        self._dtypes: set[torch.dtype] = set()  # of the gradients: the candidates must take them
         self._group: Optional[dist.ProcessGroup] = None
         super().__init__(process_group)
 
@@ -367,6 +376,26 @@ class AutoState(HookState):
         """The model's trainable parameters (handed on to the chosen hook: its own bucket
         layout, for bitwise resumes). ``pycomm.wrap`` calls it."""
         self._params = list(params)
+
+    def expect_dtypes(self, dtypes: Sequence[torch.dtype]) -> None:
+        """The gradient dtypes the model's buckets will have (``pycomm.register`` passes
+        them; the warm-up adds what it sees): only allowed hooks that reduce every one of them
+        are candidates. None left is a TypeError naming the dtypes and ``allow``."""
+        self._dtypes.update(dtypes)
+        self.candidates()
+
+    def candidates(self) -> tuple[str, ...]:
+        """The allowed hooks that reduce gradients of every dtype seen or expected."""
+        fits = tuple(
+            h for h in self.allow if all(accepts_dtype(hook_spec(h).state, d) for d in self._dtypes)
+        )
+        if not fits:
+            raise TypeError(
+                f"pycomm auto hook: no hook in allow={list(self.allow)} reduces gradients of "
+                f"dtype {dtype_names(sorted(self._dtypes, key=str))}; expected allow to "
+                "include one that does (allreduce reduces every floating dtype)"
+            )
+        return fits
 
     def forward_start(self) -> None:
         """Mark the start of a training forward (``pycomm.wrap`` registers it as a forward
@@ -430,7 +459,7 @@ class AutoState(HookState):
 
     def _probe(self, m: dict[str, Any]) -> None:
         """The one-time measurements (:func:`probe`) into ``m``."""
-        probe(m, self.allow, self.device, self._group, self.world_size, self._plan)
+        probe(m, self.candidates(), self.device, self._group, self.world_size, self._plan)
 
     def decide(self, local: dict[str, Any]) -> dict[str, Any]:
         """Agree on the measurements (MAX over ranks) and take the decision; the same on every
@@ -438,13 +467,13 @@ class AutoState(HookState):
         m = agree(local, self._group, self.world_size)
         if self._plan is not None:
             m["nodes"], m["local_size"] = self._plan.nodes, self._plan.local_size
-        return decision_from(m, self.allow, self.hierarchies(), self.iter)
+        return decision_from(m, self.candidates(), self.hierarchies(), self.iter)
 
     def decide_now(self) -> None:
         """Measure, agree across ranks and build the chosen hook's state (every rank, at
         the same bucket: a collective)."""
         if self.world_size == 1:
-            decision = decision_from(None, self.allow, ("flat",), self.iter)
+            decision = decision_from(None, self.candidates(), ("flat",), self.iter)
         else:
             local = self._measured()
             self._probe(local)
@@ -478,6 +507,7 @@ class AutoState(HookState):
         times recorded."""
         x = check_bucket("auto", bucket)
         self.device = x.device
+        self._dtypes.add(x.dtype)
         try:
             done = self.warmup.bucket_ready(self.iter, x.numel())
             fut = exact_allreduce(self, bucket, x, self._group)

@@ -28,7 +28,14 @@ from pycomm.hooks.codec import Codec, check_codec
 from pycomm.hooks.groups import Stage, phase_groups
 from pycomm.hooks.layout import BucketLayout
 from pycomm.hooks.residuals import ResidualStore
-from pycomm.hooks.state import HookState, check_bucket, completed, is_sparse, ring_bytes
+from pycomm.hooks.state import (
+    HookState,
+    check_bucket,
+    completed,
+    dtype_names,
+    is_sparse,
+    ring_bytes,
+)
 
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -95,6 +102,7 @@ class CompressedState(HookState):
     (a relative 2^-9 of the error it carries).
     """
 
+    grad_dtypes = _FLOATS  # the engine encodes from fp32, bf16 or fp16 buckets
     default_error_feedback = True
     default_local_feedback = True
     default_start_iter = 2
@@ -495,10 +503,10 @@ def compressed_hook(
             if bucket.is_last():
                 state.end_step()
     x = check_bucket(state.hook_name, bucket)
-    if x.dtype not in _FLOATS:
+    if x.dtype not in state.grad_dtypes:
         raise TypeError(
             f"pycomm {state.hook_name} hook: bucket {bucket.index()} has dtype {x.dtype}, "
-            f"expected float32, bfloat16 or float16"
+            f"expected {dtype_names(state.grad_dtypes)}"
         )
     state.watch_bucket(bucket)
     state.new_step()  # at a step's first bucket: the previous step is committed
@@ -525,19 +533,8 @@ def _node(state: CompressedState, bucket: dist.GradBucket, x: torch.Tensor):
     plan = state.node_plan
     L, m = plan.local_size, plan.nodes
     if state.iter < state.start_iter:
-        n = x.numel()
-        cross = hier.exact_cross(plan, 1.0 / m)
-        return hier.node_reduce(
-            state,
-            plan,
-            bucket,
-            x,
-            bucket.index(),
-            cross,
-            hier.exact_bytes(plan, n),
-            1,
-            postscale=1.0 / L,
-        )
+        cross = hier.exact_cross(plan, x.numel(), 1.0 / m)
+        return hier.node_reduce(state, plan, bucket, x, bucket.index(), cross, postscale=1.0 / L)
 
     def reduce(state: CompressedState, bucket, x: torch.Tensor, index: int):
         s = hier.shard_size(x.numel(), L)
@@ -552,11 +549,12 @@ def _node(state: CompressedState, bucket: dist.GradBucket, x: torch.Tensor):
 
         step = state.iter  # now, in the hook: stage 2 runs later, from a callback
 
-        def cross(shard_bucket, shard: torch.Tensor):
+        def issue(shard_bucket, shard: torch.Tensor):
             return path(state, shard_bucket, shard, index, step)
 
+        cross = hier.Cross(issue, nbytes, calls)
         return hier.node_reduce(
-            state, plan, bucket, x, index, cross, nbytes, calls, postscale=1.0 / L, finite_step=step
+            state, plan, bucket, x, index, cross, postscale=1.0 / L, finite_step=step
         )
 
     if state.bucket_layout.bound:

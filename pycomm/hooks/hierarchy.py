@@ -190,26 +190,33 @@ class _ShardBucket:
         return self._bucket.is_last()
 
 
+@dataclass(frozen=True)
+class Cross:
+    """Stage 2 of :func:`node_reduce`: ``issue(shard_bucket, shard)`` starts the exchange of
+    the fp32 shard across nodes (called in bucket order) and returns a future that completes
+    once ``shard`` holds the reduced values; ``bytes`` and ``collectives``: what it sends, for
+    the state's stats."""
+
+    issue: Callable[[Any, torch.Tensor], torch.futures.Future]
+    bytes: int
+    collectives: int
+
+
 def node_reduce(
     state: Any,
     plan: NodePlan,
     bucket,
     x: torch.Tensor,
     index: int,
-    cross: Callable[[Any, torch.Tensor], torch.futures.Future],
-    cross_bytes: int,
-    cross_collectives: int,
+    cross: Cross,
     *,
     prescale: Optional[float] = None,
     postscale: Optional[float] = None,
     finite_step: Optional[int] = None,
 ) -> torch.futures.Future[torch.Tensor]:
-    """Reduce ``x`` in the three stages of the module's docstring.
-
-    ``cross(shard_bucket, shard)`` issues stage 2 on the fp32 shard (called in bucket order)
-    and returns a future completing once ``shard`` holds the reduced values. ``prescale``
-    multiplies ``x`` before stage 1 (the exact all-reduce scales by 1/N as DDP does),
-    ``postscale`` the node's summed shard.
+    """Reduce ``x`` (bucket ``index``) in the three stages of the module's docstring, stage 2
+    being ``cross``. ``prescale`` multiplies ``x`` before stage 1 (the exact all-reduce scales
+    by 1/N as DDP does), ``postscale`` the node's summed shard.
 
     ``finite_step``: a compressing state's step. Its decode (stage 2) sees only this rank's
     shard, so once stage 3 has gathered the others, their non-finite values are counted too
@@ -218,97 +225,132 @@ def node_reduce(
     """
     L, n = plan.local_size, x.numel()
     s = shard_size(n, L)
-    key = ("node", index, n, str(x.dtype))
-    bufs = state.node_buffers
-    ws = bufs.get(key)
+    ws = _workspace(state, x, index, L, s)
+    if prescale is not None:
+        x.mul_(prescale)
+    send = x.view(L, s) if ws["send"] is None else _padded_copy(x, ws["send"])
+    intra_bytes = 2 * (L - 1) * s * 4
+    state.count(
+        bucket,
+        intra_bytes + cross.bytes,
+        collectives=2 + cross.collectives,
+        bytes_intra=intra_bytes,
+        bytes_inter=cross.bytes,
+    )
+    stages = _NodeStages(state, plan, bucket, x, ws, send, cross, postscale, finite_step)
+    return stages.start()
+
+
+def _workspace(state: Any, x: torch.Tensor, index: int, L: int, s: int) -> dict:
+    """The bucket's fp32 buffers, kept on the state: what stage 1 receives, this rank's
+    shard, and a padded send buffer unless ``x`` itself can be sent."""
+    key = ("node", index, x.numel(), str(x.dtype))
+    ws = state.node_buffers.get(key)
     if ws is None:
         f32 = dict(dtype=torch.float32, device=x.device)
-        ws = bufs[key] = {
+        ws = state.node_buffers[key] = {
             "recv": torch.empty(L, s, **f32),
             "shard": torch.empty(s, **f32),
             "send": None if _in_place(x, L, s) else torch.empty(L, s, **f32),
         }
-    if prescale is not None:
-        x.mul_(prescale)
-    if ws["send"] is None:
-        send = x.view(L, s)
-    else:
-        send = ws["send"]
-        flat = send.view(-1)
-        flat[:n].copy_(x)
-        flat[n:].zero_()
-    recv, shard = ws["recv"], ws["shard"]
-    intra_bytes = 2 * (L - 1) * s * 4
-    state.count(
-        bucket,
-        intra_bytes + cross_bytes,
-        collectives=2 + cross_collectives,
-        bytes_intra=intra_bytes,
-        bytes_inter=cross_bytes,
-    )
+    return ws
 
-    g1, g2 = plan.intra.groups
-    stage1 = dist.all_to_all_single(recv, send, group=g1, async_op=True).get_future()
-    prev_cross, cross_issued = plan.cross_issued, torch.futures.Future()
-    plan.cross_issued = cross_issued
-    prev_gather, gather_issued = plan.gather_issued, torch.futures.Future()
-    plan.gather_issued = gather_issued
-    result: torch.futures.Future[torch.Tensor] = torch.futures.Future()
-    done = torch.empty(0)
 
-    def fail(e: BaseException, *chains: torch.futures.Future) -> None:
+def _padded_copy(x: torch.Tensor, send: torch.Tensor) -> torch.Tensor:
+    """``x`` into the [L, s] fp32 ``send``, zero after its end."""
+    flat, n = send.view(-1), x.numel()
+    flat[:n].copy_(x)
+    flat[n:].zero_()
+    return send
+
+
+class _NodeStages:
+    """One bucket's stages, each issued from the completion of the one before and after the
+    previous bucket's issue of the same stage (``plan.cross_issued``, ``plan.gather_issued``),
+    so that every rank issues each stage's collectives in bucket order."""
+
+    def __init__(self, state, plan, bucket, x, ws, send, cross, postscale, finite_step) -> None:
+        self.state, self.plan, self.bucket, self.x = state, plan, bucket, x
+        self.ws, self.send, self.cross = ws, send, cross
+        self.postscale, self.finite_step = postscale, finite_step
+        self.result: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+        self.done = torch.empty(0)
+
+    def start(self) -> torch.futures.Future[torch.Tensor]:
+        plan = self.plan
+        g1 = plan.intra.groups[0]
+        recv = self.ws["recv"]
+        stage1 = dist.all_to_all_single(recv, self.send, group=g1, async_op=True).get_future()
+        self.prev_cross, self.cross_issued = plan.cross_issued, torch.futures.Future()
+        plan.cross_issued = self.cross_issued
+        self.prev_gather, self.gather_issued = plan.gather_issued, torch.futures.Future()
+        plan.gather_issued = self.gather_issued
+        torch.futures.collect_all([stage1, self.prev_cross]).then(self.stage2)
+        return self.result
+
+    def fail(self, e: BaseException, *chains: torch.futures.Future) -> None:
+        """Releases the later buckets' waits on ``chains`` and fails this bucket's result."""
         for c in chains:
             if not c.done():
-                c.set_result(done)
-        if not result.done():
-            result.set_exception(e)
+                c.set_result(self.done)
+        if not self.result.done():
+            self.result.set_exception(e)
 
-    def finish(fut: torch.futures.Future) -> None:
+    def stage2(self, fut: torch.futures.Future) -> None:
+        """The node's sum of this rank's shard, then the exchange across nodes."""
+        shard = self.ws["shard"]
+        try:
+            for sub in fut.value():
+                sub.value()
+            torch.sum(self.ws["recv"], dim=0, out=shard)
+            if self.postscale is not None:
+                shard.mul_(self.postscale)
+            reduced = self.cross.issue(_ShardBucket(self.bucket, shard), shard)
+        except BaseException as e:  # noqa: BLE001 - handed to DDP through the future
+            self.fail(e, self.cross_issued, self.gather_issued)
+            return
+        self.cross_issued.set_result(self.done)
+        torch.futures.collect_all([reduced, self.prev_gather]).then(self.stage3)
+
+    def stage3(self, fut: torch.futures.Future) -> None:
+        """The reduced shards gathered on the node, into ``send`` (``x`` itself when in place:
+        stage 1 is done with it)."""
+        ws, plan = self.ws, self.plan
+        L, s = self.send.shape
+        g2 = plan.intra.groups[1]
+        try:
+            for sub in fut.value():
+                sub.value()
+            if plan.intra.nccl:
+                work = dist.all_gather_into_tensor(
+                    self.send.view(-1), ws["shard"], group=g2, async_op=True
+                )
+            else:  # gloo: all_to_all_single measured 3-7x faster than all_gather
+                ws["recv"].copy_(ws["shard"].expand(L, s))
+                work = dist.all_to_all_single(self.send, ws["recv"], group=g2, async_op=True)
+        except BaseException as e:  # noqa: BLE001
+            self.fail(e, self.gather_issued)
+            return
+        self.gather_issued.set_result(self.done)
+        work.get_future().then(self.finish)
+
+    def finish(self, fut: torch.futures.Future) -> None:
+        """The bucket's values back in ``x``; the other shards' non-finite values counted."""
+        x, n = self.x, self.x.numel()
         try:
             fut.value()
-            if ws["send"] is not None:
-                x.copy_(ws["send"].view(-1)[:n])
-            if finite_step is not None:
+            if self.ws["send"] is not None:
+                x.copy_(self.ws["send"].view(-1)[:n])
+            if self.finite_step is not None:
+                s = self.send.shape[1]
                 flat = x.view(-1)
-                lo, hi = min(plan.position * s, n), min((plan.position + 1) * s, n)
+                lo, hi = min(self.plan.position * s, n), min((self.plan.position + 1) * s, n)
                 bad = (~torch.isfinite(flat[:lo])).sum() + (~torch.isfinite(flat[hi:])).sum()
-                state.note_decode(torch.stack([bad.new_zeros(()), bad]).double(), finite_step)
-            result.set_result(x)
-        except BaseException as e:  # noqa: BLE001 - handed to DDP through the future
-            fail(e)
-
-    def stage3(fut: torch.futures.Future) -> None:
-        try:
-            for sub in fut.value():
-                sub.value()
-            out = send  # x itself when in place, else the send buffer (stage 1 is done)
-            if plan.intra.nccl:
-                work = dist.all_gather_into_tensor(out.view(-1), shard, group=g2, async_op=True)
-            else:  # gloo: all_to_all_single measured 3-7x faster than all_gather
-                recv.copy_(shard.expand(L, s))
-                work = dist.all_to_all_single(out, recv, group=g2, async_op=True)
+                stats = torch.stack([bad.new_zeros(()), bad]).double()
+                self.state.note_decode(stats, self.finite_step)
+            self.result.set_result(x)
         except BaseException as e:  # noqa: BLE001
-            fail(e, gather_issued)
-            return
-        gather_issued.set_result(done)
-        work.get_future().then(finish)
-
-    def stage2(fut: torch.futures.Future) -> None:
-        try:
-            for sub in fut.value():
-                sub.value()
-            torch.sum(recv, dim=0, out=shard)
-            if postscale is not None:
-                shard.mul_(postscale)
-            reduced = cross(_ShardBucket(bucket, shard), shard)
-        except BaseException as e:  # noqa: BLE001
-            fail(e, cross_issued, gather_issued)
-            return
-        cross_issued.set_result(done)
-        torch.futures.collect_all([reduced, prev_gather]).then(stage3)
-
-    torch.futures.collect_all([stage1, prev_cross]).then(stage2)
-    return result
+            self.fail(e)
 
 
 def shard_size(n: int, local_size: int) -> int:
@@ -320,23 +362,17 @@ def _in_place(x: torch.Tensor, L: int, s: int) -> bool:
     return x.dtype == torch.float32 and x.numel() == L * s and x.is_contiguous()
 
 
-def exact_cross(plan: NodePlan, scale: Optional[float] = None):
+def exact_cross(plan: NodePlan, n: int, scale: Optional[float] = None) -> Cross:
     """Stage 2 as the exact fp32 all-reduce (sum, optionally pre-scaled) over the cross
-    group: returns the ``cross`` function :func:`node_reduce` takes (:func:`exact_bytes`
-    gives its bytes; it runs one collective)."""
+    group, for an n-element bucket: one collective, a ring all-reduce's bytes of the shard."""
 
-    def cross(_bucket, shard: torch.Tensor) -> torch.futures.Future:
+    def issue(_bucket, shard: torch.Tensor) -> torch.futures.Future:
         if scale is not None:
             shard.mul_(scale)
         work = dist.all_reduce(shard, group=plan.cross.groups[0], async_op=True)
         return work.get_future()
 
-    return cross
-
-
-def exact_bytes(plan: NodePlan, n: int) -> int:
-    """Bytes one rank sends across nodes in :func:`exact_cross` for an n-element bucket."""
-    return ring_bytes(4 * shard_size(n, plan.local_size), plan.nodes)
+    return Cross(issue, ring_bytes(4 * shard_size(n, plan.local_size), plan.nodes), 1)
 
 
 def fingerprint(plan: Optional[NodePlan]) -> str:

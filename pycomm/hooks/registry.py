@@ -136,6 +136,10 @@ def register_hook(
         )
     if codec is not None and not callable(codec):
         raise ValueError(f"{where}: codec={codec!r}, expected a Codec class or factory")
+    old = _SPECS.get(name)
+    owner = state if state is not None else codec
+    if old is not None and old.module != (getattr(owner, "__module__", "") or ""):
+        _taken(where, old)  # before the codec's self-check: the name is the first problem
     if codec is not None:
         try:
             instance = codec()
@@ -172,21 +176,24 @@ def register_hook(
             "step time from its codec's measured cost and bytes)"
         )
     module = getattr(state, "__module__", "") or ""
-    old = _SPECS.get(name)
     if old is not None:
         same = old.module == module and getattr(old.state, "__qualname__", None) == getattr(
             state, "__qualname__", None
         )
         if not same:
-            raise ValueError(
-                f"{where}: the name is taken by {old.state.__module__}."
-                f"{old.state.__qualname__}; expected a new name (or unregister_hook first)"
-            )
+            _taken(where, old)
     spec = HookSpec(name, state, hook, codec, auto, description, module)
     if getattr(state, "hook_name", None) == "base":  # a user's state without a name of its own
         state.hook_name = name
     _SPECS[name] = spec
     return spec
+
+
+def _taken(where: str, old: HookSpec) -> None:
+    raise ValueError(
+        f"{where}: the name is taken by {old.state.__module__}.{old.state.__qualname__}; "
+        "expected a new name (or unregister_hook first)"
+    )
 
 
 def unregister_hook(name: str) -> None:

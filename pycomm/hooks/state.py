@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from typing import Any, Optional
 
 import torch
@@ -33,7 +34,8 @@ class HookState:
     once the group does (a subclass sets up in ``_bound``); :meth:`options` is compared across
     ranks by ``pycomm.wrap``/``register`` and stored in :meth:`fingerprint`; :meth:`state_dict`
     carries the rank and world size it belongs to and :meth:`load_state_dict` refuses another
-    hook, config, rank or world size; :meth:`count` keeps ``stats``. One state serves one DDP
+    hook, config, rank or world size; :meth:`count` keeps ``stats``; ``grad_dtypes`` names
+    the gradient dtypes it reduces (None: any floating dtype). One state serves one DDP
     model. Pass it as ``pycomm.wrap(model, hook=(state, hook_fn))``.
 
     Example:
@@ -45,6 +47,9 @@ class HookState:
     hook_name = "base"
     # DDP bucket size pycomm.wrap picks for this hook when the caller gives none (None: DDP's)
     default_bucket_cap_mb: Optional[float] = None
+    # The gradient dtypes the hook reduces (None: every floating dtype). pycomm.register
+    # refuses a model with another, naming the parameter, before the first backward.
+    grad_dtypes: Optional[tuple[torch.dtype, ...]] = None
 
     def __init__(self, process_group: Optional[dist.ProcessGroup] = None) -> None:
         self.process_group = process_group
@@ -201,6 +206,18 @@ def check_owner(hook: str, state: dict[str, Any], rank: int, world_size: int) ->
             f"{rank}: error-feedback residuals differ per rank; hand each rank its own "
             "(pycomm.checkpoint.load_hook_state does)"
         )
+
+
+def dtype_names(dtypes: Sequence[torch.dtype]) -> str:
+    """``float32, bfloat16 or float16``: dtypes as an error message lists them."""
+    names = [str(d).replace("torch.", "") for d in dtypes]
+    return names[0] if len(names) == 1 else f"{', '.join(names[:-1])} or {names[-1]}"
+
+
+def accepts_dtype(state: Any, dtype: torch.dtype) -> bool:
+    """Whether a hook state (or state class) reduces gradients of ``dtype``."""
+    dtypes = getattr(state, "grad_dtypes", None)
+    return dtype.is_floating_point if dtypes is None else dtype in dtypes
 
 
 def is_sparse(bucket: dist.GradBucket) -> bool:

@@ -1,4 +1,4 @@
-"""Resumable training under ``torchrun --max-restarts=1``: checkpoints every few steps with
+"""Resumable training under ``torchrun --max-restarts``: checkpoints every few steps with
 pycomm.checkpoint; on the first attempt rank 1 is killed mid-run, torchrun restarts every rank,
 and they resume from the last checkpoint. At the end each rank also trains the same model
 without interruption, in the same process group, and writes both results to

@@ -2,12 +2,16 @@
 // the kernels' own source (csrc/cuda/*.cu, compiled as C++ with PYCOMM_CUDA_EMULATION) runs,
 // and is tested against pycomm.reference, on machines without a GPU.
 //
-// Every thread of a block is a fiber (ucontext) on one OS thread; blocks run one after another,
-// so a kernel's __shared__ arrays can be function statics. __syncthreads() and the warp
-// shuffles are real barriers: a fiber waits there until every thread of its block (of its
-// warp) arrives. What a GPU would hang on or leave undefined is an error here: a barrier that
-// not every thread reaches, a shuffle some lanes skip, a grid of zero blocks, more than 4 KB of
-// kernel parameters, a vector access that is not aligned to its size.
+// Every thread of a block is a fiber on one OS thread; blocks run one after another, so a
+// kernel's __shared__ arrays can be function statics. A fiber starts once through a ucontext
+// and then serves every block of every launch; switches between fibers and the scheduler are
+// __builtin_setjmp/__builtin_longjmp (registers and stack pointer, no system call), where
+// swapcontext would save and restore the signal mask with one at every barrier.
+// __syncthreads() and the warp shuffles are real barriers: a fiber waits there until every
+// thread of its block (of its warp) arrives. What a GPU would hang on or leave undefined is an
+// error here: a barrier that not every thread reaches, a shuffle some lanes skip, a grid of zero
+// blocks, more than 32764 bytes of kernel parameters (CUDA 12.1's limit on Volta and later), a
+// vector access that is not aligned to its size.
 //
 // What this cannot show: speed, races between blocks (blocks never overlap here), races within
 // a block other than those the two thread orders expose (see run_block), the memory model, and
@@ -37,7 +41,9 @@ constexpr int kWarp = 32;
 enum class State { kReady, kAtBlockBarrier, kAtWarpBarrier, kDone };
 
 struct Fiber {
-  ucontext_t ctx;
+  ucontext_t ctx;       // its first entry
+  void* resume_at[5];   // where it waits (__builtin_setjmp's buffer)
+  bool started = false; // false: the next block enters it through ctx, afresh
   std::vector<char> stack;
   State state = State::kReady;
 };
@@ -46,6 +52,7 @@ struct Machine {
   dim3 grid, block, block_idx, thread_idx;
   std::vector<Fiber> fibers;
   ucontext_t scheduler;
+  void* scheduler_at[5];  // where the scheduler waits for the running fiber
   int current = 0;
   std::function<void()> body;
   std::string error;
@@ -57,6 +64,15 @@ inline Machine& machine() {
   return m;
 }
 
+// __builtin_longjmp may not share a function with the __builtin_setjmp it returns to.
+[[noreturn, gnu::noinline]] inline void jump(void** to) { __builtin_longjmp(to, 1); }
+
+// In a fiber: back to the scheduler; returns when the scheduler resumes this fiber.
+[[gnu::noinline]] inline void to_scheduler() {
+  Machine& m = machine();
+  if (__builtin_setjmp(m.fibers[m.current].resume_at) == 0) jump(m.scheduler_at);
+}
+
 // A failed check inside a kernel: the block stops, the launch throws.
 [[noreturn]] inline void fail(const std::string& what) {
   Machine& m = machine();
@@ -65,21 +81,41 @@ inline Machine& machine() {
               std::to_string(m.current) + ")";
   }
   m.fibers[m.current].state = State::kDone;
-  swapcontext(&m.fibers[m.current].ctx, &m.scheduler);
-  std::abort();  // never resumed
+  jump(m.scheduler_at);  // never resumed: run_block restarts every fiber of a broken block
 }
 
 inline void wait(State why) {
   Machine& m = machine();
   m.fibers[m.current].state = why;
-  swapcontext(&m.fibers[m.current].ctx, &m.scheduler);
+  to_scheduler();
 }
 
 inline void trampoline() {
   Machine& m = machine();
-  m.body();
-  m.fibers[m.current].state = State::kDone;
-  // returning switches to uc_link, the scheduler
+  for (;;) {  // one block's body per pass
+    m.body();
+    m.fibers[m.current].state = State::kDone;
+    to_scheduler();
+  }
+}
+
+// In the scheduler: runs fiber t until it waits, finishes its body or fails.
+[[gnu::noinline]] inline void resume(int t) {
+  Machine& m = machine();
+  m.current = t;
+  m.thread_idx = dim3(t);
+  if (__builtin_setjmp(m.scheduler_at) == 0) {
+    Fiber& f = m.fibers[t];
+    if (f.started) jump(f.resume_at);
+    f.started = true;
+    swapcontext(&m.scheduler, &f.ctx);  // the first entry; it comes back through jump()
+  }
+}
+
+// A block that broke a rule: its fibers' stacks are left mid-kernel, so each starts afresh.
+inline bool broken() {
+  for (Fiber& f : machine().fibers) f.started = false;
+  return false;
 }
 
 // Runs one block to completion; false (with machine().error set) if it broke a rule.
@@ -91,13 +127,14 @@ inline bool run_block() {
   m.slots.assign(n, 0);
   for (int t = 0; t < n; ++t) {
     Fiber& f = m.fibers[t];
+    f.state = State::kReady;
+    if (f.started) continue;  // waits in trampoline for its next block
     if (f.stack.size() < kStack) f.stack.resize(kStack);
     getcontext(&f.ctx);
     f.ctx.uc_stack.ss_sp = f.stack.data();
     f.ctx.uc_stack.ss_size = f.stack.size();
-    f.ctx.uc_link = &m.scheduler;
+    f.ctx.uc_link = &m.scheduler;  // never used: trampoline does not return
     makecontext(&f.ctx, trampoline, 0);
-    f.state = State::kReady;
   }
   // Between barriers the threads run one after another, in ascending order in one round and
   // descending in the next: a read of shared memory that a missing barrier leaves racing with a
@@ -106,10 +143,8 @@ inline bool run_block() {
     for (int k = 0; k < n; ++k) {
       const int t = round % 2 == 0 ? k : n - 1 - k;
       if (m.fibers[t].state != State::kReady) continue;
-      m.current = t;
-      m.thread_idx = dim3(t);
-      swapcontext(&m.scheduler, &m.fibers[t].ctx);
-      if (!m.error.empty()) return false;
+      resume(t);
+      if (!m.error.empty()) return broken();
     }
     bool released = false, all_done = true, any_done = false, all_at_block = true;
     for (int w = 0; w * kWarp < n; ++w) {
@@ -125,7 +160,7 @@ inline bool run_block() {
       } else if (at_warp > 0) {
         m.error = "a warp shuffle that not every lane of warp " + std::to_string(w) +
                   " reached (block " + std::to_string(m.block_idx.x) + ")";
-        return false;
+        return broken();
       }
     }
     if (released) continue;
@@ -138,7 +173,7 @@ inline bool run_block() {
     if (any_done || !all_at_block) {
       m.error = "__syncthreads() that not every thread of block " +
                 std::to_string(m.block_idx.x) + " reached";
-      return false;
+      return broken();
     }
     for (Fiber& f : m.fibers) f.state = State::kReady;
   }
@@ -183,7 +218,7 @@ struct Launch {
   void operator()(A&&... args) const {
     static_assert(sizeof...(A) == sizeof...(P), "kernel called with the wrong argument count");
     constexpr size_t param_bytes = (size_t{0} + ... + sizeof(P));
-    static_assert(param_bytes <= 4096, "more than 4 KB of kernel parameters");
+    static_assert(param_bytes <= 32764, "more than 32764 bytes of kernel parameters");
     if (grid.x == 0 || grid.y == 0 || grid.z == 0 || grid.y > 65535 || grid.z > 65535 ||
         grid.x > 2147483647u) {
       throw std::runtime_error("emulated launch: invalid grid " + std::to_string(grid.x));
