@@ -43,6 +43,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from pycomm.dist import all_gather_objects
 from pycomm.hooks import HookState
 from pycomm.wrap import STATE_ATTR, params_signature
 
@@ -121,8 +122,7 @@ def save(
         raise TypeError(f"pycomm.checkpoint.save: ddp is a {type(ddp).__name__}, expected a DDP")
     path = os.fspath(path)
     group, rank, world = _group(ddp)
-    ids: list[Any] = [None] * world
-    dist.all_gather_object(ids, uuid.uuid4().hex[:12], group=group)
+    ids = all_gather_objects(uuid.uuid4().hex[:12], group)
     save_id = ids[0]  # rank 0's: one id for the whole save
     state = _hook(ddp)
     if state is not None:
@@ -302,11 +302,7 @@ def gather_hook_state(obj: Any) -> dict[str, Any]:
     """
     state = _state_of("gather_hook_state", obj)
     mine = _to_cpu(state.state_dict())
-    states: list[Any] = [None] * state.world_size
-    if state.world_size > 1:
-        dist.all_gather_object(states, mine, group=state.process_group)
-    else:
-        states[0] = mine
+    states = all_gather_objects(mine, state.process_group) if state.world_size > 1 else [mine]
     return {"format": GATHERED, "world_size": state.world_size, "states": states}
 
 
@@ -432,11 +428,7 @@ def load_rank_state(obj: Any, directory: PathLike, *, missing: str = "error") ->
     directory = os.fspath(directory)
     problem, sd = _read_rank_state(state, directory)
     mine = (problem, sd is not None)
-    reports: list[Any] = [None] * state.world_size
-    if state.world_size > 1:
-        dist.all_gather_object(reports, mine, group=state.process_group)
-    else:
-        reports[0] = mine
+    reports = all_gather_objects(mine, state.process_group) if state.world_size > 1 else [mine]
     problems = [f"rank {r}: {p}" for r, (p, _) in enumerate(reports) if p is not None]
     if problems:
         raise ValueError("pycomm.checkpoint.load_rank_state: " + "; ".join(problems))

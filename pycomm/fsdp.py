@@ -44,6 +44,7 @@ try:  # the interface set_custom_reduce_scatter documents (not exported by torch
 except ImportError:  # FSDP calls allocate() and __call__(), nothing else
     ReduceScatter = object  # type: ignore[misc,assignment]
 
+from pycomm.dist import all_gather_objects
 from pycomm.hooks import AllreduceState, CompressedState, hook_spec
 from pycomm.hooks.state import HookState, accepts_dtype, dtype_names
 
@@ -264,9 +265,7 @@ def _mesh_problem(modules: list[tuple[str, FSDPModule]]) -> Optional[str]:
 
 def _agree(fields: dict[str, Any]) -> None:
     """The same ValueError on every rank when any field differs between ranks."""
-    world = dist.get_world_size()
-    gathered: list[Any] = [None] * world
-    dist.all_gather_object(gathered, fields)
+    gathered = all_gather_objects(fields)
     for rank, other in enumerate(gathered[1:], start=1):
         for key, mine in gathered[0].items():
             if other.get(key) != mine:

@@ -11,6 +11,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from pycomm._validate import check_int
+from pycomm.dist import all_gather_objects, settle_at_exit
 from pycomm.hooks import AccumulateState, AutoState, HookState, accumulate_hook
 from pycomm.hooks.registry import hook_names, hook_spec
 from pycomm.hooks.state import accepts_dtype, dtype_names
@@ -124,8 +125,7 @@ def _agree_across_ranks(where: str, fields: dict[str, Any], group) -> None:
     world = dist.get_world_size(group)
     if world == 1:
         return
-    gathered: list[Any] = [None] * world
-    dist.all_gather_object(gathered, fields, group=group)
+    gathered = all_gather_objects(fields, group)
     ref = gathered[0]
     for rank, other in enumerate(gathered[1:], start=1):
         for key in ref:
@@ -222,6 +222,7 @@ def _check_grad_dtypes(ddp: DDP, state: HookState) -> None:
 def _attach(
     ddp: DDP, hook: HookArg, hook_options: dict[str, Any], accumulate_steps: int
 ) -> HookState:
+    settle_at_exit()
     state, fn = _make_state(ddp, hook, hook_options)
     state.bind()
     _check_grad_dtypes(ddp, state)

@@ -36,6 +36,8 @@ from pycomm import launcher
 # launch costs a fraction of a second instead of each rank's import of torch. The tests of
 # launch itself run both start methods.
 os.environ.setdefault("PYCOMM_START_METHOD", "forkserver")
+# a test's subprocess that crashes (SIGSEGV, SIGABRT) prints every thread's Python stack
+os.environ.setdefault("PYTHONFAULTHANDLER", "1")
 # whichever starts the server first (a launch, or a test's own forkserver processes)
 multiprocessing.set_forkserver_preload(launcher.FORKSERVER_PRELOAD)
 

@@ -33,6 +33,7 @@ from pycomm.bench.hooks import compute_hook, wire_state
 from pycomm.bench.link import lo_tx_bytes, tx_bytes
 from pycomm.bench.models import ModelSpec, batches, build, count_params, loss_fn
 from pycomm.bench.nodes import uplink
+from pycomm.dist import all_gather_objects
 from pycomm.hooks.registry import import_modules
 from pycomm.hooks.state import ring_bytes
 
@@ -613,8 +614,7 @@ class _RankRun:
 def _failed_anywhere(setup_errors: dict[str, str], world: int) -> dict[str, str]:
     """Every rank's setup errors, gathered: each failed hook's first error, and on which
     ranks when not on all of them."""
-    gathered: list[Any] = [None] * world
-    dist.all_gather_object(gathered, setup_errors)
+    gathered = all_gather_objects(setup_errors)
     where: dict[str, list[int]] = {}
     failed: dict[str, str] = {}
     for r, errors in enumerate(gathered):

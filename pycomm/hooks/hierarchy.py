@@ -27,6 +27,7 @@ from typing import Any, Callable, Optional
 import torch
 import torch.distributed as dist
 
+from pycomm.dist import all_gather_objects
 from pycomm.hooks.groups import Stage, completed, new_groups
 from pycomm.hooks.state import ring_bytes
 from pycomm.topology import Topology, topology
@@ -88,8 +89,7 @@ def resolve(hook: str, parent: Optional[dist.ProcessGroup], hierarchy: str) -> O
         and mine.nodes in (1, dist.get_world_size())
     ):
         return None  # one node, or one rank per node: nothing to split
-    everyone: list[Any] = [None] * size
-    dist.all_gather_object(everyone, mine, group=world)
+    everyone = all_gather_objects(mine, world)
     bad = next((t for t in everyone if isinstance(t, str)), None)
     if bad is not None:
         raise ValueError(f"pycomm {hook} hook: hierarchy={hierarchy!r}: {bad}")
