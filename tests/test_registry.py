@@ -416,6 +416,55 @@ def test_no_import_cycle_inside_pycomm_hooks():
                 )
 
 
+def _package_imports() -> dict[str, set[str]]:
+    """Each pycomm module's imports of pycomm modules, the ones inside functions included
+    (the compiled extension, a leaf, left out)."""
+    modules = {}
+    for folder, _, files in os.walk(os.path.join(ROOT, "pycomm")):
+        for f in files:
+            if f.endswith(".py"):
+                rel = os.path.relpath(os.path.join(folder, f), ROOT)[:-3].replace(os.sep, ".")
+                modules[rel.removesuffix(".__init__")] = os.path.join(folder, f)
+
+    def module_of(name: str) -> "str | None":
+        while name not in modules and "." in name:
+            name = name.rsplit(".", 1)[0]
+        return name if name in modules else None
+
+    graph: dict[str, set[str]] = {m: set() for m in modules}
+    for mod, path in modules.items():
+        with open(path, encoding="utf-8") as fh:
+            tree = ast.parse(fh.read())
+        for node in ast.walk(tree):
+            names = []
+            if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                names = [f"{node.module}.{a.name}" for a in node.names if a.name != "_C"]
+            elif isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            for name in names:
+                if name.startswith("pycomm") and module_of(name) not in (None, mod):
+                    graph[mod].add(module_of(name))
+    return graph
+
+
+def test_no_import_cycle_inside_pycomm():
+    graph = _package_imports()
+    assert graph["pycomm.hooks.hierarchy"] >= {"pycomm.dist", "pycomm.hooks.groups"}, graph
+    done: set[str] = set()
+
+    def visit(mod: str, path: list[str]) -> None:
+        if mod in path:
+            raise AssertionError("import cycle: " + " -> ".join(path[path.index(mod) :] + [mod]))
+        if mod in done:
+            return
+        for dep in sorted(graph[mod]):
+            visit(dep, path + [mod])
+        done.add(mod)
+
+    for mod in sorted(graph):
+        visit(mod, [])
+
+
 class SeenState(pycomm.hooks.CompressedState):
     """A compressed hook that records the buckets its exchange is handed."""
 
