@@ -3,6 +3,8 @@
 
 from typing import Any, Optional
 
+import torch
+
 
 def check_int(
     where: str,
@@ -34,6 +36,16 @@ def check_int(
             f"{where}: {name}={value!r}{origin}, expected an int from {minimum} to {maximum}"
         )
     return value
+
+
+def check_dtype(where: str, name: str, value: Any, allowed: tuple[torch.dtype, ...]) -> torch.dtype:
+    """The dtype of ``allowed`` that ``value`` names, given as the dtype (``torch.bfloat16``)
+    or its name (``"bfloat16"``), else a ValueError naming it and the choices."""
+    for dtype in allowed:
+        if value is dtype or (isinstance(value, str) and value == str(dtype).split(".")[-1]):
+            return dtype
+    names = " or ".join(repr(str(d).split(".")[-1]) for d in allowed)
+    raise ValueError(f"{where}: {name}={value!r}, expected {names} (or the torch dtype)")
 
 
 def check_bool(where: str, name: str, value: Any) -> bool:

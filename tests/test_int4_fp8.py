@@ -184,6 +184,20 @@ def test_bytes_against_int8():
         assert (codec.code_bytes(m) + codec.scale_bytes(m)) / int8_bytes <= most
 
 
+def test_dtype_options_take_the_torch_dtype_or_its_name():
+    by_name = pycomm.hooks.Int4State(None, scale_dtype="bfloat16", residual_dtype="bfloat16")
+    by_dtype = pycomm.hooks.Int4State(
+        None, scale_dtype=torch.bfloat16, residual_dtype=torch.bfloat16
+    )
+    assert (
+        by_dtype.codec.scale_dtype == torch.bfloat16 and by_dtype.residual_dtype == torch.bfloat16
+    )
+    # the same options, so ranks that spell them differently still agree
+    assert by_dtype.options() == by_name.options()
+    assert by_dtype.options()["scale_dtype"] == "bfloat16"
+    assert pycomm.hooks.Int4State(None).options()["scale_dtype"] == "float32"
+
+
 @pytest.mark.parametrize(
     "make, pattern",
     [
@@ -197,7 +211,11 @@ def test_bytes_against_int8():
         ),
         (
             lambda: pycomm.hooks.Int4State(None, scale_dtype="float16"),
-            r"pycomm int4 hook.*scale_dtype='float16', expected one of float32, bfloat16",
+            r"pycomm int4 hook.*scale_dtype='float16', expected 'float32' or 'bfloat16' \(or",
+        ),
+        (
+            lambda: pycomm.hooks.Int4State(None, scale_dtype=torch.float16),
+            r"pycomm int4 hook.*scale_dtype=torch.float16, expected 'float32' or 'bfloat16'",
         ),
         (lambda: pycomm.hooks.Fp8State(None, block=0), r"pycomm fp8 hook.*block"),
         # a bucket is padded to whole blocks: a huge block would allocate gigabytes

@@ -20,7 +20,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from pycomm._validate import check_bool, check_int
+from pycomm._validate import check_bool, check_dtype, check_int
 from pycomm.hooks import advice
 from pycomm.hooks import hierarchy as hier
 from pycomm.hooks.allreduce import exact_allreduce, sparse_allreduce
@@ -43,15 +43,6 @@ logger = logging.getLogger(__name__)
 
 
 _RESIDUAL_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16"}
-
-
-def _check_residual_dtype(hook: str, value: Any) -> torch.dtype:
-    for dtype, name in _RESIDUAL_DTYPES.items():
-        if value is dtype or (isinstance(value, str) and value == name):
-            return dtype
-    raise ValueError(
-        f"pycomm {hook} hook: residual_dtype={value!r}, expected 'float32' or 'bfloat16'"
-    )
 
 
 class Workspace:
@@ -130,7 +121,10 @@ class CompressedState(HookState):
         self.local_feedback = check_bool(
             self.where, "local_feedback", options.get("local_feedback", self.default_local_feedback)
         )
-        self.residual_dtype = _check_residual_dtype(hook, options.get("residual_dtype", "float32"))
+        self.residual_dtype = check_dtype(
+            self.where, "residual_dtype", options.get("residual_dtype", "float32"),
+            tuple(_RESIDUAL_DTYPES),
+        )  # fmt: skip
         self.codec = self.make_codec(options)
         self.iter = 0
         self._fold_next = False  # the next hook call starts a new step: commit the last one

@@ -4,7 +4,7 @@ from typing import Any, Optional
 
 import torch
 
-from pycomm._validate import check_int
+from pycomm._validate import check_dtype, check_int
 from pycomm.hooks.codec import Codec, Fp8Codec, Int4Codec, Int8Codec, OneBitCodec
 from pycomm.hooks.compressed import CompressedState
 
@@ -62,14 +62,15 @@ class Fp8State(CompressedState):
         return {**super().options(), "block": self.codec.block}
 
 
-_SCALE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+_SCALE_DTYPES = (torch.float32, torch.bfloat16)
 
 
 class Int4State(CompressedState):
     """State of the ``int4`` hook: signed 4-bit codes (two a byte, q in [-7, 7]), one scale
     (absmax / 7) per ``block`` elements (default 128, even: the block that held int8's limits
     on every task and optimizer of the quality suite, where 64 did not), stored as
-    ``scale_dtype`` ("float32", the default, or "bfloat16"), error feedback on by default.
+    ``scale_dtype`` ("float32", the default, or "bfloat16", or the torch dtype), error feedback
+    on by default.
 
     Example:
         >>> ddp.register_comm_hook(Int4State(None, block=128), compressed_hook)
@@ -85,15 +86,11 @@ class Int4State(CompressedState):
         block = _check_block(self.where, options.get("block", self.default_block), 2)
         if block % 2:
             raise ValueError(f"{self.where}: block={block}, expected an even number (2 a byte)")
-        name = options.get("scale_dtype", self.default_scale_dtype)
-        if name not in _SCALE_DTYPES:
-            raise ValueError(
-                f"{self.where}: scale_dtype={name!r}, expected one of {', '.join(_SCALE_DTYPES)}"
-            )
-        return Int4Codec(block, _SCALE_DTYPES[name])
+        scale = options.get("scale_dtype", self.default_scale_dtype)
+        return Int4Codec(block, check_dtype(self.where, "scale_dtype", scale, _SCALE_DTYPES))
 
     def options(self) -> dict[str, Any]:
-        scale = next(k for k, v in _SCALE_DTYPES.items() if v == self.codec.scale_dtype)
+        scale = str(self.codec.scale_dtype).split(".")[-1]
         return {**super().options(), "block": self.codec.block, "scale_dtype": scale}
 
 
