@@ -44,9 +44,10 @@ try:  # the interface set_custom_reduce_scatter documents (not exported by torch
 except ImportError:  # FSDP calls allocate() and __call__(), nothing else
     ReduceScatter = object  # type: ignore[misc,assignment]
 
-from pycomm.dist import all_gather_objects
 from pycomm.hooks import AllreduceState, CompressedState, hook_spec
-from pycomm.hooks.state import HookState, accepts_dtype, dtype_names
+from pycomm.hooks.config import agree, error_field, resolved_config
+from pycomm.hooks.registry import spec_identity
+from pycomm.hooks.state import HookState, accepts_dtype, dtype_names, unbound
 
 __all__ = ["FSDPCompression", "ModuleReduceScatter", "compress"]
 
@@ -263,16 +264,38 @@ def _mesh_problem(modules: list[tuple[str, FSDPModule]]) -> Optional[str]:
     return None
 
 
-def _agree(fields: dict[str, Any]) -> None:
-    """The same ValueError on every rank when any field differs between ranks."""
-    gathered = all_gather_objects(fields)
-    for rank, other in enumerate(gathered[1:], start=1):
-        for key, mine in gathered[0].items():
-            if other.get(key) != mine:
-                raise ValueError(
-                    f"pycomm.fsdp.compress: ranks disagree on {key}: rank 0 has {mine!r}, "
-                    f"rank {rank} has {other.get(key)!r}"
-                )
+def _check(
+    hook: Any, options: dict[str, Any], modules: list[tuple[str, FSDPModule]]
+) -> tuple[Any, dict[str, Any]]:
+    """The hook's spec and the options its states get, or the error for this rank's
+    ``hook``, ``options`` or modules."""
+    spec = hook_spec(hook, "pycomm.fsdp.compress")
+    compressed = isinstance(spec.state, type) and issubclass(spec.state, CompressedState)
+    exact = isinstance(spec.state, type) and issubclass(spec.state, AllreduceState)
+    if not modules:
+        raise ValueError(
+            "pycomm.fsdp.compress: model has no FSDPModule; call "
+            "torch.distributed.fsdp.fully_shard on its modules (and the root) first"
+        )
+    if not (compressed or exact):
+        raise ValueError(
+            f"pycomm.fsdp.compress: hook={hook!r} is not a reduce-scatter: use 'allreduce' or "
+            "a compressed hook (bf16, fp16, int8, fp8, int4, onebit, or a registered codec)"
+        )
+    for key, why in _NOT_HERE.items():
+        if key in options:
+            raise ValueError(f"pycomm.fsdp.compress: option {key}={options[key]!r}: {why}")
+    if exact and options:
+        raise ValueError(
+            f"pycomm.fsdp.compress: hook='allreduce' takes no options, got {sorted(options)}"
+        )
+    problem = _mesh_problem(modules)
+    if problem is not None:
+        raise ValueError(f"pycomm.fsdp.compress: {problem}")
+    opts = dict(options)
+    if compressed:
+        opts.setdefault("error_feedback", False)
+    return spec, opts
 
 
 def compress(model: torch.nn.Module, hook: str = "int8", **options: Any) -> FSDPCompression:
@@ -303,41 +326,28 @@ def compress(model: torch.nn.Module, hook: str = "int8", **options: Any) -> FSDP
         raise TypeError(
             f"pycomm.fsdp.compress: model is a {type(model).__name__}, expected an nn.Module"
         )
-    spec = hook_spec(hook, "pycomm.fsdp.compress")
-    compressed = isinstance(spec.state, type) and issubclass(spec.state, CompressedState)
-    exact = isinstance(spec.state, type) and issubclass(spec.state, AllreduceState)
     modules = _fsdp_modules(model)
-    fields = {
-        "hook": hook,
-        "options": sorted(options.items()),
-        "sharded modules": [
-            (name, [tuple(p.shape) for p in m.parameters()]) for name, m in modules
-        ],
-    }
-    _agree(fields)
-    if not modules:
-        raise ValueError(
-            "pycomm.fsdp.compress: model has no FSDPModule; call "
-            "torch.distributed.fsdp.fully_shard on its modules (and the root) first"
-        )
-    if not (compressed or exact):
-        raise ValueError(
-            f"pycomm.fsdp.compress: hook={hook!r} is not a reduce-scatter: use 'allreduce' or "
-            "a compressed hook (bf16, fp16, int8, onebit, or a registered codec)"
-        )
-    for key, why in _NOT_HERE.items():
-        if key in options:
-            raise ValueError(f"pycomm.fsdp.compress: option {key}={options[key]!r}: {why}")
-    if exact and options:
-        raise ValueError(
-            f"pycomm.fsdp.compress: hook='allreduce' takes no options, got {sorted(options)}"
-        )
-    problem = _mesh_problem(modules)
-    if problem is not None:
-        raise ValueError(f"pycomm.fsdp.compress: {problem}")
-    opts = dict(options)
-    if compressed:
-        opts.setdefault("error_feedback", False)
+    # every check this rank can make, then every rank's resolved configuration compared
+    # (the same error on every rank); the states bind, creating groups, only afterwards
+    fields: dict[str, Any] = {}
+    if isinstance(hook, str):  # a name registered on some ranks only: named on every rank
+        fields["hook"] = hook
+        fields[f"registration of hook {hook!r}"] = spec_identity(hook)
+    fields.update(error_field(None))
+    try:
+        spec, opts = _check(hook, options, modules)
+        if issubclass(spec.state, CompressedState):
+            with unbound():
+                fields.update(resolved_config(spec.state(None, **opts)))
+        else:
+            fields["hook"] = hook
+    except (ValueError, TypeError) as e:
+        fields.update(error_field(e))
+    fields["sharded modules"] = [
+        (name, [tuple(p.shape) for p in m.parameters()]) for name, m in modules
+    ]
+    agree("pycomm.fsdp.compress", fields)
+    compressed = issubclass(spec.state, CompressedState)
     installed: dict[str, ModuleReduceScatter] = {}
     for name, module in modules:
         # the codec, its options checked (a ValueError naming the option) by the hook's state

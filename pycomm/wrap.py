@@ -11,10 +11,11 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from pycomm._validate import check_int
-from pycomm.dist import all_gather_objects, settle_at_exit
+from pycomm.dist import settle_at_exit
 from pycomm.hooks import AccumulateState, AutoState, HookState, accumulate_hook
-from pycomm.hooks.registry import hook_names, hook_spec
-from pycomm.hooks.state import accepts_dtype, dtype_names
+from pycomm.hooks.config import agree, error_field, resolved_config
+from pycomm.hooks.registry import hook_names, hook_spec, spec_identity
+from pycomm.hooks.state import accepts_dtype, dtype_names, unbound
 
 logger = logging.getLogger(__name__)
 
@@ -28,23 +29,16 @@ STATE_ATTR = "_pycomm_hook_state"
 _REGISTERED: weakref.WeakSet[HookState] = weakref.WeakSet()
 
 
-def check_args(
-    hook: Any, accumulate_steps: Any, hook_options: Optional[dict] = None, unknown_ok: bool = False
-) -> None:
-    """Raise the error, the same on every rank, for a bad ``hook``, ``hook_options`` or
-    ``accumulate_steps``, before any collective or DDP is built. ``unknown_ok``: let a name
-    this process has not registered pass (wrap and register first compare the registrations
-    across ranks, so that a name registered on some ranks only fails on every rank)."""
+def check_args(hook: Any, accumulate_steps: Any, hook_options: Optional[dict] = None) -> None:
+    """Raise the error for a bad ``hook``, ``hook_options`` or ``accumulate_steps`` on this
+    rank alone, before any process group exists (a framework adapter's constructor); ``wrap``
+    and ``register`` raise the same errors on every rank (:func:`pycomm.hooks.config.agree`)."""
     if isinstance(hook, str):
-        if unknown_ok and hook not in hook_names():
-            check_int("pycomm", "accumulate_steps", accumulate_steps)
-            return
         spec = hook_spec(hook)
         if spec.state is AutoState:
             AutoState.check_options(dict(hook_options or {}))
     else:
-        if not (unknown_ok and isinstance(hook, HookState) and _registered_fn(hook) is None):
-            hook_pair(hook)
+        hook_pair(hook)
         if hook_options:
             raise ValueError(
                 f"pycomm: hook_options={dict(hook_options)!r} with a hook state instance; "
@@ -85,31 +79,32 @@ def _registered_fn(state: HookState) -> Optional[Callable]:
     return None
 
 
-def hook_label(hook: HookArg, hook_options: dict[str, Any]) -> dict[str, Any]:
-    """What every rank must agree on about ``hook``: its name and options, or its state's
-    class, name, options and function."""
-    if isinstance(hook, str):
-        known = hook in hook_names()
-        spec = hook_spec(hook) if known else None
-        return {
-            "hook": hook,
-            "hook_options": sorted(hook_options.items()),
-            # a name registered on some ranks only: an error on every rank, not a hang
-            "registration of the hook": (
-                f"{spec.state.__module__}.{spec.state.__qualname__}" if spec else "none"
-            ),
-        }
-    if isinstance(hook, HookState):  # its function from the registry, which ranks may differ in
-        state, fn = hook, _registered_fn(hook)
-    else:
-        state, fn = hook_pair(hook)
-    cls = type(state)
-    where = "none" if fn is None else f"{getattr(fn, '__module__', '?')}.{fn.__qualname__}"
-    return {
-        "hook": f"{cls.__module__}.{cls.__qualname__} ({state.hook_name})",
-        "hook_options": sorted(state.options().items()),
-        "hook function": where,
-    }
+def resolve_hook(
+    hook: HookArg, hook_options: dict[str, Any], accumulate_steps: Any, group: Any
+) -> tuple[dict[str, Any], Optional[HookState], Optional[Callable]]:
+    """This rank's side of the cross-rank check, and the hook's state (built unbound: binding
+    may create groups, which waits until the ranks agree) and function; the state is None when
+    the hook or its options are bad here, and the fields then carry the error."""
+    fields: dict[str, Any] = {}
+    if isinstance(hook, str):  # a name registered on some ranks only: named on every rank
+        fields["hook"] = hook
+        fields[f"registration of hook {hook!r}"] = spec_identity(hook)
+    fields.update(error_field(None))
+    state = fn = None
+    try:
+        check_args(hook, accumulate_steps, hook_options)
+        if isinstance(hook, str):
+            spec = hook_spec(hook)
+            with unbound():
+                state, fn = spec.state(group, **hook_options), spec.hook
+        else:
+            state, fn = hook_pair(hook)
+        fields.update(resolved_config(state, fn))
+    except (ValueError, TypeError) as e:
+        fields.update(error_field(e))
+        state = fn = None
+    fields["accumulate_steps"] = accumulate_steps
+    return fields, state, fn
 
 
 def params_signature(module: torch.nn.Module) -> list[tuple[str, tuple[int, ...], str]]:
@@ -118,34 +113,6 @@ def params_signature(module: torch.nn.Module) -> list[tuple[str, tuple[int, ...]
         for name, p in module.named_parameters()
         if p.requires_grad
     ]
-
-
-def _agree_across_ranks(where: str, fields: dict[str, Any], group) -> None:
-    """Raise the same ValueError on every rank when any field differs between ranks."""
-    world = dist.get_world_size(group)
-    if world == 1:
-        return
-    gathered = all_gather_objects(fields, group)
-    ref = gathered[0]
-    for rank, other in enumerate(gathered[1:], start=1):
-        for key in ref:
-            a, b = ref[key], other.get(key)
-            if a == b:
-                continue
-            if key == "parameters":
-                if len(a) != len(b):
-                    raise ValueError(
-                        f"pycomm.{where}: ranks disagree on the model: rank 0 has {len(a)} "
-                        f"trainable parameters, rank {rank} has {len(b)}"
-                    )
-                i = next(i for i, (x, y) in enumerate(zip(a, b)) if x != y)
-                raise ValueError(
-                    f"pycomm.{where}: ranks disagree on parameter {i}: rank 0 has "
-                    f"{a[i][0]} {a[i][1]} {a[i][2]}, rank {rank} has {b[i][0]} {b[i][1]} {b[i][2]}"
-                )
-            raise ValueError(
-                f"pycomm.{where}: ranks disagree on {key}: rank 0 has {a!r}, rank {rank} has {b!r}"
-            )
 
 
 def named_ddp_parameters(ddp: DDP) -> list[tuple[str, torch.Tensor]]:
@@ -176,16 +143,6 @@ def sparse_parameters(ddp: DDP) -> list[torch.Tensor]:
         for p in m.parameters(recurse=False)
         if p.requires_grad
     ]
-
-
-def _make_state(
-    ddp: DDP, hook: HookArg, hook_options: dict[str, Any]
-) -> tuple[HookState, Callable]:
-    """The hook's state over DDP's group, and its function."""
-    if isinstance(hook, str):
-        spec = hook_spec(hook)
-        return spec.state(ddp.process_group, **hook_options), spec.hook
-    return hook_pair(hook)
 
 
 def _reduced_dtype(ddp: DDP, param: torch.Tensor) -> torch.dtype:
@@ -219,11 +176,8 @@ def _check_grad_dtypes(ddp: DDP, state: HookState) -> None:
             )
 
 
-def _attach(
-    ddp: DDP, hook: HookArg, hook_options: dict[str, Any], accumulate_steps: int
-) -> HookState:
+def _attach(ddp: DDP, state: HookState, fn: Callable, accumulate_steps: int) -> HookState:
     settle_at_exit()
-    state, fn = _make_state(ddp, hook, hook_options)
     state.bind()
     _check_grad_dtypes(ddp, state)
     params = ddp_parameters(ddp)
@@ -272,26 +226,24 @@ def register(
         >>> state = pycomm.register(ddp, hook="allreduce")
         >>> state = pycomm.register(ddp2, hook=(MyState(None), my_hook), accumulate_steps=4)
     """
-    check_args(hook, accumulate_steps, hook_options, unknown_ok=True)
     if not isinstance(ddp, DDP):
         raise TypeError(f"pycomm.register: expected a DistributedDataParallel, got {type(ddp)}")
     # Compared across ranks with the rest, so that every rank raises the same error instead
     # of one raising while the others wait for it in the next collective.
     problem = _registration_problem(ddp) or _state_problem(ddp.process_group, hook)
-    _agree_across_ranks(
-        "register",
+    fields, state, fn = resolve_hook(hook, hook_options, accumulate_steps, ddp.process_group)
+    agree(
+        "pycomm.register",
         {
-            **hook_label(hook, hook_options),
-            "accumulate_steps": accumulate_steps,
+            **fields,
             "parameters": params_signature(ddp.module),
             "state of the DDP model": problem,
         },
         ddp.process_group,
     )
-    check_args(hook, accumulate_steps, hook_options)  # unknown on every rank, if at all
     if problem is not None:
         raise RuntimeError(f"pycomm.register: {problem}")
-    return _attach(ddp, hook, hook_options, accumulate_steps)
+    return _attach(ddp, state, fn, accumulate_steps)
 
 
 def _python_reducer() -> bool:
@@ -375,9 +327,12 @@ def _registration_problem(ddp: DDP) -> Optional[str]:
 
 def _state_problem(group: Any, hook: HookArg) -> Optional[str]:
     """Why a user's state instance cannot serve a DDP model over ``group``, or None."""
-    if isinstance(hook, str):
+    if isinstance(hook, HookState):
+        state = hook
+    elif isinstance(hook, tuple) and hook and isinstance(hook[0], HookState):
+        state = hook[0]
+    else:  # a name, or a malformed hook: resolve_hook reports it
         return None
-    state = hook if isinstance(hook, HookState) else hook_pair(hook)[0]
     world = dist.group.WORLD
     if (state.process_group or world) is not (group or world):
         return (
@@ -438,7 +393,6 @@ def wrap(
         >>> pycomm.hook_state(ddp).stats
     """
     hook_options = dict(hook_options or {})
-    check_args(hook, accumulate_steps, hook_options, unknown_ok=True)
     if isinstance(module, DDP):
         raise TypeError(
             "pycomm.wrap: module is already a DistributedDataParallel; wrapping it again "
@@ -448,24 +402,22 @@ def wrap(
         raise RuntimeError("pycomm.wrap: no process group; call pycomm.init() first")
     python_reducer = _python_reducer()
     problem = _state_problem(process_group, hook)
-    _agree_across_ranks(
-        "wrap",
+    fields, state, fn = resolve_hook(hook, hook_options, accumulate_steps, process_group)
+    agree(
+        "pycomm.wrap",
         {
-            **hook_label(hook, hook_options),
-            "accumulate_steps": accumulate_steps,
+            **fields,
             "parameters": params_signature(module),
             "hook state": problem,
             "compiled DDP's Python reducer": python_reducer,
         },
         process_group,
     )
-    check_args(hook, accumulate_steps, hook_options)  # unknown on every rank, if at all
     if problem is not None:
         raise RuntimeError(f"pycomm.wrap: {problem}")
     if python_reducer:
         raise RuntimeError(f"pycomm.wrap: {_PYTHON_REDUCER}")
-    state_cls = hook_spec(hook).state if isinstance(hook, str) else type(hook_pair(hook)[0])
-    cap = state_cls.default_bucket_cap_mb
+    cap = state.default_bucket_cap_mb
     if cap is not None and "bucket_cap_mb" not in ddp_kwargs:
         ddp_kwargs["bucket_cap_mb"] = cap
         logger.info("pycomm.wrap: bucket_cap_mb=%s for the %s hook", cap, hook)
@@ -474,7 +426,7 @@ def wrap(
     # for compatibility (a view's detach_() fails; optimizer.zero_grad() handles it).
     ddp_kwargs.setdefault("gradient_as_bucket_view", True)
     ddp = DDP(module, process_group=process_group, **ddp_kwargs)
-    _attach(ddp, hook, hook_options, accumulate_steps)
+    _attach(ddp, state, fn, accumulate_steps)
     return ddp
 
 

@@ -357,3 +357,35 @@ def test_compiled_ddp_with_ddp_optimizer_runs_the_hooks():
     for (a, _), (b, steps) in zip(ref, ours):
         assert steps == 4
         assert torch.equal(a, b)
+
+
+def _rank_sparse_norm_is_the_optimizers(hook, k, steps):
+    """TrainLoop's last_grad_norm beside the norm of the gradients the optimizer then steps
+    with (read in an optimizer step pre-hook, sparse ones densified)."""
+    data = _sparse_data(dist.get_rank(), steps * k)
+    model, ddp, loop_kw = _build_sparse(hook, k)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    seen = []
+
+    def read(optimizer, args, kwargs):
+        grads = [p.grad.to_dense() if p.grad.is_sparse else p.grad for p in model.parameters()]
+        seen.append(float(torch.stack([g.double().square().sum() for g in grads]).sum().sqrt()))
+
+    opt.register_step_pre_hook(read)
+    loop = pycomm.TrainLoop(ddp, opt, **loop_kw)
+    norms = []
+    for batch in data:
+        before = loop.optimizer_steps
+        loop.step(lambda b=batch: _sparse_loss(ddp, *b))
+        if loop.optimizer_steps > before:
+            norms.append(loop.last_grad_norm)
+    return norms, seen
+
+
+@pytest.mark.parametrize("hook", ["plain", *HOOKS, "fp8", "int4"])
+def test_sparse_accumulation_norm_is_the_optimizers_gradient(hook):
+    """With sparse gradients summed over 2 micro-steps, the norm TrainLoop clips with is the
+    norm of the gradient the optimizer receives, to 1e-6, as for dense models."""
+    for norms, seen in run_ranks(_rank_sparse_norm_is_the_optimizers, 2, hook, 2, 4, timeout=120):
+        assert len(norms) == len(seen) == 4
+        torch.testing.assert_close(norms, seen, rtol=1e-6, atol=0)

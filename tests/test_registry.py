@@ -354,19 +354,22 @@ def test_a_users_state_and_hook_get_accumulation_checks_and_checkpoints(tmp_path
         "registered_instance",
     ):
         assert out[key] is True, (key, out)
-    assert "ranks disagree on hook_options: rank 0 has [('scale', 1.0)]" in out["options_differ"]
+    assert (
+        "ranks disagree on hook option 'scale': rank 0 has 1.0, rank 1 has 2.0"
+        in out["options_differ"]
+    )
     assert "CountingState instance: its class is not registered" in out["unregistered"]
     assert "hook_options={'scale': 3} with a hook state instance" in out["with_options"]
     assert "already registered on a DDP model" in out["reused"]
     assert "expected (HookState instance, hook function)" in out["not_a_state"]
     assert "another process group than the DDP model's" in out["other_group"]
     assert (
-        "ranks disagree on hook function: rank 0 has 'test_registry.counting_hook', rank 1 "
-        "has 'none'" in out["instance_registered_on_rank_0"]
+        "pycomm.wrap: on rank 1: pycomm: hook=SoloState instance: its class is not registered"
+        in out["instance_registered_on_rank_0"]
     )
     assert (
-        "ranks disagree on registration of the hook: rank 0 has 'test_registry.SoloState', "
-        "rank 1 has 'none'" in out["registered_on_rank_0"]
+        "ranks disagree on registration of hook 'solo': rank 0 has 'test_registry.SoloState, "
+        "test_registry.counting_hook', rank 1 has 'not registered'" in out["registered_on_rank_0"]
     )
 
 

@@ -77,7 +77,7 @@ from pycomm.hooks.allreduce import exact_allreduce, sparse_allreduce
 from pycomm.hooks.codec import Codec
 from pycomm.hooks.compressed import CompressedState
 from pycomm.hooks.groups import phase_groups
-from pycomm.hooks.registry import hook_names, hook_spec
+from pycomm.hooks.registry import hook_names, hook_spec, spec_identity
 from pycomm.hooks.state import (
     HookState,
     accepts_dtype,
@@ -364,6 +364,14 @@ class AutoState(HookState):
             "allow": list(self.allow),
             "hierarchy": self.hierarchy,
             "start_iter": self.start_iter,
+        }
+
+    def identity(self) -> dict[str, Any]:
+        """The state class, and what each allowed candidate is on this rank: the ranks must
+        agree on every hook auto may choose."""
+        return {
+            **super().identity(),
+            **{f"auto candidate {h!r}": spec_identity(h) for h in self.allow},
         }
 
     def fingerprint(self) -> dict[str, Any]:

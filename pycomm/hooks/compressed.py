@@ -228,6 +228,10 @@ class CompressedState(HookState):
         given = getattr(self, "codec_kwargs", {})
         return {k: given.get(k, sig.parameters[k].default) for k in self.codec_option_names}
 
+    def identity(self) -> dict[str, Any]:
+        """The state class, and the codec's class and format (:func:`codec_identity`)."""
+        return {**super().identity(), **codec_identity(self.codec)}
+
     def options(self) -> dict[str, Any]:
         return {
             "start_iter": self.start_iter,
@@ -461,6 +465,21 @@ def _summed(
         return x
 
     return work.get_future().then(decode)
+
+
+def codec_identity(codec: Codec) -> dict[str, Any]:
+    """What two ranks' codecs must agree on to exchange codes: the codec's class and its
+    format (block, dtypes, phases, bytes of 8 blocks), so that a codec edited on one node, or
+    one with another default, is named before the first collective instead of hanging it."""
+    cls, m = type(codec), 8 * codec.block
+    return {
+        "codec": f"{cls.__module__}.{cls.__qualname__}",
+        "codec format": (
+            f"block {codec.block}, codes {codec.code_dtype}, scales {codec.scale_dtype}, "
+            f"{'two-phase' if codec.two_phase else 'one-phase'}, "
+            f"{codec.code_bytes(m)} + {codec.scale_bytes(m)} bytes per {m} elements"
+        ),
+    }
 
 
 def summed_numel(codec: Codec, n: int) -> int:

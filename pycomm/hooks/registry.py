@@ -25,10 +25,17 @@ from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 from pycomm.hooks.codec import check_codec
-from pycomm.hooks.compressed import CompressedState, compressed_hook
+from pycomm.hooks.compressed import CompressedState, codec_identity, compressed_hook
 from pycomm.hooks.state import HookState
 
-__all__ = ["HookSpec", "hook_names", "hook_spec", "register_hook", "unregister_hook"]
+__all__ = [
+    "HookSpec",
+    "hook_names",
+    "hook_spec",
+    "register_hook",
+    "spec_identity",
+    "unregister_hook",
+]
 
 _NAME = re.compile(r"^[a-z][a-z0-9_]*$")
 
@@ -219,6 +226,30 @@ def hook_spec(name: Any, where: str = "pycomm") -> HookSpec:
             "hooks; pycomm.hooks.register_hook adds one)"
         )
     return spec
+
+
+def qualified_name(obj: Any) -> str:
+    """``module.QualName`` of a class or function (``?`` where it has none)."""
+    return f"{getattr(obj, '__module__', '?')}.{getattr(obj, '__qualname__', repr(obj))}"
+
+
+def spec_identity(name: str) -> str:
+    """What hook ``name`` is in this process, in one line: its state class, its function and,
+    for a codec hook, its codec's class and format at the hook's defaults; ``not registered``
+    when it is not. What ranks compare before using a hook by name.
+
+    Example:
+        >>> spec_identity("int8")
+        'pycomm.hooks.quantized.Int8State, pycomm.hooks.compressed.compressed_hook, codec ...'
+    """
+    spec = _SPECS.get(name)
+    if spec is None:
+        return "not registered"
+    parts = [qualified_name(spec.state), qualified_name(spec.hook)]
+    if spec.codec is not None:
+        codec = codec_identity(spec.codec())
+        parts.append(f"codec {codec['codec']} ({codec['codec format']})")
+    return ", ".join(parts)
 
 
 def hook_names(auto: Optional[bool] = None) -> list[str]:

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import logging
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any, Optional
 
 import torch
@@ -11,9 +13,31 @@ import torch.distributed as dist
 
 from pycomm.hooks.groups import completed
 
-__all__ = ["HookState", "check_bucket", "check_owner", "completed", "ring_bytes"]
+__all__ = ["HookState", "check_bucket", "check_owner", "completed", "ring_bytes", "unbound"]
 
 logger = logging.getLogger(__name__)
+
+_UNBOUND: contextvars.ContextVar[bool] = contextvars.ContextVar("pycomm_unbound", default=False)
+
+
+@contextlib.contextmanager
+def unbound() -> Iterator[None]:
+    """Build hook states without binding them to their group, even where the group exists:
+    binding may create process groups (a collective), so ``pycomm.wrap``, ``register`` and
+    ``pycomm.fsdp.compress`` build the state unbound, compare every rank's resolved
+    configuration (:func:`pycomm.hooks.config.resolved_config`), and bind only once the ranks
+    agree.
+
+    Example:
+        >>> with pycomm.hooks.state.unbound():
+        ...     state = pycomm.hooks.Int8State(None, block=32)
+        >>> state.bind()
+    """
+    token = _UNBOUND.set(True)
+    try:
+        yield
+    finally:
+        _UNBOUND.reset(token)
 
 
 def ring_bytes(nbytes: int, world_size: int) -> int:
@@ -57,7 +81,7 @@ class HookState:
         # hook call (or pycomm.register): frameworks build the state before the group.
         self._world_size: Optional[int] = None
         self._rank: Optional[int] = None
-        if dist.is_available() and dist.is_initialized():
+        if dist.is_available() and dist.is_initialized() and not _UNBOUND.get():
             self.bind()
         self.node_buffers: dict[tuple, dict] = {}  # the node hierarchy's, per bucket
         self._stats: dict[str, Any] = {
@@ -119,6 +143,13 @@ class HookState:
     def options(self) -> dict[str, Any]:
         """The hook's configuration: compared across ranks and stored in the fingerprint."""
         return {}
+
+    def identity(self) -> dict[str, Any]:
+        """What the hook is, beside its :meth:`options`: its state class, and what a subclass
+        adds (a codec's class and format). Every rank must agree on it and on the options
+        (:func:`pycomm.hooks.config.resolved_config`)."""
+        cls = type(self)
+        return {"state class": f"{cls.__module__}.{cls.__qualname__}"}
 
     def optimizer_advice(self, optimizer: Any) -> Optional[str]:
         """Why this hook, as configured, is known to train worse with ``optimizer`` and what to

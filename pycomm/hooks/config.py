@@ -1,0 +1,113 @@
+"""What the ranks compare before a hook's first collective: each rank's resolved configuration,
+never the options as the caller spelled them.
+
+A rank's configuration is the hook's name, what it is (:meth:`HookState.identity`: its state
+class and, for a codec hook, the codec's class and format) and every option with its default
+filled in (:meth:`HookState.options`). ``pycomm.wrap``, ``pycomm.register`` (and so the
+framework adapters, which call it) and ``pycomm.fsdp.compress`` build the state unbound
+(:func:`pycomm.hooks.state.unbound`), gather every rank's fields with :func:`agree`, and bind
+only once they agree: so ``{"block": 64}`` on one rank and ``{}`` on another, where 64 is the
+default, is one configuration, while a hook name bound to another codec on one node, or a codec
+with another default there, is a ValueError on every rank that names the first difference.
+
+Example:
+    >>> with pycomm.hooks.state.unbound():
+    ...     state = pycomm.hooks.Int8State(None)
+    >>> resolved_config(state)["hook option 'block'"]
+    64
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Optional
+
+import torch.distributed as dist
+
+from pycomm.dist import all_gather_objects
+from pycomm.hooks.registry import qualified_name
+from pycomm.hooks.state import HookState
+
+__all__ = ["agree", "error_field", "resolved_config"]
+
+# The field a rank sets when it could not resolve its configuration (its hook or options are
+# bad there): (exception type name, message); raised on every rank.
+ERROR = "error"
+_ERRORS = {"TypeError": TypeError, "ValueError": ValueError, "RuntimeError": RuntimeError}
+_ABSENT = "(absent)"
+
+
+def resolved_config(state: HookState, fn: Optional[Callable] = None) -> dict[str, Any]:
+    """The fields every rank must agree on for ``state`` (and its hook function ``fn``): the
+    hook's name, :meth:`~HookState.identity`, the function, and one field per resolved option.
+
+    Example:
+        >>> resolved_config(pycomm.hooks.Int8State(None))["codec"]
+        'pycomm.hooks.codec.Int8Codec'
+    """
+    identity = state.identity()
+    # the codec's format after the options: a difference in both is named as the option
+    late = {k: identity.pop(k) for k in ("codec format",) if k in identity}
+    fields: dict[str, Any] = {"hook": state.hook_name, **identity}
+    if fn is not None:
+        fields["hook function"] = qualified_name(fn)
+    for key, value in state.options().items():
+        fields[f"hook option {key!r}"] = value
+    return {**fields, **late}
+
+
+def error_field(exc: Optional[BaseException]) -> dict[str, Any]:
+    """The :data:`ERROR` field: the error of a rank that could not resolve its configuration,
+    or None. Set it (to None) before the configuration's fields, and again on an error: the
+    ranks compare it where it stands, so an error on one rank comes before the fields that
+    rank could not fill in."""
+    return {ERROR: None if exc is None else (type(exc).__name__, str(exc))}
+
+
+def agree(where: str, fields: dict[str, Any], group: Optional[dist.ProcessGroup] = None) -> None:
+    """Gather every rank's ``fields`` and raise the same error on every rank at the first
+    field, in order, where the ranks differ: a ValueError naming the field and each value, or,
+    at the :data:`ERROR` field, the error some rank met (its type and message, with the rank
+    when not every rank met it). A single rank checks its own error only.
+
+    Example:
+        >>> agree("pycomm.wrap", {"hook": "int8", "hook option 'block'": 64})
+    """
+    world = dist.get_world_size(group) if dist.is_initialized() else 1
+    gathered = [fields] if world == 1 else all_gather_objects(fields, group)
+    keys = list(dict.fromkeys(k for g in gathered for k in g))
+    for key in keys:
+        values = [g.get(key, _ABSENT) for g in gathered]
+        if key == ERROR:
+            _raise_error(where, values)
+            continue
+        first = next((r for r, v in enumerate(values) if v != values[0]), None)
+        if first is None:
+            continue
+        a, b = values[0], values[first]
+        if key == "parameters" and a != _ABSENT and b != _ABSENT:
+            raise ValueError(f"{where}: ranks disagree on {_parameter_difference(a, b, first)}")
+        raise ValueError(
+            f"{where}: ranks disagree on {key}: rank 0 has {a!r}, rank {first} has {b!r}"
+        )
+
+
+def _raise_error(where: str, values: list) -> None:
+    failed = [(r, v) for r, v in enumerate(values) if v not in (None, _ABSENT)]
+    if not failed:
+        return
+    rank, (kind, message) = failed[0]
+    if len(failed) < len(values) or any(v != failed[0][1] for _, v in failed):
+        message = f"{where}: on rank {rank}: {message}"
+    raise _ERRORS.get(kind, ValueError)(message)
+
+
+def _parameter_difference(a: list, b: list, rank: int) -> str:
+    if len(a) != len(b):
+        return (
+            f"the model: rank 0 has {len(a)} trainable parameters, rank {rank} has {len(b)}"
+        )
+    i = next(i for i, (x, y) in enumerate(zip(a, b)) if x != y)
+    return (
+        f"parameter {i}: rank 0 has {a[i][0]} {a[i][1]} {a[i][2]}, rank {rank} has "
+        f"{b[i][0]} {b[i][1]} {b[i][2]}"
+    )
