@@ -46,7 +46,7 @@ except ImportError:  # FSDP calls allocate() and __call__(), nothing else
 
 from pycomm.hooks import AllreduceState, CompressedState, hook_spec
 from pycomm.hooks.config import agree, error_field, resolved_config
-from pycomm.hooks.registry import spec_identity
+from pycomm.hooks.registry import registration
 from pycomm.hooks.state import HookState, accepts_dtype, dtype_names, unbound
 
 __all__ = ["FSDPCompression", "ModuleReduceScatter", "compress"]
@@ -332,7 +332,7 @@ def compress(model: torch.nn.Module, hook: str = "int8", **options: Any) -> FSDP
     fields: dict[str, Any] = {}
     if isinstance(hook, str):  # a name registered on some ranks only: named on every rank
         fields["hook"] = hook
-        fields[f"registration of hook {hook!r}"] = spec_identity(hook)
+        fields[f"registration of hook {hook!r}"] = registration(hook)
     fields.update(error_field(None))
     try:
         spec, opts = _check(hook, options, modules)

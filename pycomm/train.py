@@ -22,6 +22,23 @@ from pycomm.wrap import STATE_ATTR, ddp_parameters
 logger = logging.getLogger(__name__)
 
 
+def sparse_sqnorm(grad: torch.Tensor) -> float:
+    """The squared L2 norm of the sparse tensor ``grad`` as a dense tensor: its values summed
+    per index first. A sum of sparse gradients (accumulation, a gather of every rank's) may
+    repeat an index, and a tensor may be flagged coalesced while it still does, so the
+    indices are summed here whatever the flag says.
+
+    Example:
+        >>> g = torch.sparse_coo_tensor([[0, 0]], [1.0, 2.0], (3,))
+        >>> sparse_sqnorm(g)
+        9.0
+    """
+    fresh = torch.sparse_coo_tensor(
+        grad._indices(), grad._values(), grad.shape, check_invariants=False
+    ).coalesce()
+    return float(fresh._values().double().square().sum())
+
+
 class TrainLoop:
     """Runs micro-batches through a DDP model and steps the optimizer on every k-th.
 
@@ -221,10 +238,8 @@ class TrainLoop:
         grads = self._grads()
         dense = [g for g in grads if not g.is_sparse]
         # sparse gradients (nn.Embedding(sparse=True)): reduced exactly by every hook, outside
-        # its decode norm; the norm of the coalesced values (duplicate indices summed first)
-        sparse_sq = sum(
-            float(g.coalesce()._values().double().square().sum()) for g in grads if g.is_sparse
-        )
+        # its decode norm; the norm of the gradient the optimizer adds in
+        sparse_sq = sum(sparse_sqnorm(g) for g in grads if g.is_sparse)
         sq = self._hook_sqnorm()
         if sq is not None:
             norm = math.sqrt(sq) if sq >= 0 else float("nan")

@@ -14,7 +14,7 @@ from pycomm._validate import check_int
 from pycomm.dist import settle_at_exit
 from pycomm.hooks import AccumulateState, AutoState, HookState, accumulate_hook
 from pycomm.hooks.config import agree, error_field, resolved_config
-from pycomm.hooks.registry import hook_names, hook_spec, spec_identity
+from pycomm.hooks.registry import hook_names, hook_spec, registration
 from pycomm.hooks.state import accepts_dtype, dtype_names, unbound
 
 logger = logging.getLogger(__name__)
@@ -88,7 +88,7 @@ def resolve_hook(
     fields: dict[str, Any] = {}
     if isinstance(hook, str):  # a name registered on some ranks only: named on every rank
         fields["hook"] = hook
-        fields[f"registration of hook {hook!r}"] = spec_identity(hook)
+        fields[f"registration of hook {hook!r}"] = registration(hook)
     fields.update(error_field(None))
     state = fn = None
     try:

@@ -195,11 +195,46 @@ def test_nan_stays_nonfinite_on_every_rank_and_does_not_poison(hook):
 def test_bytes_per_step_and_compression(hook, options, target):
     n = 1 << 20  # one 4 MB bucket
     results = run_ranks(_rank_bucket, 2, hook, options, n, 4, -1, timeout=90)
-    for _, sent, _, _, _ in results:
+    for _, sent, stats, _, _ in results:
         fp32_ring = 2 * (2 - 1) * n * 4 // 2
         assert sent[0] == sent[1] == fp32_ring  # warm-up: exact fp32
         assert sent[2] == sent[3]
         assert fp32_ring / sent[2] >= target, fp32_ring / sent[2]
+        # the running total counts the exact warm-up; codec_compression the format's alone
+        assert stats["codec_compression"] == fp32_ring / sent[2]
+        assert stats["compression"] == 4 * fp32_ring / sum(sent[:4])
+
+
+def _rank_residuals_read(n, steps):
+    """``state.residuals`` read after each backward, beside the local gradient."""
+    torch.manual_seed(0)
+    ddp = pycomm.wrap(_Fixed(n), hook="int8")
+    state = pycomm.hook_state(ddp)
+    c = torch.randn(n, generator=torch.Generator().manual_seed(dist.get_rank()))
+    read = []
+    for _ in range(steps):
+        ddp.zero_grad()
+        ddp(c.clone()).backward()
+        read.append(
+            {k: {name: t.clone() for name, t in r.items()} for k, r in state.residuals.items()}
+        )
+    return read, c
+
+
+def test_residuals_are_the_last_finished_steps():
+    """Read after a backward, ``state.residuals`` holds that step's residual (phase 1: the
+    gradient / N, plus the last residual, less its int8 decode), not the step before's."""
+    n, w, block = 5000, 2, 64
+    chunk = -(-n // (w * block)) * block
+    codec = pycomm.hooks.Int8Codec(block)
+    for read, c in run_ranks(_rank_residuals_read, w, n, 4, timeout=60):
+        assert read[0] == read[1] == {}  # start_iter=2: the exact warm-up keeps none
+        want = torch.zeros(w * chunk)
+        for step in (2, 3):
+            codec.encode(c, want.clone(), 1.0 / w, w * chunk, want)
+            (r,) = read[step].values()
+            assert want.abs().max() > 0
+            torch.testing.assert_close(r["r1"], want, rtol=0, atol=1e-7)
 
 
 def test_onebit_defaults_warm_up_20_steps_and_keep_only_the_reduced_residual():

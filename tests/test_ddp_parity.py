@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from harness import run_ranks
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import pycomm
@@ -359,12 +360,9 @@ def test_compiled_ddp_with_ddp_optimizer_runs_the_hooks():
         assert torch.equal(a, b)
 
 
-def _rank_sparse_norm_is_the_optimizers(hook, k, steps):
-    """TrainLoop's last_grad_norm beside the norm of the gradients the optimizer then steps
-    with (read in an optimizer step pre-hook, sparse ones densified)."""
-    data = _sparse_data(dist.get_rank(), steps * k)
-    model, ddp, loop_kw = _build_sparse(hook, k)
-    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+def _norms_the_optimizer_gets(model, opt):
+    """A list that each optimizer step appends the norm of the gradients it steps with to (read
+    in a step pre-hook, sparse ones densified)."""
     seen = []
 
     def read(optimizer, args, kwargs):
@@ -372,6 +370,16 @@ def _rank_sparse_norm_is_the_optimizers(hook, k, steps):
         seen.append(float(torch.stack([g.double().square().sum() for g in grads]).sum().sqrt()))
 
     opt.register_step_pre_hook(read)
+    return seen
+
+
+def _rank_sparse_norm_is_the_optimizers(hook, k, steps):
+    """TrainLoop's last_grad_norm beside the norm of the gradients the optimizer then steps
+    with (read in an optimizer step pre-hook, sparse ones densified)."""
+    data = _sparse_data(dist.get_rank(), steps * k)
+    model, ddp, loop_kw = _build_sparse(hook, k)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    seen = _norms_the_optimizer_gets(model, opt)
     loop = pycomm.TrainLoop(ddp, opt, **loop_kw)
     norms = []
     for batch in data:
@@ -387,5 +395,50 @@ def test_sparse_accumulation_norm_is_the_optimizers_gradient(hook):
     """With sparse gradients summed over 2 micro-steps, the norm TrainLoop clips with is the
     norm of the gradient the optimizer receives, to 1e-6, as for dense models."""
     for norms, seen in run_ranks(_rank_sparse_norm_is_the_optimizers, 2, hook, 2, 4, timeout=120):
+        assert len(norms) == len(seen) == 4
+        torch.testing.assert_close(norms, seen, rtol=1e-6, atol=0)
+
+
+def _split_flagged(_, bucket):
+    """torch's all-reduce, whose sparse result is handed on with each index twice (half the
+    value each) and still flagged coalesced: the same gradient, as a user's hook may give it."""
+    fut = default_hooks.allreduce_hook(None, bucket)
+    if not bucket.buffer().is_sparse:
+        return fut
+
+    def split(f):
+        g = f.value()
+        g = g[0] if isinstance(g, list) else g
+        idx, val = g._indices(), g._values() / 2
+        return torch.sparse_coo_tensor(
+            torch.cat([idx, idx], 1),
+            torch.cat([val, val]),
+            g.shape,
+            is_coalesced=True,
+            check_invariants=False,
+        )
+
+    return fut.then(split)
+
+
+def _rank_flagged_norm():
+    data = _sparse_data(dist.get_rank(), 4)
+    model = Sparse()
+    ddp = DDP(model)
+    ddp.register_comm_hook(None, _split_flagged)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    seen = _norms_the_optimizer_gets(model, opt)
+    loop = pycomm.TrainLoop(ddp, opt)
+    norms = []
+    for batch in data:
+        loop.step(lambda b=batch: _sparse_loss(ddp, *b))
+        norms.append(loop.last_grad_norm)
+    return norms, seen
+
+
+def test_sparse_norm_sums_repeated_indices_whatever_the_flag():
+    """A sparse gradient that repeats indices while flagged coalesced (``coalesce()`` then
+    returns it as it is): the norm is still that of the gradient the optimizer adds in."""
+    for norms, seen in run_ranks(_rank_flagged_norm, 2, timeout=60):
         assert len(norms) == len(seen) == 4
         torch.testing.assert_close(norms, seen, rtol=1e-6, atol=0)

@@ -74,6 +74,24 @@ def _drop_residual(self, x, residual, scale, numel, residual_out=None):
     return codes, None  # the residual left as it was: error feedback would drift
 
 
+def _residual_off(self, x, residual, scale, numel, residual_out=None):
+    codes, _ = PlainCodec.encode(self, x, residual, scale, numel, residual_out)
+    (residual if residual_out is None else residual_out).fill_(0.25)
+    return codes, None
+
+
+def _decode_unscaled(self, codes, scales, scale, out):
+    return PlainCodec.decode_sum(self, codes, scales, 1.0, out)  # scale ignored
+
+
+def _decode_finite(self, codes, scales, scale, out):
+    return PlainCodec.decode_sum(self, codes.nan_to_num(), scales, scale, out)
+
+
+def _count_nothing(self, codes, scales, scale, out):
+    return PlainCodec.decode_sum(self, codes, scales, scale, out) * torch.tensor([1.0, 0.0])
+
+
 def _meta_codes(self, x, residual, scale, numel, residual_out=None):
     codes, _ = PlainCodec.encode(self, x, residual, scale, numel, residual_out)
     return codes.to("meta"), None
@@ -88,7 +106,11 @@ _BAD = [
     (_broken(two_phase=1), "two_phase=1, expected True or False"),
     (_broken(code_dtype=None), "code_dtype=None, expected a torch.dtype"),
     (_broken(block=0), "block=0, expected a positive int"),
-    (_broken(encode=_drop_residual), "is not y - decode"),
+    (_broken(encode=_drop_residual), "8 of 8 elements .* every element of residual_out"),
+    (_broken(encode=_residual_off), r"is not y - decode\(codes\) \(off by up to"),
+    (_broken(decode_sum=_decode_unscaled), "must add the rows and multiply the sum by its scale"),
+    (_broken(decode_sum=_decode_finite), "holding nan decoded to finite values only"),
+    (_broken(decode_sum=_count_nothing), "counted 0 non-finite elements in an out holding"),
     (_broken(encode=lambda self, *a: torch.zeros(8)), r"returned Tensor, expected \(codes, s"),
     (
         _broken(decode_sum=lambda self, c, s, sc, out: out.view(3, -1)),
@@ -368,8 +390,8 @@ def test_a_users_state_and_hook_get_accumulation_checks_and_checkpoints(tmp_path
         in out["instance_registered_on_rank_0"]
     )
     assert (
-        "ranks disagree on registration of hook 'solo': rank 0 has 'test_registry.SoloState, "
-        "test_registry.counting_hook', rank 1 has 'not registered'" in out["registered_on_rank_0"]
+        "ranks disagree on registration of hook 'solo': rank 0 has 'test_registry.SoloState', "
+        "rank 1 has 'not registered'" in out["registered_on_rank_0"]
     )
 
 

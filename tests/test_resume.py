@@ -121,6 +121,24 @@ def test_loading_another_world_size_names_it():
         assert err is not None and "world_size is 2 in the checkpoint but 3 here" in err, err
 
 
+def _rank_load_other_block(saved):
+    ddp = pycomm.wrap(_model(), hook="int8", bucket_cap_mb=0.004, hook_options={"block": 32})
+    try:
+        pycomm.hook_state(ddp).load_state_dict(saved[dist.get_rank()])
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def test_loading_other_options_names_the_option():
+    """The message names the differing option and its two values, not both whole dicts."""
+    saved = run_ranks(_rank_save_state, 2, timeout=60)
+    for err in run_ranks(_rank_load_other_block, 2, saved, timeout=60):
+        assert err == (
+            "pycomm: cannot load hook state: options['block'] is 64 in the checkpoint but 32 here"
+        ), err
+
+
 class Mixed(torch.nn.Module):
     def __init__(self):
         super().__init__()

@@ -112,7 +112,10 @@ def _rank_mismatch(kind):
     "kind, pattern",
     [
         ("hook", "ranks disagree on hook: rank 0 has 'allreduce', rank 1 has 'powersgd'"),
-        ("options", "ranks disagree on hook option 'matrix_approximation_rank': rank 0 has 1, rank 1 has 2"),
+        (
+            "options",
+            "ranks disagree on hook option 'matrix_approximation_rank': rank 0 has 1, rank 1 has 2",
+        ),
         (
             "model",
             r"ranks disagree on parameter 0: rank 0 has 0.weight \(64, 32\) float32, "

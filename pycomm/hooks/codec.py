@@ -10,9 +10,16 @@ statistics, ``state_dict`` and resume, the accumulate stage and ``TrainLoop``'s 
 The rules every codec follows (:class:`Codec` states each one):
 
 - **Blocks and padding.** ``block`` is the unit of a chunk: every length the engine hands to
-  :meth:`~Codec.encode` (``numel``) or decodes (``m``) is a multiple of ``block``. The engine
-  pads the bucket with zeros up to that length; the codec reads ``x`` (``n <= numel``
-  elements) as if zero-padded.
+  :meth:`~Codec.encode` (``numel``) or decodes (``m``) is a multiple of ``block``. A bucket of
+  ``n`` elements is padded with zeros: a one-phase codec (``two_phase=False``) to the next
+  multiple of ``block``; a two-phase codec to ``N`` equal chunks, one per rank, of
+  ``c = ceil(n / (N * block)) * block`` elements (``N * c`` in all, ``N`` the ranks of the
+  exchange). The codec reads ``x`` (``n <= numel`` elements) as if zero-padded.
+- **Scale.** ``encode`` multiplies ``x`` by ``scale`` before adding the residual (the engine
+  passes ``1/N`` in phase 1, so the sum of N rows is the mean, and 1 in phase 2);
+  ``decode_sum`` multiplies the sum by its ``scale``. The DDP engine passes 1.0 to
+  ``decode_sum`` today, other callers of a codec may not: a codec honours any scale in both
+  (:func:`check_codec` decodes with 0.5).
 - **Bytes.** ``code_bytes(m)`` and ``scale_bytes(m)`` are the bytes of the codes and scales of
   ``m`` elements (multiples of the dtypes' sizes); the engine packs both into one uint8 row per
   rank, so they must be exact.
@@ -21,8 +28,9 @@ The rules every codec follows (:class:`Codec` states each one):
   residual store keeps a step's residuals only when every count is 0 (the non-finite skip),
   and ``TrainLoop`` clips with the summed squares (no extra pass over the gradients).
 - **Non-finite input.** A NaN or Inf in ``x`` must decode to a non-finite value (not a finite
-  one), so that every rank sees it and skips the step; where it is, the residual keeps its
-  old value.
+  one), so that every rank sees it and skips the step (:func:`check_codec` checks it). What
+  the residual holds there does not matter: when any decode of a step counts a non-finite
+  element, the engine drops every residual that step wrote and keeps the previous step's.
 - **Devices.** Every call runs on the bucket's device (CPU or CUDA), with every tensor it
   gets and returns there; a codec never synchronizes with the host (no ``.item()``): on an
   accelerator the engine only enqueues work.
@@ -104,9 +112,10 @@ class Codec:
                 for no error feedback.
             scale: multiplies ``x`` first (the engine passes 1/N in phase 1, 1 in phase 2).
             numel: elements to encode, a multiple of ``block``.
-            residual_out: where the new residual ``y - decode(codes)`` goes (same size and
-                dtype as ``residual``); None: into ``residual`` in place. Where ``y`` is not
-                finite the new residual keeps the old value.
+            residual_out: where the new residual ``y - decode(codes)`` goes, every one of its
+                ``numel`` elements (same size and dtype as ``residual``); None: into
+                ``residual`` in place. A step whose ``y`` is not finite anywhere has its new
+                residuals dropped by the engine, so their values there do not matter.
 
         Returns:
             ``(codes, scales)``: 1-D tensors of ``code_dtype`` and ``scale_dtype`` with
@@ -129,7 +138,8 @@ class Codec:
             codes: ``[R, code_bytes(m) / itemsize]`` of ``code_dtype``: R rows of ``m``
                 elements each; possibly a strided view (rows of a packed receive buffer).
             scales: ``[R, scale_bytes(m) / itemsize]`` of ``scale_dtype``, or None.
-            scale: multiplies the sum.
+            scale: multiplies the sum; any float (the DDP engine passes 1.0, other callers
+                other values), so a codec must not assume 1.
             out: the destination, ``<= m`` elements, fp32, bf16 or fp16 (the bucket's
                 dtype); may have 0 elements (the padding past a bucket's end).
 
@@ -162,7 +172,10 @@ class Codec:
         return out
 
     def split(self, rows: torch.Tensor, m: int) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-        """The inverse of :meth:`pack` for chunks of ``m`` elements: ([R, m] codes, scales)."""
+        """The inverse of :meth:`pack` for chunks of ``m`` elements: ``(codes, scales)``, views
+        of ``rows`` with codes ``[R, code_bytes(m) / code_dtype's itemsize]`` (``[R, m]`` for
+        one code per element; fewer columns for a packed format such as int4's two codes a
+        byte) and scales ``[R, scale_bytes(m) / scale_dtype's itemsize]`` or None."""
         cb = self.code_bytes(m)
         # row slices, read in place by the decoders (CPU and CUDA): no copy
         codes, scales = rows[:, :cb], None if self.scale_dtype is None else rows[:, cb:]
@@ -446,6 +459,7 @@ def check_codec(codec: Any, where: str = "pycomm.hooks.check_codec", device: Any
     if codes.dtype != code_dtype or codes.shape[0] != rows:
         _fail(where, f"split() gave codes {codes.dtype} {list(codes.shape)}, expected {rows} rows")
     y = torch.nn.functional.pad(x * 0.5, (0, 1)) + before
+    ones: list[torch.Tensor] = []
     for r in range(rows):
         one = torch.empty(m, device=dev)
         st = _run(
@@ -458,6 +472,17 @@ def check_codec(codec: Any, where: str = "pycomm.hooks.check_codec", device: Any
             one,
         )
         _check_stats_type(where, st, dev)
+        ones.append(one)
+        unset = (~torch.isfinite(out_res[r])).nonzero()
+        if unset.numel():
+            _fail(
+                where,
+                f"the residual encode() wrote has {unset.numel()} of {m} elements that are not "
+                f"finite (the first at index {int(unset[0])}) for a finite y: encode must "
+                "write y - decode(codes) to every element of residual_out",
+            )
+        if not torch.isfinite(one).all():
+            _fail(where, f"decode_sum(codes of row {r}) wrote non-finite values for a finite y")
         if not torch.allclose(one + out_res[r], y[r], rtol=1e-3, atol=1e-5):
             worst = (one + out_res[r] - y[r]).abs().max().item()
             _fail(
@@ -465,9 +490,8 @@ def check_codec(codec: Any, where: str = "pycomm.hooks.check_codec", device: Any
                 "the residual encode() wrote is not y - decode(codes) (off by up to "
                 f"{worst:.3g}): error feedback would drift",
             )
-    out = torch.full(
-        (m - 3,), float("nan"), device=dev
-    )  # shorter than a chunk: the last rank's part
+    # shorter than a chunk (the last rank's part), and scaled
+    out = torch.full((m - 3,), float("nan"), device=dev)
     stats = _run(
         where,
         f"decode_sum(codes of {rows} rows, scales, 0.5, out of {m - 3})",
@@ -487,3 +511,40 @@ def check_codec(codec: Any, where: str = "pycomm.hooks.check_codec", device: Any
             f"decode_sum returned stats {stats.tolist()}, expected [{sq:.6g}, {bad:g}] "
             "(sum of out**2 over finite out, count of non-finite out) for the out it wrote",
         )
+    want = (0.5 * (ones[0] + ones[1]))[: m - 3]
+    if not torch.allclose(out, want, rtol=1e-5, atol=1e-6):
+        ratio = (out.double().norm() / want.double().norm().clamp_min(1e-30)).item()
+        _fail(
+            where,
+            f"decode_sum(codes of {rows} rows, scales, 0.5, out) wrote {ratio:.3g} times the "
+            "size of 0.5 * (the sum of the rows decoded one by one), expected 1: decode_sum "
+            "must add the rows and multiply the sum by its scale argument",
+        )
+    _check_nonfinite(where, codec, m, dev)
+
+
+def _check_nonfinite(where: str, codec: Any, m: int, dev: torch.device) -> None:
+    """A NaN, then an Inf, in the input decodes to a non-finite value and is counted."""
+    for bad in (float("nan"), float("inf")):
+        x = torch.ones(m, device=dev)
+        x[1] = bad
+        residual = torch.zeros(m, device=dev)
+        call = f"encode(x holding {bad}, residual, 1.0, {m}, residual_out)"
+        codes, scales = _run(where, call, codec.encode, x, residual, 1.0, m, residual.clone())
+        row = _run(where, "pack(codes, scales, 1)", codec.pack, codes, scales, 1)
+        codes, scales = _run(where, f"split(row, {m})", codec.split, row, m)
+        out = torch.zeros(m, device=dev)
+        st = _run(where, f"decode_sum(codes of x holding {bad})", codec.decode_sum, codes,
+                  scales, 1.0, out)  # fmt: skip
+        if bool(torch.isfinite(out).all()):
+            _fail(
+                where,
+                f"an input holding {bad} decoded to finite values only, expected a non-finite "
+                "value where it was: every rank must see it to skip the step",
+            )
+        if not float(st[1]) > 0:
+            _fail(
+                where,
+                f"decode_sum counted {float(st[1]):g} non-finite elements in an out holding "
+                f"{int((~torch.isfinite(out)).sum())}, expected the count",
+            )

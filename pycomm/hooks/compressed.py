@@ -91,6 +91,14 @@ class CompressedState(HookState):
     residuals apart until it is known finite: 8 bytes per parameter in fp32) and the memory
     traffic of encoding; y is still computed in fp32, and each new residual is rounded to bf16
     (a relative 2^-9 of the error it carries).
+
+    ``stats`` adds to :class:`HookState`'s: ``nonfinite_buckets``, ``residual_bytes``,
+    ``rebucketed_steps``, and the codec's own figures over its compressed exchanges alone:
+    ``codec_bytes_sent``, ``codec_bytes_fp32`` (an fp32 ring all-reduce of the same elements
+    across the same ranks) and ``codec_compression``, their ratio. ``compression`` is the
+    running total over every step instead: the exact warm-up before ``start_iter`` counts in
+    it, and under ``hierarchy="node"`` the exact in-node stages too, where
+    ``codec_compression`` counts the cross-node exchange of each shard only.
     """
 
     grad_dtypes = _FLOATS  # the engine encodes from fp32, bf16 or fp16 buckets
@@ -128,7 +136,14 @@ class CompressedState(HookState):
         self.codec = self.make_codec(options)
         self.iter = 0
         self._fold_next = False  # the next hook call starts a new step: commit the last one
-        self._stats.update(nonfinite_buckets=0, residual_bytes=0, rebucketed_steps=0)
+        self._stats.update(
+            nonfinite_buckets=0,
+            residual_bytes=0,
+            rebucketed_steps=0,
+            codec_bytes_sent=0,
+            codec_bytes_fp32=0,
+            codec_compression=1.0,
+        )
         self.device = torch.device("cpu")  # of the buckets; set by the hook
         # the three parts: residuals (kept per bucket, committed once a step is finite), the
         # hook's own bucket layout over the bound parameters, and the exchange's buffers
@@ -144,7 +159,11 @@ class CompressedState(HookState):
 
     @property
     def residuals(self) -> dict[tuple, dict[str, torch.Tensor]]:
-        """Bucket key -> {"r1", "r2"}: the error-feedback residuals as of the last finite step."""
+        """Bucket key -> {"r1", "r2"}: the error-feedback residuals as of the last finite step
+        whose backward has returned (a step's residuals are kept once all its buckets are
+        decoded; read in the middle of a backward, the previous step's)."""
+        if self.store.touched and self._fold_next:
+            self.commit()
         return self.store.residuals
 
     @property
@@ -170,8 +189,20 @@ class CompressedState(HookState):
         return self.world_size if self.node_plan is None else self.node_plan.nodes
 
     def count_exchange(self, bucket: dist.GradBucket, nbytes: int, collectives: int) -> None:
-        if self.node_plan is None:  # the node hierarchy counts all its stages itself
+        """Account one compressed exchange of ``bucket`` that sends ``nbytes`` in the totals,
+        which the node hierarchy counts itself (its exact in-node stages included)."""
+        if self.node_plan is None:
             self.count(bucket, nbytes, collectives=collectives)
+
+    def count_codec(self, numel: int, nbytes: int) -> None:
+        """Account one compressed exchange of ``numel`` elements that sends ``nbytes`` in
+        ``codec_bytes_sent``/``codec_bytes_fp32``/``codec_compression``: the codec's own ratio
+        over its exchanges alone (no warm-up step; under the node hierarchy, the cross-node
+        exchange of each rank's shard only)."""
+        s = self._stats
+        s["codec_bytes_sent"] += nbytes
+        s["codec_bytes_fp32"] += ring_bytes(numel * 4, self.exchange_size)
+        s["codec_compression"] = s["codec_bytes_fp32"] / max(s["codec_bytes_sent"], 1)
 
     def bind_parameters(self, params: list[torch.Tensor]) -> None:
         """The model's trainable parameters in ``module.parameters()`` order: names buckets
@@ -387,6 +418,7 @@ def _two_phase(
     send, recv = ws["send"], ws["recv"]
     gathered = recv
     codec.pack(codes, scales, w, out=send)
+    state.count_codec(n, 2 * (w - 1) * row_bytes)
     state.count_exchange(bucket, 2 * (w - 1) * row_bytes, collectives=2)
     phases = state.phases
     g1, g2 = phases.groups
@@ -456,6 +488,7 @@ def _summed(
     numel = summed_numel(codec, n)
     r1, _, r1_out, _ = state.residual((index, n, str(x.dtype)), n)
     enc, _ = codec.encode(x, r1, 1.0 / w, numel, r1_out)
+    state.count_codec(n, ring_bytes(codec.code_bytes(numel), w))
     state.count_exchange(bucket, ring_bytes(codec.code_bytes(numel), w), collectives=1)
     work = dist.all_reduce(enc, group=state.phases.groups[0], async_op=True)
 

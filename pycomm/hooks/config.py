@@ -103,9 +103,7 @@ def _raise_error(where: str, values: list) -> None:
 
 def _parameter_difference(a: list, b: list, rank: int) -> str:
     if len(a) != len(b):
-        return (
-            f"the model: rank 0 has {len(a)} trainable parameters, rank {rank} has {len(b)}"
-        )
+        return f"the model: rank 0 has {len(a)} trainable parameters, rank {rank} has {len(b)}"
     i = next(i for i, (x, y) in enumerate(zip(a, b)) if x != y)
     return (
         f"parameter {i}: rank 0 has {a[i][0]} {a[i][1]} {a[i][2]}, rank {rank} has "

@@ -33,6 +33,7 @@ __all__ = [
     "hook_names",
     "hook_spec",
     "register_hook",
+    "registration",
     "spec_identity",
     "unregister_hook",
 ]
@@ -231,6 +232,18 @@ def hook_spec(name: Any, where: str = "pycomm") -> HookSpec:
 def qualified_name(obj: Any) -> str:
     """``module.QualName`` of a class or function (``?`` where it has none)."""
     return f"{getattr(obj, '__module__', '?')}.{getattr(obj, '__qualname__', repr(obj))}"
+
+
+def registration(name: str) -> str:
+    """Hook ``name``'s state class in this process, or ``not registered``: what ranks compare
+    first, so that a name registered on some ranks only is named as such.
+
+    Example:
+        >>> registration("int8")
+        'pycomm.hooks.quantized.Int8State'
+    """
+    spec = _SPECS.get(name)
+    return "not registered" if spec is None else qualified_name(spec.state)
 
 
 def spec_identity(name: str) -> str:

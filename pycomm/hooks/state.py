@@ -51,7 +51,9 @@ class HookState:
     ``stats`` counts ``steps`` (iterations, one per last bucket), ``buckets`` (hook calls),
     ``collectives`` (collective calls issued), ``bytes_sent`` (the payload this rank put on the
     wire), ``bytes_fp32`` (what an fp32 ring all-reduce of the same buckets sends) and
-    ``compression`` (bytes_fp32 / bytes_sent).
+    ``compression`` (bytes_fp32 / bytes_sent): running totals over every step so far, exact
+    warm-up steps included (a compression hook adds ``codec_compression``, its compressed
+    exchanges' alone).
 
     The contract a subclass of one's own keeps (docs/custom_hooks.md, "The contracts"): built
     as ``State(process_group, **options)``, possibly before the group exists; :meth:`bind`
@@ -212,14 +214,39 @@ class HookState:
     def check_fingerprint(self, state: dict[str, Any]) -> None:
         """Refuse (ValueError naming the field) a checkpoint of another hook or config, or
         the state of another rank."""
-        mine, theirs = self.fingerprint(), state.get("fingerprint", {})
-        for key in sorted(set(mine) | set(theirs)):
-            if mine.get(key) != theirs.get(key):
-                raise ValueError(
-                    f"pycomm: cannot load hook state: {key} is {theirs.get(key)!r} in the "
-                    f"checkpoint but {mine.get(key)!r} here"
-                )
+        differ = first_difference(state.get("fingerprint", {}), self.fingerprint())
+        if differ is not None:
+            path, theirs, mine = differ
+            raise ValueError(
+                f"pycomm: cannot load hook state: {path} is {theirs} in the checkpoint but "
+                f"{mine} here"
+            )
         check_owner(self.hook_name, state, self.rank, self.world_size)
+
+
+_ABSENT = object()
+
+
+def first_difference(a: Any, b: Any, path: str = "") -> Optional[tuple[str, str, str]]:
+    """The first place where ``a`` and ``b`` differ, descending into dicts in sorted key
+    order: ``(path, a's value, b's value)`` as a message names them (``options['block']``,
+    ``'32'``, ``'64'``; ``absent`` for a missing key), or None when they are equal.
+
+    Example:
+        >>> first_difference({"options": {"block": 32}}, {"options": {"block": 64}})
+        ("options['block']", '32', '64')
+    """
+    if isinstance(a, dict) and isinstance(b, dict):
+        for key in sorted(set(a) | set(b), key=repr):
+            sub = f"{path}[{key!r}]" if path else str(key)
+            found = first_difference(a.get(key, _ABSENT), b.get(key, _ABSENT), sub)
+            if found is not None:
+                return found
+        return None
+    if a is _ABSENT or b is _ABSENT or a != b:
+        show = lambda v: "absent" if v is _ABSENT else repr(v)  # noqa: E731
+        return path or "the fingerprint", show(a), show(b)
+    return None
 
 
 def check_owner(hook: str, state: dict[str, Any], rank: int, world_size: int) -> None:
