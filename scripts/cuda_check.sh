@@ -5,7 +5,8 @@
 # separate tree (so the main tree's in-place build, used by .venv, is never touched), builds
 # pycomm._C there WITH the CUDA kernels using nvcc, checks that every op has a CUDA kernel,
 # and runs the kernel tests against that build (the kernel cases of tests/test_ops.py and
-# tests/test_codecs.py on the cpu backend; the build's C++ runtime check; tests/test_cuda.py).
+# tests/test_codecs.py on the cpu backend; the build's C++ runtime check; tests/test_cuda.py),
+# then the dry run of scripts/gpu_validate.sh (--cpu) against that build.
 # The emulated CUDA backend is left to make test: it compiles the .cu sources with the host
 # compiler, apart from this build, so it would only run again against another torch. The hooks,
 # launch and training tests use no code that differs between the two builds: make test runs
@@ -136,3 +137,20 @@ echo "cuda_check: pytest $TESTS (against the CUDA build)"
 (cd "$TREE" && PYTHONPATH=$TREE PYCOMM_EXPECT_CUDA=1 PYCOMM_CUDA_EMU=0 $NICE "$PY" -m pytest -q -p no:cacheprovider \
   $TESTS)
 phase tests
+
+# the GPU script's dry run against this build: every phase a device call runs, with the CPU
+# standing in for the GPU (the tests that need no device kernel run on the CPU, the others are
+# listed as skipped), so that what would fail the first device run fails here
+echo "cuda_check: scripts/gpu_validate.sh --cpu (the dry run of the device calls)"
+DRY=$TREE/gpu_dry_run
+rm -rf "$DRY"
+if ! GPU_VALIDATE_TREE=$TREE PYTHON=$PY OUT=$DRY $NICE scripts/gpu_validate.sh --cpu --skip-build \
+  --big 3001 --reps 1 >"$TREE/gpu_dry_run.log" 2>&1; then
+  cat "$TREE/gpu_dry_run.log"
+  [ -f "$DRY/pytest_cuda.log" ] && tail -80 "$DRY/pytest_cuda.log"
+  echo "cuda_check: the dry run of scripts/gpu_validate.sh failed"
+  exit 1
+fi
+grep -E "^(PASSED|SKIPPED)" "$DRY/pytest_cuda.log" | sed 's/ - .*//' | sort | uniq -c | sort -rn | head -40
+tail -3 "$TREE/gpu_dry_run.log"
+phase dry-run

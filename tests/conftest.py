@@ -12,6 +12,16 @@
 - ``cuda``: the CUDA kernels on a GPU, with CUDA tensors, when there is one and the build
   has them (``scripts/gpu_validate.sh`` runs the kernel tests on one).
 
+Two options select and stand in for the device (``scripts/gpu_validate.sh`` passes them):
+
+- ``--device-tests``: only the tests that run on the GPU (the ``cuda`` backend's cases of
+  ``be`` and ``cuda_be``, and the tests that take the ``cuda`` or ``gpu`` fixture), instead of
+  ``-k cuda``, which also matches the module name ``test_cuda.py``.
+- ``--cpu-stand-in``: the dry run of a machine without a GPU. The tests that take the ``gpu``
+  fixture, whose code needs no kernel launched on a device (the hooks' host paths, the
+  side-stream path, opcheck's samples, the sync-free script), run with the CPU as their
+  device; those that take ``cuda`` (streams, device placement) are skipped, saying why.
+
 A test written against ``be`` calls ``be("op", *args)`` with its tensors moved there by
 ``be.to`` / ``be.args`` (same shape, strides and storage offset, so alignment is kept) and
 compares with ``pycomm.reference`` on the CPU (``kernel_data.bits_equal`` moves results back).
@@ -83,6 +93,38 @@ def _emu_build_dir() -> str:
     return os.environ.get("PYCOMM_EMU_BUILD") or os.path.join(
         tempfile.gettempdir(), f"pycomm_cuda_emu_{_sources_digest()}"
     )
+
+
+def pytest_addoption(parser) -> None:
+    group = parser.getgroup("pycomm devices")
+    group.addoption(
+        "--device-tests",
+        action="store_true",
+        help="only the tests that run on the GPU (scripts/gpu_validate.sh)",
+    )
+    group.addoption(
+        "--cpu-stand-in",
+        action="store_true",
+        help="a dry run without a GPU: the gpu fixture's tests run on the CPU",
+    )
+
+
+def _runs_on_the_device(item) -> bool:
+    names = getattr(item, "fixturenames", ())
+    if "cuda" in names or "gpu" in names:
+        return True
+    params = getattr(getattr(item, "callspec", None), "params", {})
+    return params.get("be") == "cuda" or params.get("cuda_be") == "cuda"
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    if not config.getoption("--device-tests"):
+        return
+    keep = [item for item in items if _runs_on_the_device(item)]
+    dropped = [item for item in items if not _runs_on_the_device(item)]
+    if dropped:
+        config.hook.pytest_deselected(items=dropped)
+    items[:] = keep
 
 
 def pytest_collection_finish(session) -> None:
@@ -239,3 +281,15 @@ def cuda() -> Backend:
     if why is not None:
         pytest.skip(why)
     return backend("cuda")
+
+
+@pytest.fixture
+def gpu(request) -> torch.device:
+    """The device of a test whose code runs on the CPU too: the GPU where there is one, the
+    CPU in a dry run (``--cpu-stand-in``), else skipped."""
+    why = skip_reason("cuda")
+    if why is None:
+        return torch.device("cuda", 0)
+    if request.config.getoption("--cpu-stand-in"):
+        return torch.device("cpu")
+    pytest.skip(why)
