@@ -8,6 +8,7 @@ Example:
 
 from pycomm import checkpoint, hooks, ops
 from pycomm.dist import DistInfo, init, shutdown
+from pycomm.exchange import Exchange, Work
 from pycomm.launcher import LaunchError, launch
 from pycomm.topology import Topology, topology
 from pycomm.train import TrainLoop
@@ -17,9 +18,11 @@ __version__ = "0.1.0"
 
 __all__ = [
     "DistInfo",
+    "Exchange",
     "LaunchError",
     "Topology",
     "TrainLoop",
+    "Work",
     "checkpoint",
     "hook_state",
     "hooks",

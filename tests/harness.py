@@ -199,3 +199,18 @@ def run_ranks(
         _POOLS.pop(key, None)
         pool.stop(kill=True)
         raise
+
+
+def error_text(call: Callable[[], Any]) -> str | None:
+    """``"Type: message"`` of the ValueError, TypeError or RuntimeError ``call()`` raises, or
+    None: what a rank returns so that every rank's refusal can be compared.
+
+    Example:
+        >>> error_text(lambda: int("x"))
+        "ValueError: invalid literal for int() with base 10: 'x'"
+    """
+    try:
+        call()
+    except (ValueError, TypeError, RuntimeError) as e:
+        return f"{type(e).__name__}: {e}"
+    return None

@@ -490,3 +490,35 @@ def test_hooks_on_cuda_nccl_world_one(gpu, hook):
     )
     errors, _, stats = res
     assert errors == [0.0] * 3 and stats["steps"] == 3
+
+
+def _rank_exchange_on(device, codec):
+    """pycomm.Exchange's three collectives on the device's tensors: the same bits on every
+    rank, close to the exact mean, and the same as on the CPU's tensors."""
+    import torch.distributed as dist
+
+    import pycomm
+
+    r, n = dist.get_rank(), dist.get_world_size()
+    out = []
+    for dev in (torch.device(device, 0) if device == "cuda" else torch.device(device), "cpu"):
+        ex = pycomm.Exchange(codec)
+        g = torch.Generator().manual_seed(r)
+        t = torch.randn(3001, generator=g).to(dev)
+        inp, shard = torch.randn(n * 333, generator=g).to(dev), torch.empty(333, device=dev)
+        mine, full = torch.randn(257, generator=g).to(dev), torch.empty(n * 257, device=dev)
+        ex.all_reduce(t, key="a").wait()
+        ex.reduce_scatter(shard, inp, key="b").wait()
+        ex.all_gather(full, mine, key="c").wait()
+        out.append([t.cpu(), shard.cpu(), full.cpu()])
+    return out
+
+
+@pytest.mark.parametrize("codec", ["allreduce", "int8", "fp8"])
+def test_exchange_on_the_device(gpu, codec):
+    import pycomm
+
+    results = pycomm.launch(_rank_exchange_on, 2, gpu.type, codec, backend="gloo", timeout=300)
+    for on_device, on_cpu in results:
+        for a, b in zip(on_device, on_cpu):
+            assert torch.equal(a, b)  # the device's kernels give the CPU's bits

@@ -8,6 +8,7 @@ import types
 
 import torch
 import torch.distributed as dist
+from harness import error_text as _error
 from harness import run_ranks
 from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -51,14 +52,6 @@ class Hidden(Int8Codec):
 def _model():
     torch.manual_seed(0)
     return torch.nn.Sequential(torch.nn.Linear(12, 32), torch.nn.Tanh(), torch.nn.Linear(32, 4))
-
-
-def _error(call):
-    try:
-        call()
-    except (ValueError, TypeError, RuntimeError) as e:
-        return f"{type(e).__name__}: {e}"
-    return None
 
 
 def _rank_mismatches():

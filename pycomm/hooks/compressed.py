@@ -194,14 +194,17 @@ class CompressedState(HookState):
         if self.node_plan is None:
             self.count(bucket, nbytes, collectives=collectives)
 
-    def count_codec(self, numel: int, nbytes: int) -> None:
+    def count_codec(self, numel: int, nbytes: int, bytes_fp32: Optional[int] = None) -> None:
         """Account one compressed exchange of ``numel`` elements that sends ``nbytes`` in
         ``codec_bytes_sent``/``codec_bytes_fp32``/``codec_compression``: the codec's own ratio
         over its exchanges alone (no warm-up step; under the node hierarchy, the cross-node
-        exchange of each rank's shard only)."""
+        exchange of each rank's shard only). ``bytes_fp32``: what the exact fp32 collective
+        sends, where it is not a ring all-reduce of ``numel`` elements (a reduce-scatter's)."""
         s = self._stats
         s["codec_bytes_sent"] += nbytes
-        s["codec_bytes_fp32"] += ring_bytes(numel * 4, self.exchange_size)
+        if bytes_fp32 is None:
+            bytes_fp32 = ring_bytes(numel * 4, self.exchange_size)
+        s["codec_bytes_fp32"] += bytes_fp32
         s["codec_compression"] = s["codec_bytes_fp32"] / max(s["codec_bytes_sent"], 1)
 
     def bind_parameters(self, params: list[torch.Tensor]) -> None:

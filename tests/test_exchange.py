@@ -1,0 +1,266 @@
+"""pycomm.Exchange: the engine's compressed collectives on tensors of the caller's, against
+torch.distributed's exact ones: all_reduce, reduce_scatter and all_gather with every built-in
+codec and a user's, on 2 and 4 gloo ranks; error feedback per key; the non-finite rule; a
+bitwise state_dict round trip; the configuration compared across ranks at construction; bad
+input named."""
+
+import pytest
+import torch
+import torch.distributed as dist
+from harness import error_text as _error
+from harness import run_ranks
+
+import pycomm
+from pycomm.hooks import HalfCodec, register_hook, unregister_hook
+
+
+class UserBf16(HalfCodec):
+    """A user's codec: bf16 codes summed as they are (one phase), another default."""
+
+    def __init__(self, two_phase: bool = True) -> None:
+        super().__init__(torch.bfloat16, two_phase)
+
+
+# a single call's relative error bound per codec (1-bit's is large by nature)
+BOUNDS = {"allreduce": 0.0, "fp16": 1e-3, "bf16": 8e-3, "mybf16": 8e-3, "int8": 3e-2,
+          "fp8": 8e-2, "int4": 0.3, "onebit": 1.2}  # fmt: skip
+CODECS = [c for c in BOUNDS if c != "mybf16"]
+
+
+def _exact_mean(t):
+    total = t.clone()
+    dist.all_reduce(total)
+    return total / dist.get_world_size()
+
+
+def _gathered(t):
+    everyone = [torch.empty_like(t) for _ in range(dist.get_world_size())]
+    dist.all_gather(everyone, t)
+    return everyone
+
+
+def _rank_collectives(codec, user):
+    if user:
+        register_hook("mybf16", codec=UserBf16)
+    try:
+        r, n = dist.get_rank(), dist.get_world_size()
+        ex = pycomm.Exchange(codec)
+        g = torch.Generator().manual_seed(100 + r)
+        out = {}
+        # all_reduce: the mean, every rank the same bits
+        t = torch.randn(3001, generator=g)
+        exact = _exact_mean(t)
+        assert ex.all_reduce(t, key="a").wait() is t
+        out["all_reduce"] = float((t - exact).norm() / exact.norm())
+        out["all_reduce same"] = all(torch.equal(t, o) for o in _gathered(t))
+        # op="sum": N times the mean
+        u = torch.randn(500, generator=g)
+        total = _exact_mean(u) * n
+        ex.all_reduce(u, key="s", op="sum").wait()
+        out["sum"] = float((u - total).norm() / total.norm())
+        # reduce_scatter: this rank's chunk of the mean (chunks of 333, not whole blocks)
+        inp, shard = torch.randn(n * 333, generator=g), torch.empty(333)
+        exact = _exact_mean(inp).view(n, 333)[r]
+        ex.reduce_scatter(shard, inp, key="rs").wait()
+        out["reduce_scatter"] = float((shard - exact).norm() / exact.norm())
+        # all_gather: every rank's input at its chunk, the same bits on every rank
+        mine, full = torch.randn(257, generator=g), torch.empty(n * 257)
+        exact = torch.cat(_gathered(mine))
+        ex.all_gather(full, mine, key="ag").wait()
+        out["all_gather"] = float((full - exact).norm() / exact.norm())
+        out["all_gather same"] = all(torch.equal(full, o) for o in _gathered(full))
+        out["stats"] = dict(ex.stats)
+        return out
+    finally:
+        if user:
+            unregister_hook("mybf16")
+
+
+# every codec on 2 ranks; on 4, the exact path, a two-phase codec and a user's
+@pytest.mark.parametrize(
+    "codec, nprocs",
+    [(c, 2) for c in [*CODECS, "mybf16"]] + [(c, 4) for c in ("allreduce", "int8", "mybf16")],
+)
+def test_collectives_against_torch_distributed(codec, nprocs):
+    results = run_ranks(_rank_collectives, nprocs, codec, codec == "mybf16", timeout=90)
+    bound = BOUNDS[codec]
+    for out in results:
+        assert out["all_reduce same"] and out["all_gather same"]
+        for call in ("all_reduce", "sum", "reduce_scatter", "all_gather"):
+            if codec == "allreduce":
+                assert out[call] < 1e-6, (call, out[call])
+            else:
+                assert 0 < out[call] <= bound, (call, out[call])
+        stats = out["stats"]
+        assert stats["steps"] == 4
+        if codec != "allreduce":
+            assert stats["bytes_sent"] < stats["bytes_fp32"]
+            assert stats["codec_compression"] > 1.5
+    assert results[0]["stats"]["bytes_sent"] == results[-1]["stats"]["bytes_sent"]
+
+
+def _rank_exact_bits():
+    """The exact path: all_reduce is DDP's reduction (x / N, then a sum), reduce_scatter the
+    rank-order fp32 sum, all_gather the inputs as they are."""
+    r, n = dist.get_rank(), dist.get_world_size()
+    ex = pycomm.Exchange("allreduce")
+    g = torch.Generator().manual_seed(r)
+    t = torch.randn(1000, generator=g)
+    want = t / n
+    dist.all_reduce(want)
+    ex.all_reduce(t, key=0).wait()
+    inp, shard = torch.randn(n * 100, generator=g), torch.empty(100)
+    rows = torch.stack(_gathered(inp)).view(n, n, 100)[:, r]
+    acc = rows[0].clone()
+    for row in rows[1:]:
+        acc += row
+    ex.reduce_scatter(shard, inp, key=1).wait()
+    mine, full = torch.randn(64, generator=g), torch.empty(n * 64)
+    ex.all_gather(full, mine, key=2).wait()
+    return (
+        torch.equal(t, want),
+        torch.equal(shard, acc / n),
+        torch.equal(full, torch.cat(_gathered(mine))),
+    )
+
+
+def test_the_exact_exchange_is_bitwise_torchs():
+    for ok in run_ranks(_rank_exact_bits, 2, timeout=60):
+        assert ok == (True, True, True)
+
+
+def _rank_feedback(codec, options, calls):
+    """The same tensor all-reduced ``calls`` times under one key: with error feedback, what
+    one call drops is sent by the next, so the running mean of the results converges on the
+    exact mean, while a single call's error stays."""
+    g = torch.Generator().manual_seed(dist.get_rank())
+    x = torch.randn(4096, generator=g)
+    exact = _exact_mean(x)
+    ex = pycomm.Exchange(codec, **options)
+    results = []
+    for _ in range(calls):
+        t = x.clone()
+        ex.all_reduce(t, key="x").wait()
+        results.append(t)
+    first = float((results[0] - exact).norm() / exact.norm())
+    running = float((torch.stack(results).mean(0) - exact).norm() / exact.norm())
+    return first, running
+
+
+@pytest.mark.parametrize(
+    "codec, options", [("int8", {}), ("int4", {}), ("onebit", {"local_feedback": True})]
+)
+def test_error_feedback_per_key(codec, options):
+    for first, running in run_ranks(_rank_feedback, 2, codec, options, 20, timeout=60):
+        assert running < 0.3 * first, (first, running)
+
+
+def _rank_resume(codec, cut, total):
+    """``total`` calls over three keys; at ``cut`` the state is saved and a fresh Exchange
+    loads it and goes on."""
+    g = torch.Generator().manual_seed(dist.get_rank())
+    data = [
+        (torch.randn(700, generator=g), torch.randn(2 * 300, generator=g)) for _ in range(total)
+    ]
+
+    def run(ex, start, stop):
+        outs = []
+        for a, b in data[start:stop]:
+            a = a.clone()
+            ex.all_reduce(a, key="a").wait()
+            shard = torch.empty(300)
+            ex.reduce_scatter(shard, b, key="b").wait()
+            full = torch.empty(2 * 300)
+            ex.all_gather(full, shard, key="c").wait()
+            outs += [a, shard, full]
+        return outs
+
+    straight = run(pycomm.Exchange(codec, block=32), 0, total)
+    first = pycomm.Exchange(codec, block=32)
+    run(first, 0, cut)
+    saved = first.state_dict()
+    resumed = pycomm.Exchange(codec, block=32)
+    resumed.load_state_dict(saved)
+    tail = run(resumed, cut, total)
+    same = all(torch.equal(x, y) for x, y in zip(straight[3 * cut :], tail))
+    try:
+        pycomm.Exchange(codec, block=64).load_state_dict(saved)
+        other = None
+    except ValueError as e:
+        other = str(e)
+    return same, other
+
+
+@pytest.mark.parametrize("codec", ["int8", "fp8"])
+def test_state_dict_round_trip_is_bitwise(codec):
+    for same, other in run_ranks(_rank_resume, 2, codec, 3, 6, timeout=90):
+        assert same
+        assert other is not None and "options['block'] is 32 in the checkpoint but 64" in other
+
+
+def _rank_nonfinite():
+    """A NaN on rank 1 at the second call: that call's result is not finite on every rank,
+    its residual is dropped (the state as after the first call), and the third is finite."""
+    ex = pycomm.Exchange("int8")
+    g = torch.Generator().manual_seed(dist.get_rank())
+    xs = [torch.randn(1000, generator=g) for _ in range(3)]
+    if dist.get_rank() == 1:
+        xs[1][17] = float("nan")
+    finite, kept = [], []
+    for x in xs:
+        ex.all_reduce(x, key="x").wait()
+        finite.append(bool(torch.isfinite(x).all()))
+        kept.append(ex.state_dict()["exchange"]["residuals"])
+    (r0,), (r1,) = kept[0].values(), kept[1].values()
+    unchanged = all(torch.equal(r0[k], r1[k]) for k in r0)
+    return finite, unchanged, ex.stats["nonfinite_buckets"]
+
+
+def test_a_non_finite_call_keeps_the_residuals():
+    for finite, unchanged, nonfinite in run_ranks(_rank_nonfinite, 2, timeout=60):
+        assert finite == [True, False, True]
+        assert unchanged and nonfinite == 1
+
+
+def _rank_refusals():
+    rank = dist.get_rank()
+    out = {
+        "block on rank 1": _error(lambda: pycomm.Exchange("int8", block=64 if rank == 0 else 32)),
+        "codec on rank 1": _error(lambda: pycomm.Exchange("int8" if rank == 0 else "fp8")),
+        "bad on rank 1": _error(lambda: pycomm.Exchange("int8", block=64 if rank == 0 else 0)),
+        "unknown codec": _error(lambda: pycomm.Exchange("int3")),
+        "powersgd": _error(lambda: pycomm.Exchange("powersgd")),
+        "unknown option": _error(lambda: pycomm.Exchange("int8", blok=64)),
+    }
+    ex = pycomm.Exchange("int8")
+    out["strided"] = _error(lambda: ex.all_reduce(torch.ones(8, 2).t(), key="x"))
+    out["int tensor"] = _error(lambda: ex.all_reduce(torch.ones(8, dtype=torch.int64), key="x"))
+    out["op"] = _error(lambda: ex.all_reduce(torch.ones(8), key="x", op="max"))
+    out["key"] = _error(lambda: ex.all_reduce(torch.ones(8), key=["x"]))
+    out["rs shape"] = _error(lambda: ex.reduce_scatter(torch.ones(3), torch.ones(7), key="y"))
+    out["ag shape"] = _error(lambda: ex.all_gather(torch.ones(7), torch.ones(3), key="z"))
+    out["ag dtype"] = _error(
+        lambda: ex.all_gather(torch.ones(6, dtype=torch.float16), torch.ones(3), key="z")
+    )
+    return out
+
+
+def test_refusals_name_the_problem_on_every_rank():
+    a, b = run_ranks(_rank_refusals, 2, timeout=60)
+    assert a == b
+    assert (
+        "pycomm.Exchange: ranks disagree on hook option 'block': rank 0 has 64, rank 1 has 32"
+        in a["block on rank 1"]
+    )
+    assert "pycomm.Exchange: ranks disagree on " in a["codec on rank 1"]
+    assert a["bad on rank 1"].startswith("ValueError: pycomm.Exchange: on rank 1: ")
+    assert "codec='int3' is not registered" in a["unknown codec"]
+    assert "codec='powersgd' is a hook without a codec" in a["powersgd"]
+    assert "unknown option 'blok'" in a["unknown option"]
+    assert "is not contiguous" in a["strided"]
+    assert "dtype torch.int64" in a["int tensor"]
+    assert "op='max', expected 'mean' or 'sum'" in a["op"]
+    assert "key=['x'] is not hashable" in a["key"]
+    assert "input has 7 elements, expected 2 x output's 3 = 6" in a["rs shape"]
+    assert "output has 7 elements, expected 2 x input's 3 = 6" in a["ag shape"]
+    assert "expected the same dtype and device" in a["ag dtype"]
