@@ -57,6 +57,8 @@ logger = logging.getLogger(__name__)
 _NOT_HERE = {
     "hierarchy": "the node hierarchy is DDP's; FSDP2 reduce-scatters within its mesh",
     "local_feedback": "FSDP's reduce-scatter has one phase: use error_feedback",
+    "strict_skip": "FSDP's residuals are one copy, updated in place (a non-finite block keeps "
+    "its residual)",
 }
 
 

@@ -476,7 +476,7 @@ def _rank_nan_residuals(hook, k):
         hook=hook,
         accumulate_steps=k,
         bucket_cap_mb=0.004,
-        hook_options={"start_iter": 2},
+        hook_options={"start_iter": 2, "strict_skip": True},  # the bitwise rule
     )
     opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
     loop = pycomm.TrainLoop(ddp, opt)

@@ -137,10 +137,11 @@ def _rank_bucket(hook, options, n, steps, nan_step, commit_on_device=None, kept=
     return outs, sent, dict(state.stats), res, c
 
 
-def _rank_kept_residuals(hook, n, steps, nan_step, commit_on_device):
+def _rank_kept_residuals(hook, n, steps, nan_step, commit_on_device, strict=True):
     kept = []
-    outs, _, stats, _, _ = _rank_bucket(hook, {}, n, steps, nan_step, commit_on_device, kept)
-    return outs, kept, stats["nonfinite_buckets"]
+    opts = {"strict_skip": strict}
+    outs, _, stats, _, _ = _rank_bucket(hook, opts, n, steps, nan_step, commit_on_device, kept)
+    return outs, kept, stats["nonfinite_buckets"], stats["residual_bytes"]
 
 
 def test_nan_step_leaves_residuals_bitwise_on_host_and_device_commit():
@@ -152,7 +153,7 @@ def test_nan_step_leaves_residuals_bitwise_on_host_and_device_commit():
         run_ranks(_rank_kept_residuals, 2, "int8", n, 6, nan_step, False, timeout=60)[0],
         run_ranks(_rank_kept_residuals, 2, "int8", n, 6, nan_step, True, timeout=60)[0],
     )
-    for outs, kept, nonfinite in (host, device):
+    for outs, kept, nonfinite, _ in (host, device):
         assert nonfinite == 1
         assert outs[nan_step].isnan().any() and outs[nan_step + 1].isfinite().all()
         for key, r in kept[nan_step].items():
@@ -167,6 +168,33 @@ def test_nan_step_leaves_residuals_bitwise_on_host_and_device_commit():
         for key, r in a.items():
             for name, t in r.items():
                 assert torch.equal(t, b[key][name])
+
+
+def test_one_copy_of_the_residuals_keeps_a_non_finite_block_and_updates_the_rest():
+    """The default (one copy, updated in place): 4(1 + 1/N) bytes a parameter; after a NaN
+    step the block holding the NaN keeps its residual on the rank that had it, the others take
+    the step's update, every residual stays finite, and host and device commits agree."""
+    n, nan_step, block = 5000, 3, 64
+    host, device = (
+        run_ranks(_rank_kept_residuals, 2, "int8", n, 6, nan_step, on_dev, False, timeout=60)
+        for on_dev in (False, True)
+    )
+    chunk = -(-n // (2 * block)) * block
+    for rank, ((outs, kept, nonfinite, nbytes), other) in enumerate(zip(host, device)):
+        assert nbytes == 4 * (2 * chunk + chunk)  # r1 on the padded bucket, r2 on a chunk
+        assert nonfinite == 1 and outs[nan_step + 1].isfinite().all()
+        ((before,), (after,)) = kept[nan_step - 1].values(), kept[nan_step].values()
+        assert all(t.isfinite().all() for t in after.values())
+        r1_before, r1_after = before["r1"].view(-1, block), after["r1"].view(-1, block)
+        same = (r1_before == r1_after).all(1)
+        nan_block = (n // 3) // block
+        if rank == 1:  # its NaN's block kept, its other blocks updated
+            assert same[nan_block] and not same.all()
+        else:
+            assert not same.all()
+        for a, b in zip(kept, other[1]):  # host and device: the same bits
+            for key, r in a.items():
+                assert all(torch.equal(t, b[key][name]) for name, t in r.items())
 
 
 @pytest.mark.parametrize("hook", ["int8", "fp8", "int4"])

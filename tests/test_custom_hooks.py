@@ -125,7 +125,7 @@ def test_shell_blocks_run(page):
     assert "| digits-small | sgd-plain | topk | acc " in quality, quality
 
 
-def _rank_topk_engine(workdir: str) -> dict:
+def _rank_topk_engine(workdir: str, strict: bool) -> dict:
     """The page's top-k codec through what the page does not show: bf16 residuals, the decode
     statistics TrainLoop clips with, and the non-finite skip."""
     import torch
@@ -142,7 +142,8 @@ def _rank_topk_engine(workdir: str) -> dict:
         model = torch.nn.Sequential(
             torch.nn.Linear(32, 64), torch.nn.Tanh(), torch.nn.Linear(64, 1)
         )
-        ddp = pycomm.wrap(model, hook="topk", hook_options={"residual_dtype": "bfloat16"})
+        opts = {"residual_dtype": "bfloat16", "strict_skip": strict}
+        ddp = pycomm.wrap(model, hook="topk", hook_options=opts)
         state = pycomm.hook_state(ddp)
         g = torch.Generator().manual_seed(dist.get_rank())
         out = {}
@@ -163,6 +164,9 @@ def _rank_topk_engine(workdir: str) -> dict:
                 out["residuals_kept"] = all(
                     torch.equal(kept[k][n], after[k][n]) for k in kept for n in kept[k]
                 )
+                out["residuals_finite"] = all(
+                    bool(torch.isfinite(t).all()) for r in after.values() for t in r.values()
+                )
                 out["nonfinite_buckets"] = state.stats["nonfinite_buckets"]
         return out
     finally:
@@ -171,11 +175,15 @@ def _rank_topk_engine(workdir: str) -> dict:
         sys.path.remove(workdir)
 
 
-def test_the_pages_codec_gets_bf16_residuals_the_norm_and_the_nonfinite_skip(page):
+@pytest.mark.parametrize("strict", [False, True])
+def test_the_pages_codec_gets_bf16_residuals_the_norm_and_the_nonfinite_skip(page, strict):
     import torch
 
-    for out in run_ranks(_rank_topk_engine, 2, page["dir"], timeout=120):
+    for out in run_ranks(_rank_topk_engine, 2, page["dir"], strict, timeout=120):
         reduced, exact = out["sqnorm"]
         assert reduced == pytest.approx(exact, rel=1e-5)
         assert out["bf16"] == {torch.bfloat16}
-        assert out["nan_everywhere"] and out["residuals_kept"] and out["nonfinite_buckets"] >= 1
+        assert out["nan_everywhere"] and out["nonfinite_buckets"] >= 1
+        # one copy: the residuals stay finite; strict_skip: bitwise as before the NaN step
+        assert out["residuals_finite"]
+        assert out["residuals_kept"] or not strict

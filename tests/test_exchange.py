@@ -198,10 +198,11 @@ def test_state_dict_round_trip_is_bitwise(codec):
         assert other is not None and "options['block'] is 32 in the checkpoint but 64" in other
 
 
-def _rank_nonfinite():
+def _rank_nonfinite(strict):
     """A NaN on rank 1 at the second call: that call's result is not finite on every rank,
-    its residual is dropped (the state as after the first call), and the third is finite."""
-    ex = pycomm.Exchange("int8")
+    the residuals stay finite (strict_skip: bitwise as after the first call), and the third
+    call is finite."""
+    ex = pycomm.Exchange("int8", strict_skip=strict)
     g = torch.Generator().manual_seed(dist.get_rank())
     xs = [torch.randn(1000, generator=g) for _ in range(3)]
     if dist.get_rank() == 1:
@@ -213,13 +214,18 @@ def _rank_nonfinite():
         kept.append(ex.state_dict()["exchange"]["residuals"])
     (r0,), (r1,) = kept[0].values(), kept[1].values()
     unchanged = all(torch.equal(r0[k], r1[k]) for k in r0)
-    return finite, unchanged, ex.stats["nonfinite_buckets"]
+    residuals_finite = all(bool(torch.isfinite(t).all()) for t in r1.values())
+    return finite, unchanged, residuals_finite, ex.stats["nonfinite_buckets"]
 
 
-def test_a_non_finite_call_keeps_the_residuals():
-    for finite, unchanged, nonfinite in run_ranks(_rank_nonfinite, 2, timeout=60):
+@pytest.mark.parametrize("strict", [False, True])
+def test_a_non_finite_call_keeps_the_residuals_finite(strict):
+    for finite, unchanged, residuals_finite, nonfinite in run_ranks(
+        _rank_nonfinite, 2, strict, timeout=60
+    ):
         assert finite == [True, False, True]
-        assert unchanged and nonfinite == 1
+        assert residuals_finite and nonfinite == 1
+        assert unchanged == strict  # one copy: the finite blocks took the call's update
 
 
 def _rank_refusals():

@@ -330,10 +330,11 @@ def test_init_nodes_topology_and_group_timeouts():
 def _rank_nan_in_one_shard(hook):
     """A NaN in one element of rank 0's gradient lands in one local rank's shard: only that
     rank (and its peers across nodes) decodes it. The step must still be skipped on every rank
-    and leave every rank's residuals bitwise as they were."""
+    and, with strict_skip, leave every rank's residuals bitwise as they were."""
     rank = dist.get_rank()
     with _nodes([0, 0, 1, 1]):
-        ddp = pycomm.wrap(_model(), hook=hook, hook_options={"hierarchy": "node", "start_iter": 2})
+        opts = {"hierarchy": "node", "start_iter": 2, "strict_skip": True}
+        ddp = pycomm.wrap(_model(), hook=hook, hook_options=opts)
         opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
         loop = pycomm.TrainLoop(ddp, opt)
         state = pycomm.hook_state(ddp)

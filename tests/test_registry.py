@@ -50,7 +50,8 @@ class PlainCodec(Codec):
         y[: x.numel()] = x.float() * scale
         if residual is not None:
             y += residual.float()
-            (residual if residual_out is None else residual_out).zero_()
+            kept = torch.where(torch.isfinite(y), 0.0, residual.float())  # lossless: 0
+            (residual if residual_out is None else residual_out).copy_(kept)
         return y, None
 
     def decode_sum(self, codes, scales, scale, out):
@@ -77,6 +78,12 @@ def _drop_residual(self, x, residual, scale, numel, residual_out=None):
 def _residual_off(self, x, residual, scale, numel, residual_out=None):
     codes, _ = PlainCodec.encode(self, x, residual, scale, numel, residual_out)
     (residual if residual_out is None else residual_out).fill_(0.25)
+    return codes, None
+
+
+def _poison_residual(self, x, residual, scale, numel, residual_out=None):
+    codes, _ = PlainCodec.encode(self, x, residual, scale, numel, residual_out)
+    (residual if residual_out is None else residual_out).copy_(codes - codes)  # NaN - NaN
     return codes, None
 
 
@@ -109,6 +116,7 @@ _BAD = [
     (_broken(encode=_drop_residual), "8 of 8 elements .* every element of residual_out"),
     (_broken(encode=_residual_off), r"is not y - decode\(codes\) \(off by up to"),
     (_broken(decode_sum=_decode_unscaled), "must add the rows and multiply the sum by its scale"),
+    (_broken(encode=_poison_residual), "left the residual nan where x holds nan"),
     (_broken(decode_sum=_decode_finite), "holding nan decoded to finite values only"),
     (_broken(decode_sum=_count_nothing), "counted 0 non-finite elements in an out holding"),
     (_broken(encode=lambda self, *a: torch.zeros(8)), r"returned Tensor, expected \(codes, s"),

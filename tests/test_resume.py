@@ -130,6 +130,30 @@ def _rank_load_other_block(saved):
     return None
 
 
+def _rank_load_older(saved):
+    """A checkpoint of the version before strict_skip (its fingerprint lacks the option, and
+    it kept two copies, whose kept one it saved): loads, as either way."""
+    older = {**saved[dist.get_rank()]}
+    fingerprint = {**older["fingerprint"]}
+    fingerprint["options"] = {k: v for k, v in fingerprint["options"].items() if k != "strict_skip"}
+    older["fingerprint"] = fingerprint
+    out = []
+    for strict in (False, True):
+        opts = {"strict_skip": strict}
+        ddp = pycomm.wrap(_model(), hook="int8", bucket_cap_mb=0.004, hook_options=opts)
+        pycomm.hook_state(ddp).load_state_dict(older)
+        ddp(torch.randn(4, 40)).square().mean().backward()  # the loaded residuals placed
+        placed = pycomm.hook_state(ddp).state_dict()["residuals"]
+        out.append(placed.keys() == older["residuals"].keys())
+    return out
+
+
+def test_a_checkpoint_without_strict_skip_loads():
+    saved = run_ranks(_rank_save_state, 2, timeout=60)
+    for loaded in run_ranks(_rank_load_older, 2, saved, timeout=60):
+        assert loaded == [True, True]
+
+
 def test_loading_other_options_names_the_option():
     """The message names the differing option and its two values, not both whole dicts."""
     saved = run_ranks(_rank_save_state, 2, timeout=60)

@@ -28,9 +28,9 @@ The rules every codec follows (:class:`Codec` states each one):
   residual store keeps a step's residuals only when every count is 0 (the non-finite skip),
   and ``TrainLoop`` clips with the summed squares (no extra pass over the gradients).
 - **Non-finite input.** A NaN or Inf in ``x`` must decode to a non-finite value (not a finite
-  one), so that every rank sees it and skips the step (:func:`check_codec` checks it). What
-  the residual holds there does not matter: when any decode of a step counts a non-finite
-  element, the engine drops every residual that step wrote and keeps the previous step's.
+  one), so that every rank sees it and skips the step, and where ``y`` is not finite the
+  residual keeps its old value (the engine updates the residuals in place by default, one
+  copy: a NaN written there would poison every later step). :func:`check_codec` checks both.
 - **Devices.** Every call runs on the bucket's device (CPU or CUDA), with every tensor it
   gets and returns there; a codec never synchronizes with the host (no ``.item()``): on an
   accelerator the engine only enqueues work.
@@ -114,8 +114,8 @@ class Codec:
             numel: elements to encode, a multiple of ``block``.
             residual_out: where the new residual ``y - decode(codes)`` goes, every one of its
                 ``numel`` elements (same size and dtype as ``residual``); None: into
-                ``residual`` in place. A step whose ``y`` is not finite anywhere has its new
-                residuals dropped by the engine, so their values there do not matter.
+                ``residual`` in place (the engine's default). Where ``y`` is not finite the
+                new residual keeps the old value (a whole block may).
 
         Returns:
             ``(codes, scales)``: 1-D tensors of ``code_dtype`` and ``scale_dtype`` with
@@ -524,13 +524,23 @@ def check_codec(codec: Any, where: str = "pycomm.hooks.check_codec", device: Any
 
 
 def _check_nonfinite(where: str, codec: Any, m: int, dev: torch.device) -> None:
-    """A NaN, then an Inf, in the input decodes to a non-finite value and is counted."""
+    """A NaN, then an Inf, in the input decodes to a non-finite value and is counted, and the
+    residual, updated in place, keeps its old value there and stays finite."""
     for bad in (float("nan"), float("inf")):
         x = torch.ones(m, device=dev)
         x[1] = bad
-        residual = torch.zeros(m, device=dev)
-        call = f"encode(x holding {bad}, residual, 1.0, {m}, residual_out)"
-        codes, scales = _run(where, call, codec.encode, x, residual, 1.0, m, residual.clone())
+        residual = torch.full((m,), 0.125, device=dev)
+        call = f"encode(x holding {bad}, residual, 1.0, {m}) in place"
+        codes, scales = _run(where, call, codec.encode, x, residual, 1.0, m, None)
+        if not (bool(torch.isfinite(residual).all()) and float(residual[1]) == 0.125):
+            _fail(
+                where,
+                f"{call} left the residual {float(residual[1]):g} where x holds {bad} (it was "
+                "0.125), and non-finite values at "
+                f"{int((~torch.isfinite(residual)).sum())} elements; expected the old value "
+                "where y is not finite and a finite residual everywhere: the engine keeps one "
+                "copy of the residuals, which a non-finite one would poison for good",
+            )
         row = _run(where, "pack(codes, scales, 1)", codec.pack, codes, scales, 1)
         codes, scales = _run(where, f"split(row, {m})", codec.split, row, m)
         out = torch.zeros(m, device=dev)

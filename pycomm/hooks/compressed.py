@@ -86,11 +86,14 @@ class CompressedState(HookState):
     ``error_feedback``, ``local_feedback`` (default True, onebit False; two-phase exchange
     only: False keeps no residual for the encoding of each rank's own gradient in phase 1, only
     for the re-encoded reduced chunk of phase 2; see the README's "Choosing a hook"),
-    and ``residual_dtype``: ``"float32"`` (default) or ``"bfloat16"``, the error-feedback
-    residuals' storage. bf16 halves their memory (the hooks keep two copies, a step's new
-    residuals apart until it is known finite: 8 bytes per parameter in fp32) and the memory
-    traffic of encoding; y is still computed in fp32, and each new residual is rounded to bf16
-    (a relative 2^-9 of the error it carries).
+    ``residual_dtype``: ``"float32"`` (default) or ``"bfloat16"``, the error-feedback
+    residuals' storage. bf16 halves their memory (4 bytes a parameter for the local residual
+    and 4/N for the reduced chunk's in fp32) and the memory traffic of encoding; y is still
+    computed in fp32, and each new residual is rounded to bf16 (a relative 2^-9 of the error
+    it carries). ``strict_skip`` (default False): True keeps a second copy of the residuals so
+    that a step with a NaN or Inf anywhere leaves them bitwise as they were on every rank;
+    False (one copy) updates them in place, a non-finite block keeping its residual and the
+    blocks finite on a rank taking the step's update (:mod:`pycomm.hooks.residuals`).
 
     ``stats`` adds to :class:`HookState`'s: ``nonfinite_buckets``, ``residual_bytes``,
     ``rebucketed_steps``, and the codec's own figures over its compressed exchanges alone:
@@ -106,7 +109,8 @@ class CompressedState(HookState):
     default_local_feedback = True
     default_start_iter = 2
     option_names: tuple = (
-        "start_iter", "error_feedback", "local_feedback", "residual_dtype", "hierarchy",
+        "start_iter", "error_feedback", "local_feedback", "residual_dtype", "strict_skip",
+        "hierarchy",
     )  # fmt: skip
 
     def __init__(self, process_group: Optional[dist.ProcessGroup] = None, **options: Any):
@@ -147,7 +151,10 @@ class CompressedState(HookState):
         self.device = torch.device("cpu")  # of the buckets; set by the hook
         # the three parts: residuals (kept per bucket, committed once a step is finite), the
         # hook's own bucket layout over the bound parameters, and the exchange's buffers
-        self.store = ResidualStore(self.where, self._stats, self.residual_dtype)
+        self.strict_skip = check_bool(self.where, "strict_skip", options.get("strict_skip", False))
+        self.store = ResidualStore(
+            self.where, self._stats, self.residual_dtype, strict=self.strict_skip
+        )
         self.bucket_layout = BucketLayout(self.where, self._stats)
         self.workspace = Workspace()
         # DDP buckets whose parameters were handed to the optimizer check (pycomm.hooks.advice)
@@ -272,6 +279,7 @@ class CompressedState(HookState):
             "error_feedback": self.error_feedback,
             "local_feedback": self.local_feedback,
             "residual_dtype": _RESIDUAL_DTYPES[self.residual_dtype],
+            "strict_skip": self.strict_skip,
             "hierarchy": self.hierarchy,
             **self.codec_options(),
         }
@@ -361,6 +369,16 @@ class CompressedState(HookState):
             "residuals": self.store.snapshot(),
             "layout": None if self.layout is None else [list(k) for k in self.layout],
         }
+
+    def check_fingerprint(self, state: dict[str, Any]) -> None:
+        # a checkpoint of a version without strict_skip (which kept two copies): its
+        # residuals are those of either way
+        options = state.get("fingerprint", {}).get("options")
+        if isinstance(options, dict) and "strict_skip" not in options:
+            fingerprint = {**state["fingerprint"]}
+            fingerprint["options"] = {**options, "strict_skip": self.strict_skip}
+            state = {**state, "fingerprint": fingerprint}
+        super().check_fingerprint(state)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         super().load_state_dict(state)

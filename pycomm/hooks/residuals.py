@@ -1,10 +1,19 @@
 """The error-feedback residuals of a compression hook, and the decode statistics that decide
 whether a step's new residuals are kept.
 
-A step writes its new residuals beside the kept ones; they are committed (swapped in) at the
-start of the next step only if every bucket of the step decoded finite, so a step with a NaN or
-Inf anywhere leaves the residuals bitwise as they were, on every rank alike. On an accelerator
-that decision is a select on the device: the hook never waits for the device.
+Two ways, chosen by the hooks' ``strict_skip`` option:
+
+- One copy (the default): the codec updates each residual in place, and where its input is not
+  finite it keeps the old value (the codec protocol's rule, which ``check_codec`` checks). A
+  step with a NaN or Inf (skipped by ``TrainLoop``) thus leaves every non-finite block's
+  residual as it was and never a non-finite residual; the blocks that were finite on a rank
+  keep that step's update. Deterministic: a rerun gives the same bits. 4 bytes a parameter
+  for the local residual and 4/N for the reduced chunk's (fp32 residuals; half in bf16).
+- Two copies (``strict_skip=True``): a step writes its new residuals beside the kept ones, and
+  they are committed (swapped in) at the start of the next step only if every bucket of the
+  step decoded finite, so a step with a NaN or Inf anywhere leaves the residuals bitwise as
+  they were, on every rank alike; twice the memory. On an accelerator that decision is a
+  select on the device: the hook never waits for the device.
 """
 
 import threading
@@ -22,10 +31,13 @@ class ResidualStore:
         where: how error messages start (``pycomm <hook> hook``).
         stats: the hook's counters; ``nonfinite_buckets`` and ``residual_bytes`` are kept here.
         dtype: the residuals' storage dtype (float32 or bfloat16).
+        strict: two copies, a non-finite step's updates dropped (see the module docstring).
     """
 
-    def __init__(self, where: str, stats: dict[str, Any], dtype: torch.dtype) -> None:
-        self.where, self.stats, self.dtype = where, stats, dtype
+    def __init__(
+        self, where: str, stats: dict[str, Any], dtype: torch.dtype, strict: bool = False
+    ) -> None:
+        self.where, self.stats, self.dtype, self.strict = where, stats, dtype, strict
         self.residuals: dict[tuple, Residuals] = {}
         self.next: dict[tuple, Residuals] = {}  # the current step's new residuals
         self.touched: set[tuple] = set()  # buckets whose ``next`` holds the current step's
@@ -59,12 +71,15 @@ class ResidualStore:
                     for name, numel in sizes.items()
                 }
             self.residuals[key] = res
-            self.next[key] = {name: torch.empty_like(t) for name, t in res.items()}
-            self.stats["residual_bytes"] = 2 * sum(
+            if self.strict:
+                self.next[key] = {name: torch.empty_like(t) for name, t in res.items()}
+            self.stats["residual_bytes"] = (2 if self.strict else 1) * sum(
                 t.numel() * t.element_size() for r in self.residuals.values() for t in r.values()
             )
-        nxt = self.next[key]
         self.touched.add(key)
+        if not self.strict:  # updated in place (the codec's residual_out None)
+            return res.get("r1"), res.get("r2"), None, None
+        nxt = self.next[key]
         return res.get("r1"), res.get("r2"), nxt.get("r1"), nxt.get("r2")
 
     def note_decode(self, st: torch.Tensor, step: int) -> None:
@@ -101,7 +116,10 @@ class ResidualStore:
         on_device = self.on_device
         if on_device is None:
             on_device = device.type != "cpu"
-        if not on_device:
+        if not self.strict:  # updated in place: nothing to swap
+            if not on_device:
+                self.fold()
+        elif not on_device:
             self.fold()
             if step not in self.bad_steps:
                 for key in self.touched:
