@@ -270,3 +270,38 @@ def test_refusals_name_the_problem_on_every_rank():
     assert "input has 7 elements, expected 2 x output's 3 = 6" in a["rs shape"]
     assert "output has 7 elements, expected 2 x input's 3 = 6" in a["ag shape"]
     assert "expected the same dtype and device" in a["ag dtype"]
+
+
+def _rank_node_and_warmup():
+    """On 2 nodes x 2 ranks (pycomm.topology.set_nodes): hierarchy='node' all-reduces exactly
+    inside each node and compressed across them, every rank the same bits; reduce_scatter is
+    refused there. start_iter=1: the first call is exact, the second compressed."""
+    from pycomm.topology import set_nodes
+
+    set_nodes(2)
+    try:
+        g = torch.Generator().manual_seed(dist.get_rank())
+        t = torch.randn(4000, generator=g)
+        exact = _exact_mean(t)
+        ex = pycomm.Exchange("int8", hierarchy="node")
+        ex.all_reduce(t, key="t").wait()
+        node_err = float((t - exact).norm() / exact.norm())
+        same = all(torch.equal(t, o) for o in _gathered(t))
+        refused = _error(lambda: ex.reduce_scatter(torch.empty(10), torch.empty(40), key="r"))
+    finally:
+        set_nodes(None)
+    warm = pycomm.Exchange("int8", start_iter=1)
+    errs = []
+    for _ in range(2):
+        u = torch.randn(1000, generator=g)
+        exact = _exact_mean(u)
+        warm.all_reduce(u, key="u").wait()
+        errs.append(float((u - exact).norm() / exact.norm()))
+    return node_err, same, refused, errs
+
+
+def test_node_hierarchy_and_warm_up():
+    for node_err, same, refused, errs in run_ranks(_rank_node_and_warmup, 4, timeout=90):
+        assert same and 0 < node_err < 3e-2
+        assert "hierarchy='node' runs all_reduce alone" in refused
+        assert errs[0] < 1e-6 < errs[1] < 3e-2  # exact, then int8
