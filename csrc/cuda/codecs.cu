@@ -407,7 +407,7 @@ template <typename T, typename R, typename Codec>
 __global__ void __launch_bounds__(kThreads)
     encode_tiles_kernel(Source<T, R> src, Codec codec, int64_t block, int64_t per_tile,
                         int64_t nblocks, int team) {
-  __shared__ float ys[kTile];
+  alignas(16) __shared__ float ys[kTile];
   __shared__ typename Codec::Param params[kTile / Codec::kMinBlock];
   const int tid = threadIdx.x;
   const int64_t blk0 = int64_t{blockIdx.x} * per_tile;
@@ -418,8 +418,21 @@ __global__ void __launch_bounds__(kThreads)
   const int e0 = tid * kVec;
   const int count = len - e0 >= kVec ? kVec : std::max(0, len - e0);  // kVec by value: no ODR-use
   float y[kVec], r_old[kVec];
-  if (count > 0) {
-    load_y(src, base + e0, count, y, r_old);
+  if (count > 0) load_y(src, base + e0, count, y, r_old);
+  if (count == kVec) {
+    // two 16-byte stores (st.shared.v4). A quarter warp's 8 threads store together: thread t's
+    // halves start at banks 8t and 8t + 4 (mod 32), so threads t and t + 4 would collide; the
+    // odd quads of threads store their upper half first, and each store covers 32 banks once.
+    const bool upper_first = (tid >> 2) & 1;
+    Vec<float, 4> a, b;
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      a.v[k] = upper_first ? y[4 + k] : y[k];
+      b.v[k] = upper_first ? y[k] : y[4 + k];
+    }
+    store_shared4(ys + e0 + (upper_first ? 4 : 0), a);
+    store_shared4(ys + e0 + (upper_first ? 0 : 4), b);
+  } else {
 #pragma unroll
     for (int k = 0; k < kVec; ++k) {
       if (k < count) ys[e0 + k] = y[k];
@@ -566,6 +579,7 @@ struct Rows16 : host::Chunks16<T> {  // c, ld: elements from one row to the next
   using host::Chunks16<T>::ld;
   static constexpr int kElems = 8, kBytes = 16;
   static constexpr bool kScaled = false;
+  static constexpr int kMinBlocks = 5;  // 48 registers a thread, as without a bound
 
   __device__ const uint8_t* codes(int64_t r, int64_t i) const {
     return reinterpret_cast<const uint8_t*>(c + r * ld + i);
@@ -593,6 +607,7 @@ struct Scaled : H {
 // Rows of [R, m] int8 codes with [R, m / block] fp32 scales: code * scale.
 struct RowsInt8 : Scaled<host::Int8Rows, 1> {
   static constexpr int kElems = 16, kBytes = 16;
+  static constexpr int kMinBlocks = 4;  // 64 registers a thread
 
   __device__ const uint8_t* codes(int64_t r, int64_t i) const {
     return reinterpret_cast<const uint8_t*>(q + r * ld + i);
@@ -604,23 +619,27 @@ struct RowsInt8 : Scaled<host::Int8Rows, 1> {
 
 // Rows of [R, m / 2] int4 codes (two a byte, the low nibble first) with [R, m / block] scales
 // of S: code * scale. A short run reads the byte of its last element, which the row holds (m
-// is even).
+// is even). Runs of 16 elements, 8 bytes (32 took 176 registers a thread), and 3 blocks an SM
+// (72 registers): at 4 (64), ptxas spills.
 template <typename S>
 struct RowsInt4 : Scaled<host::Int4Rows<S>, 2> {
-  static constexpr int kElems = 32, kBytes = 16;
+  static constexpr int kElems = 16, kBytes = 8;
+  static constexpr int kMinBlocks = 3;  // 72 registers a thread
 
   __device__ const uint8_t* codes(int64_t r, int64_t i) const {
     return this->q + r * this->ld + i / 2;
   }
   __device__ static float value(const Raw<kBytes>& raw, int k, float s) {
-    const int nib = static_cast<int>((raw.w[k / 8] >> (4 * (k % 8))) & 15u);
-    return fmul(static_cast<float>(nib >= 8 ? nib - 16 : nib), s);
+    // the nibble sign-extended: to the top of the word, then an arithmetic shift down
+    const int nib = static_cast<int32_t>(raw.w[k / 8] << (28 - 4 * (k % 8))) >> 28;
+    return fmul(static_cast<float>(nib), s);
   }
 };
 
 // Rows of [R, m] float8 e4m3fn codes with [R, m / block] fp32 scales: code * scale.
 struct RowsFp8 : Scaled<host::Fp8Rows, 1> {
   static constexpr int kElems = 16, kBytes = 16;
+  static constexpr int kMinBlocks = 4;  // 64 registers a thread
 
   __device__ const uint8_t* codes(int64_t r, int64_t i) const { return q + r * ld + i; }
   __device__ static float value(const Raw<kBytes>& raw, int k, float s) {
@@ -634,6 +653,7 @@ struct RowsFp8 : Scaled<host::Fp8Rows, 1> {
 // (m is a multiple of 8).
 struct RowsOnebit : Scaled<host::OnebitRows, 8> {
   static constexpr int kElems = 32, kBytes = 4;
+  static constexpr int kMinBlocks = 4;  // 64 registers a thread
 
   __device__ const uint8_t* codes(int64_t r, int64_t i) const { return bits + r * ld + i / 8; }
   __device__ static float value(const Raw<kBytes>& raw, int k, float s) {
@@ -642,7 +662,16 @@ struct RowsOnebit : Scaled<host::OnebitRows, 8> {
 };
 
 // Rows fetched per step: their loads are in flight together, their sums still in row order.
+// Runs that cross codec blocks (block % kElems != 0, small or odd blocks) take one row at a
+// time: looking up each element's scale for 4 rows at once took 176-206 registers a thread.
 constexpr int kRowsAtOnce = 4;
+
+// Each Rows type's kMinBlocks is the blocks of kThreads an SM should hold at once: the
+// decoders' __launch_bounds__, which cap their registers at 65536 / (kThreads * kMinBlocks) a
+// thread (64 for 4 blocks, 50% of an sm_80/sm_90 SM's threads). Runs crossing codec blocks
+// hold each element's scale lookup too: kCrossingMinBlocks, 128 registers. ptxas -v shows no
+// spills at these bounds (README.md).
+constexpr int kCrossingMinBlocks = 2;
 
 // The E elements of v to out, 16 bytes at a time when out is aligned to them and all count.
 template <int E, typename out_t>
@@ -673,50 +702,60 @@ constexpr int64_t decode_per_block() {
 
 // out[i] = round(scale * sum over rows, in row order, of rows' element i) for i < m_out, in a
 // grid-stride loop; partial[blockIdx.x] = sum of out^2 over this block's finite out,
-// partial[gridDim.x + blockIdx.x] = count of its non-finite out.
-template <typename out_t, typename Rows>
-__global__ void __launch_bounds__(kThreads)
+// partial[gridDim.x + blockIdx.x] = count of its non-finite out. kOneScale: every run lies
+// inside one codec block (block % kElems == 0, or no scales), so a row's run has one scale.
+template <typename out_t, typename Rows, bool kOneScale>
+__global__ void __launch_bounds__(kThreads, kOneScale ? Rows::kMinBlocks : kCrossingMinBlocks)
     sum_rows_kernel(Rows rows, int64_t nrows, float scale, out_t* out, int64_t m_out,
                     double* partial) {
   constexpr int E = Rows::kElems;
+  constexpr int kRows = kOneScale ? kRowsAtOnce : 1;
   int64_t block = 1;
   if constexpr (Rows::kScaled) block = rows.block;
-  const bool one_scale = block % E == 0;  // every run inside one codec block
   double sq = 0.0, bad = 0.0;
   const int64_t stride = int64_t{gridDim.x} * decode_per_block<Rows>();
   for (int64_t i = (int64_t{blockIdx.x} * kThreads + threadIdx.x) * E; i < m_out; i += stride) {
     const int count = static_cast<int>(std::min<int64_t>(E, m_out - i));
-    float acc[E];
-    for (int64_t r0 = 0; r0 < nrows; r0 += kRowsAtOnce) {
-      Raw<Rows::kBytes> raw[kRowsAtOnce];
-      float s[kRowsAtOnce];
+    // runs crossing codec blocks: bit k set where element k (< count) starts the next codec
+    // block (found once for all rows; each element starts at most one, as block >= 1)
+    uint32_t starts = 0;
+    if constexpr (!kOneScale) {
+      int64_t next = (i / block + 1) * block;
 #pragma unroll
-      for (int u = 0; u < kRowsAtOnce; ++u) {
+      for (int k = 1; k < E; ++k) {
+        if (k < count && i + k >= next) {
+          starts |= 1u << k;
+          next += block;
+        }
+      }
+    }
+    float acc[E];
+    for (int64_t r0 = 0; r0 < nrows; r0 += kRows) {
+      Raw<Rows::kBytes> raw[kRows];
+      float s[kRows];
+#pragma unroll
+      for (int u = 0; u < kRows; ++u) {
         if (r0 + u < nrows) {
           raw[u] = fetch<Rows::kBytes>(rows.codes(r0 + u, i), Rows::bytes_of(count));
-          s[u] = Rows::kScaled && one_scale ? rows.scale(r0 + u, i / block) : 1.0f;
+          s[u] = Rows::kScaled && kOneScale ? rows.scale(r0 + u, i / block) : 1.0f;
         }
       }
 #pragma unroll
-      for (int u = 0; u < kRowsAtOnce; ++u) {
+      for (int u = 0; u < kRows; ++u) {
         if (r0 + u >= nrows) break;
         // the first row adds to +0, as the reference's zeros do (0 + -0 is +0)
         const bool first = r0 + u == 0;
-        if (!Rows::kScaled || one_scale) {
+        if constexpr (kOneScale) {
 #pragma unroll
           for (int k = 0; k < E; ++k) {
             acc[k] = fadd(first ? 0.0f : acc[k], Rows::value(raw[u], k, s[u]));
           }
         } else {  // runs crossing codec blocks: the scale of each element's block
-          int64_t b = i / block, next = (b + 1) * block;
+          int64_t b = i / block;
           float sb = rows.scale(r0 + u, b);
 #pragma unroll
           for (int k = 0; k < E; ++k) {
-            if (k < count && i + k >= next) {
-              ++b;
-              next += block;
-              sb = rows.scale(r0 + u, b);
-            }
+            if ((starts >> k) & 1u) sb = rows.scale(r0 + u, ++b);
             acc[k] = fadd(first ? 0.0f : acc[k], Rows::value(raw[u], k, sb));
           }
         }
@@ -764,19 +803,34 @@ __global__ void __launch_bounds__(kThreads)
 
 // out: contiguous out_t, its numel() > 0 elements written from rows; stats: fp64 [2] on out's
 // device = (sum of out^2 over finite out, count of non-finite out).
-template <typename out_t, typename Rows>
-void launch_sum_rows(const Rows& rows, int64_t nrows, float scale, const at::Tensor& out,
-                     const at::Tensor& stats) {
+template <typename out_t, typename Rows, bool kOneScale>
+void launch_sum_rows_as(const Rows& rows, int64_t nrows, float scale, const at::Tensor& out,
+                        const at::Tensor& stats) {
+  constexpr auto kernel = sum_rows_kernel<out_t, Rows, kOneScale>;
   const int64_t m_out = out.numel();
   const Stream stream = current_stream();
-  const int64_t grid = blocks_for(m_out, decode_per_block<Rows>());
+  // one wave at the kernel's own occupancy (its registers decide how many blocks an SM holds)
+  const int64_t grid = blocks_for<kernel>(m_out, decode_per_block<Rows>());
   at::Tensor partial = at::empty({2 * grid}, stats.options());
-  PYCOMM_LAUNCH(static_cast<unsigned>(grid), kThreads, stream, sum_rows_kernel<out_t, Rows>)(
+  PYCOMM_LAUNCH(static_cast<unsigned>(grid), kThreads, stream, kernel)(
       rows, nrows, scale, out.data_ptr<out_t>(), m_out, partial.data_ptr<double>());
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   PYCOMM_LAUNCH(1, kThreads, stream, finish_stats_kernel)(partial.const_data_ptr<double>(), grid,
                                                           stats.data_ptr<double>());
   C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+// The kernel for rows' codec blocks: runs of one scale, or runs crossing codec blocks.
+template <typename out_t, typename Rows>
+void launch_sum_rows(const Rows& rows, int64_t nrows, float scale, const at::Tensor& out,
+                     const at::Tensor& stats) {
+  if constexpr (Rows::kScaled) {
+    if (rows.block % Rows::kElems != 0) {
+      launch_sum_rows_as<out_t, Rows, false>(rows, nrows, scale, out, stats);
+      return;
+    }
+  }
+  launch_sum_rows_as<out_t, Rows, true>(rows, nrows, scale, out, stats);
 }
 
 // The CUDA kernels' launches, behind the codecs' host entries (csrc/host/codecs.h: checks,
@@ -786,8 +840,9 @@ struct Cuda {
 
   template <typename T, typename R, typename out_t>
   static void encode16(const host::Encoding<T, R>& e, out_t* out, int64_t numel) {
-    PYCOMM_LAUNCH(blocks_for(numel), kThreads, current_stream(), encode16_kernel<T, R, out_t>)(
-        Source<T, R>{e}, out, numel);
+    constexpr auto kernel = encode16_kernel<T, R, out_t>;
+    PYCOMM_LAUNCH(blocks_for<kernel>(numel), kThreads, current_stream(), kernel)(Source<T, R>{e},
+                                                                                 out, numel);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   }
 

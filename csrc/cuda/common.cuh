@@ -13,6 +13,7 @@
 #include <ATen/ATen.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <cstring>
 
@@ -132,16 +133,40 @@ __device__ __forceinline__ void store_vec(T* p, const Vec<T, N>& v) {
   *reinterpret_cast<Vec<T, N>*>(p) = v;
 }
 
-// Loads kVec values of T as 16-byte vectors, from vec_ok(p).
-template <typename T>
-__device__ __forceinline__ void load_raw8(const T* p, T (&v)[kVec]) {
-  constexpr int kPer = 16 / sizeof(T) < kVec ? 16 / sizeof(T) : kVec;
+// Four floats to p in shared memory, 16-byte aligned, as one st.shared.v4.f32 (inline PTX:
+// nvcc splits some 16-byte struct or float4 stores into four scalar ones).
+__device__ __forceinline__ void store_shared4(float* p, const Vec<float, 4>& v) {
+  check_aligned(p, 16);
+#ifdef PYCOMM_CUDA_EMULATION
+  *reinterpret_cast<Vec<float, 4>*>(p) = v;
+#else
+  const unsigned addr = static_cast<unsigned>(__cvta_generic_to_shared(p));
+  asm volatile("st.shared.v4.f32 [%0], {%1, %2, %3, %4};" ::"r"(addr), "f"(v.v[0]), "f"(v.v[1]),
+               "f"(v.v[2]), "f"(v.v[3])
+               : "memory");
+#endif
+}
+
+// Loads kVec values of T from p aligned to W bytes (a power of two, sizeof(T) <= W <= 16):
+// loads of W bytes (or of kVec elements, if fewer).
+template <int W, typename T>
+__device__ __forceinline__ void load_raw8_as(const T* p, T (&v)[kVec]) {
+  static_assert(W >= static_cast<int>(sizeof(T)) && W <= 16 && (W & (W - 1)) == 0,
+                "a load width is a power of two between the element and 16 bytes");
+  constexpr int kPer = W / static_cast<int>(sizeof(T)) < kVec ? W / static_cast<int>(sizeof(T))
+                                                               : kVec;
 #pragma unroll
   for (int k = 0; k < kVec; k += kPer) {
     const Vec<T, kPer> u = load_vec<T, kPer>(p + k);
 #pragma unroll
     for (int j = 0; j < kPer; ++j) v[k + j] = u.v[j];
   }
+}
+
+// Loads kVec values of T as 16-byte vectors, from vec_ok(p).
+template <typename T>
+__device__ __forceinline__ void load_raw8(const T* p, T (&v)[kVec]) {
+  load_raw8_as<16>(p, v);
 }
 
 // Stores kVec values of T as 16-byte vectors, at vec_ok(p).
@@ -235,22 +260,36 @@ __device__ inline void block_sum2(double& a, double& b) {
   sync_threads();  // ta and tb may be written again by the next call
 }
 
-// Blocks of kThreads the current device holds at once: one wave. The emulation says 4, so
-// that the tests run the grid-stride loops through several turns.
-inline int64_t resident_blocks() {
+// Blocks of kThreads of `Kernel` that the current device holds at once (one wave): its SMs
+// times the blocks an SM holds by the kernel's registers and shared memory
+// (cudaOccupancyMaxActiveBlocksPerMultiprocessor, a host-side computation: no synchronization),
+// asked once per kernel and device and cached. The emulation says 4, so that the tests run the
+// grid-stride loops through several turns.
+template <auto Kernel>
+int64_t resident_blocks() {
 #ifdef PYCOMM_CUDA_EMULATION
   return 4;
 #else
-  const cudaDeviceProp* p = at::cuda::getCurrentDeviceProperties();
-  return int64_t{p->multiProcessorCount} * std::max(1, p->maxThreadsPerMultiProcessor / kThreads);
+  constexpr int kDevices = 64;
+  static std::atomic<int> per_sm_of[kDevices] = {};  // 0: not asked yet
+  const int dev = c10::cuda::current_device();
+  int per_sm = dev < kDevices ? per_sm_of[dev].load(std::memory_order_relaxed) : 0;
+  if (per_sm == 0) {
+    C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, Kernel, kThreads, 0));
+    per_sm = std::max(1, per_sm);
+    if (dev < kDevices) per_sm_of[dev].store(per_sm, std::memory_order_relaxed);
+  }
+  return int64_t{at::cuda::getCurrentDeviceProperties()->multiProcessorCount} * per_sm;
 #endif
 }
 
-// Blocks for a grid-stride loop over n elements, per_block a block's elements per pass (kVec a
-// thread by default): at most one wave of the device, so that every thread gets the same
-// number of groups (within one) whatever n is.
-inline int64_t blocks_for(int64_t n, int64_t per_block = int64_t{kThreads} * kVec) {
-  return std::max<int64_t>(1, std::min<int64_t>(resident_blocks(), (n + per_block - 1) / per_block));
+// Blocks of `Kernel` for a grid-stride loop over n elements, per_block a block's elements per
+// pass (kVec a thread by default): at most one wave of the device, so that every thread gets
+// the same number of groups (within one) whatever n is.
+template <auto Kernel>
+int64_t blocks_for(int64_t n, int64_t per_block = int64_t{kThreads} * kVec) {
+  const int64_t wanted = (n + per_block - 1) / per_block;
+  return std::max<int64_t>(1, std::min<int64_t>(resident_blocks<Kernel>(), wanted));
 }
 
 }  // namespace pycomm::cuda
