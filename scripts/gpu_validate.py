@@ -429,6 +429,11 @@ def timing(run: Run, mb: float, reps: int) -> list[dict[str, Any]]:
     odd_n = sum(odd_sizes)
     odd = [list(torch.randn(odd_n, device=d).split(odd_sizes)) for _ in range(sets)]
     odd_flat = [torch.empty(odd_n, device=d) for _ in range(sets)]
+    # the same bucket with each size rounded up to 8 elements (every tensor aligned): the
+    # misaligned copies' cost is the ratio of the two
+    even_sizes = [-(-k // 8) * 8 for k in odd_sizes]
+    even = [list(torch.randn(sum(even_sizes), device=d).split(even_sizes)) for _ in range(sets)]
+    even_flat = [torch.empty(sum(even_sizes), device=d) for _ in range(sets)]
     halves = [t.to(bf16) for t in rnd]
     chunks = [torch.stack([t.to(bf16), t.flip(0).to(bf16)]) for t in rnd]
     q8 = [ops.quantize_int8(t, None, 1.0, b8, n) for t in rnd]
@@ -456,6 +461,7 @@ def timing(run: Run, mb: float, reps: int) -> list[dict[str, Any]]:
     for what, tensors, flats, nsets, target in (
         ("200 small", small, small_flat, small_sets, SMALL_TARGET),
         (f"{len(odd_sizes)} odd sizes", odd, odd_flat, sets, None),
+        (f"{len(odd_sizes)} sizes rounded to 8", even, even_flat, sets, None),
     ):
         nbytes = 2 * flats[0].numel() * 4
         case(f"pack x0.5, {what}", nbytes, target,

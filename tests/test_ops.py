@@ -320,3 +320,54 @@ def test_compile_with_dynamic_shapes():
         assert torch.equal(got_dst, want_dst)
     with pytest.raises(Exception, match=r"pycomm.accumulate_: src has shape \[.*\], expected dst"):
         compiled(torch.randn(3, 5), torch.randn(5), torch.zeros(21))
+
+
+def _view(n, dtype, offset, seed, fill=None):
+    """A contiguous view of ``n`` elements starting ``offset`` elements into a larger tensor
+    (misaligned for 16-byte vectors unless offset is a multiple of 16 bytes), and the whole."""
+    whole = rand(n + offset + 9, dtype, seed=seed, special=False)
+    if fill is not None:
+        whole.fill_(fill)
+    return whole[offset : offset + n], whole
+
+
+@pytest.mark.parametrize("in_dtype", DTYPES)
+@pytest.mark.parametrize("out_dtype", DTYPES)
+def test_misaligned_destinations_and_sources(be, in_dtype, out_dtype):
+    """Every destination offset 0-8 against source offsets 0, 1, 3: the kernels that peel a
+    head to the destination's 16-byte boundary write the same bits as the reference, and
+    nothing outside the views (a DDP bucket after an odd-sized parameter is misaligned)."""
+    for dst_off in range(9):
+        for src_off in (0, 1, 3):
+            srcs = [_view(n, in_dtype, src_off, seed=n)[0] for n in (37, 1001)]
+            total = sum(t.numel() for t in srcs)
+            for scale in (1.0, 0.5):
+                want = reference.pack(srcs, scale, out_dtype)
+                flat, whole = _view(total, out_dtype, dst_off, seed=3, fill=7.0)
+                got_whole = be.to(whole)
+                got = got_whole[dst_off : dst_off + total]
+                be("pack_into_", got, [be.to(t) for t in srcs], scale)
+                flat.copy_(want)
+                bits_equal(got_whole, whole)  # the view as the reference, the rest untouched
+                # unpack_: a misaligned flat into misaligned tensors
+                outs = [_view(t.numel(), in_dtype, dst_off, seed=4, fill=5.0) for t in srcs]
+                got_outs = [be.to(w) for _, w in outs]
+                views = [w[dst_off : dst_off + t.numel()] for w, t in zip(got_outs, srcs)]
+                src_flat, _ = _view(total, out_dtype, src_off, seed=6)
+                be("unpack_", be.to(src_flat), views, scale)
+                reference.unpack_(src_flat, [v for v, _ in outs], scale)
+                for g, (_, w) in zip(got_outs, outs):
+                    bits_equal(g, w)
+    if in_dtype == out_dtype or out_dtype == torch.float32:  # the pairs accumulate_ takes
+        for dst_off in range(9):
+            for src_off in (0, 1, 3):
+                dst, dwhole = _view(1001, out_dtype, dst_off, seed=8)
+                src, _ = _view(1001, in_dtype, src_off, seed=9)
+                got_whole = be.to(dwhole)
+                be("accumulate_", got_whole[dst_off : dst_off + 1001], be.to(src), 0.3)
+                reference.accumulate_(dst, src, 0.3)
+                bits_equal(got_whole, dwhole)
+                got_whole = be.to(dwhole)
+                be("scale_", got_whole[dst_off : dst_off + 1001], 0.125)
+                reference.scale_(dst, 0.125)
+                bits_equal(got_whole, dwhole)
