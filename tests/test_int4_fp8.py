@@ -201,10 +201,17 @@ def test_dtype_options_take_the_torch_dtype_or_its_name():
 @pytest.mark.parametrize(
     "make, pattern",
     [
-        (lambda: Int4Codec(block=3), r"Int4Codec: block=3, expected a positive int, a multiple"),
+        (lambda: Int4Codec(block=3), r"Int4Codec: block=3, expected an even number \(2 a byte\)"),
         (lambda: Int4Codec(block=0), r"Int4Codec: block=0, expected"),
         (lambda: Int4Codec(scale_dtype=torch.float16), r"scale_dtype=torch.float16, expected"),
-        (lambda: Fp8Codec(block=True), r"Fp8Codec: block=True, expected a positive int"),
+        (lambda: Fp8Codec(block=True), r"Fp8Codec: block=True, expected an int >= 1"),
+        # every built-in codec checks its own block, as its hook does
+        (lambda: pycomm.hooks.Int8Codec(block=0), r"Int8Codec: block=0, expected an int >= 1"),
+        (
+            lambda: pycomm.hooks.OneBitCodec(block=12),
+            r"OneBitCodec: block=12, expected a multiple of 8 \(8 bits a byte\)",
+        ),
+        (lambda: Fp8Codec(block=1 << 17), r"Fp8Codec: block=131072, expected an int from 1"),
         (
             lambda: pycomm.hooks.Int4State(None, block=33),
             r"pycomm int4 hook.*block=33, expected an even number",

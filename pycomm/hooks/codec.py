@@ -48,6 +48,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from pycomm import ops
+from pycomm._validate import check_int
 
 __all__ = [
     "Codec",
@@ -222,7 +223,7 @@ class Int8Codec(Codec):
     code_dtype, scale_dtype = torch.int8, torch.float32
 
     def __init__(self, block: int = 64) -> None:
-        self.block = block
+        self.block = check_block("pycomm Int8Codec", block, 1)
 
     def code_bytes(self, m: int) -> int:
         return m
@@ -247,7 +248,7 @@ class OneBitCodec(Codec):
     code_dtype, scale_dtype = torch.uint8, torch.bfloat16
 
     def __init__(self, block: int = 64) -> None:
-        self.block = block
+        self.block = check_block("pycomm OneBitCodec", block, 8, " (8 bits a byte)")
 
     def code_bytes(self, m: int) -> int:
         return m // 8
@@ -265,11 +266,24 @@ class OneBitCodec(Codec):
 # --- int4 and fp8 ----------------------------------------------------------------------
 
 
-def _check_block(codec: str, block: Any, multiple: int) -> int:
-    if not isinstance(block, int) or isinstance(block, bool) or block < 1 or block % multiple:
-        raise ValueError(
-            f"pycomm {codec}: block={block!r}, expected a positive int, a multiple of {multiple}"
-        )
+# Elements a scale covers, at most: a bucket is padded to whole blocks on every rank, so a
+# larger block costs memory (and bytes) for nothing; 2^16 is already one scale per 256 KB.
+MAX_BLOCK = 1 << 16
+
+
+def check_block(where: str, block: Any, multiple: int, why: str = "") -> int:
+    """``block`` if it is an int in [1, :data:`MAX_BLOCK`] and a multiple of ``multiple``,
+    else a ValueError starting with ``where`` (``why``: the reason for the multiple). The one
+    check of every built-in codec's block, whether the codec or its hook is built.
+
+    Example:
+        >>> check_block("pycomm onebit hook", 64, 8, " (8 bits a byte)")
+        64
+    """
+    check_int(where, "block", block, 1, maximum=MAX_BLOCK)
+    if block % multiple:
+        what = "an even number" if multiple == 2 else f"a multiple of {multiple}"
+        raise ValueError(f"{where}: block={block}, expected {what}{why}")
     return block
 
 
@@ -287,7 +301,7 @@ class Int4Codec(Codec):
     code_dtype = torch.uint8
 
     def __init__(self, block: int = 128, scale_dtype: torch.dtype = torch.float32) -> None:
-        self.block = _check_block("Int4Codec", block, 2)
+        self.block = check_block("pycomm Int4Codec", block, 2, " (2 a byte)")
         if scale_dtype not in (torch.float32, torch.bfloat16):
             raise ValueError(
                 f"pycomm Int4Codec: scale_dtype={scale_dtype}, expected float32 or bfloat16"
@@ -321,7 +335,7 @@ class Fp8Codec(Codec):
     code_dtype, scale_dtype = torch.float8_e4m3fn, torch.float32
 
     def __init__(self, block: int = 64) -> None:
-        self.block = _check_block("Fp8Codec", block, 1)
+        self.block = check_block("pycomm Fp8Codec", block, 1)
 
     def code_bytes(self, m: int) -> int:
         return m

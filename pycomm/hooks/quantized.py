@@ -4,17 +4,16 @@ from typing import Any, Optional
 
 import torch
 
-from pycomm._validate import check_dtype, check_int
-from pycomm.hooks.codec import Codec, Fp8Codec, Int4Codec, Int8Codec, OneBitCodec
+from pycomm._validate import check_dtype
+from pycomm.hooks.codec import (
+    Codec,
+    Fp8Codec,
+    Int4Codec,
+    Int8Codec,
+    OneBitCodec,
+    check_block,
+)
 from pycomm.hooks.compressed import CompressedState
-
-# Elements a scale covers, at most: a bucket is padded to whole blocks on every rank, so a
-# larger block costs memory (and bytes) for nothing; 2^16 is already one scale per 256 KB.
-MAX_BLOCK = 1 << 16
-
-
-def _check_block(where: str, value: Any, minimum: int) -> int:
-    return check_int(where, "block", value, minimum, maximum=MAX_BLOCK)
 
 
 class Int8State(CompressedState):
@@ -35,7 +34,7 @@ class Int8State(CompressedState):
     default_block = 64
 
     def make_codec(self, options: dict[str, Any]) -> Codec:
-        return Int8Codec(_check_block(self.where, options.get("block", self.default_block), 1))
+        return Int8Codec(check_block(self.where, options.get("block", self.default_block), 1))
 
     def options(self) -> dict[str, Any]:
         return {**super().options(), "block": self.codec.block}
@@ -56,7 +55,7 @@ class Fp8State(CompressedState):
     default_block = 64
 
     def make_codec(self, options: dict[str, Any]) -> Codec:
-        return Fp8Codec(_check_block(self.where, options.get("block", self.default_block), 1))
+        return Fp8Codec(check_block(self.where, options.get("block", self.default_block), 1))
 
     def options(self) -> dict[str, Any]:
         return {**super().options(), "block": self.codec.block}
@@ -83,9 +82,7 @@ class Int4State(CompressedState):
     default_scale_dtype = "float32"
 
     def make_codec(self, options: dict[str, Any]) -> Codec:
-        block = _check_block(self.where, options.get("block", self.default_block), 2)
-        if block % 2:
-            raise ValueError(f"{self.where}: block={block}, expected an even number (2 a byte)")
+        block = check_block(self.where, options.get("block", self.default_block), 2, " (2 a byte)")
         scale = options.get("scale_dtype", self.default_scale_dtype)
         return Int4Codec(block, check_dtype(self.where, "scale_dtype", scale, _SCALE_DTYPES))
 
@@ -115,11 +112,9 @@ class OneBitState(CompressedState):
     default_block = 64
 
     def make_codec(self, options: dict[str, Any]) -> Codec:
-        block = _check_block(self.where, options.get("block", self.default_block), 8)
-        if block % 8:
-            raise ValueError(
-                f"pycomm onebit hook: block={block}, expected a multiple of 8 (8 bits a byte)"
-            )
+        block = check_block(
+            self.where, options.get("block", self.default_block), 8, " (8 bits a byte)"
+        )
         return OneBitCodec(block)
 
     def options(self) -> dict[str, Any]:
