@@ -59,7 +59,7 @@ def check_hook_args(where: str, hook: Any, hook_options: Any) -> dict:
     """A copy of ``hook_options`` (None: empty) if ``hook`` is a string and ``hook_options`` a
     dict or None, else a ValueError naming the argument. Whether the name and the options are
     the hook's is :func:`pycomm.register`'s to check."""
-    if not isinstance(hook, str):
+    if not isinstance(hook, str):  # (hook_options_of passes "": it checks the dict alone)
         raise ValueError(
             f"{where}: hook={hook!r}, expected a hook name such as 'allreduce', 'int8' or 'auto'"
         )
@@ -68,3 +68,34 @@ def check_hook_args(where: str, hook: Any, hook_options: Any) -> dict:
             f"{where}: hook_options={hook_options!r}, expected a dict of the hook's options or None"
         )
     return dict(hook_options or {})
+
+
+def hook_options_of(where: str, hook_options: Any, legacy: dict[str, Any]) -> dict[str, Any]:
+    """The options of a hook as one dict, ``hook_options={...}``, the spelling of every entry
+    point (``wrap``, ``register``, the framework adapters, ``pycomm.fsdp.compress``). Options
+    given as keyword arguments (``register(ddp, hook="int8", block=64)``, the older spelling)
+    still work, with a FutureWarning; the same option both ways is a ValueError.
+
+    Example:
+        >>> hook_options_of("pycomm.register", {"block": 64}, {})
+        {'block': 64}
+    """
+    options = check_hook_args(where, "", hook_options)
+    if legacy:
+        import warnings
+
+        both = sorted(set(legacy) & set(options))
+        if both:
+            raise ValueError(
+                f"{where}: option {both[0]!r} given both in hook_options and as a keyword "
+                "argument; expected it once, in hook_options"
+            )
+        spelled = ", ".join(f"{k!r}: ..." for k in sorted(legacy))
+        warnings.warn(
+            f"{where}: options as keyword arguments ({', '.join(sorted(legacy))}) are "
+            f"deprecated; pass hook_options={{{spelled}}}",
+            FutureWarning,
+            stacklevel=3,
+        )
+        options.update(legacy)
+    return options

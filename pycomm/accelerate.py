@@ -17,10 +17,11 @@ Example:
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from pycomm._validate import hook_options_of
 from pycomm.checkpoint import gather_hook_state, load_hook_state
 from pycomm.hooks import HookState
 from pycomm.wrap import HookArg
@@ -34,12 +35,14 @@ def register(
     model: Any,
     hook: HookArg = "allreduce",
     accumulate_steps: int = 1,
-    **hook_options: Any,
+    hook_options: Optional[dict[str, Any]] = None,
+    **options: Any,
 ) -> HookState:
     """Register a pycomm hook on ``model``, the DDP model ``accelerator.prepare()`` returned,
     before the first training step. Every rank calls it; the hook, options and model are
     compared across ranks (:func:`pycomm.register`, which takes the same ``hook``: a
-    registered name, a HookState instance or a ``(state, hook_function)`` pair).
+    registered name, a HookState instance or a ``(state, hook_function)`` pair, and the same
+    ``hook_options`` dict).
 
     Refused with a ValueError or TypeError naming the problem: a model Accelerate did not wrap
     in DDP, a ``comm_hook`` in Accelerate's ``DistributedDataParallelKwargs`` (it already
@@ -48,8 +51,10 @@ def register(
 
     Example:
         >>> model, opt = accelerator.prepare(model, opt)
-        >>> state = pycomm.accelerate.register(accelerator, model, hook="onebit")
+        >>> state = pycomm.accelerate.register(accelerator, model, hook="int8",
+        ...                                    hook_options={"block": 128})
     """
+    hook_options = hook_options_of("pycomm.accelerate.register", hook_options, options)
     if not isinstance(model, DDP):
         raise TypeError(
             f"pycomm.accelerate.register: model is a {type(model).__name__}, expected the "
@@ -72,7 +77,7 @@ def register(
             "accumulate_steps=1 and let accelerator.accumulate() accumulate (it skips DDP's "
             "synchronization until its k-th batch, the end of the dataloader included)"
         )
-    return _register(model, hook=hook, accumulate_steps=accumulate_steps, **hook_options)
+    return _register(model, hook=hook, accumulate_steps=accumulate_steps, hook_options=hook_options)
 
 
 class HookStateCheckpoint:

@@ -44,6 +44,7 @@ try:  # the interface set_custom_reduce_scatter documents (not exported by torch
 except ImportError:  # FSDP calls allocate() and __call__(), nothing else
     ReduceScatter = object  # type: ignore[misc,assignment]
 
+from pycomm._validate import hook_options_of
 from pycomm.hooks import AllreduceState, CompressedState, hook_spec
 from pycomm.hooks.config import agree, error_field, resolved_config
 from pycomm.hooks.registry import registration
@@ -199,7 +200,7 @@ class FSDPCompression(HookState):
     ``save_rank_state``/``load_rank_state`` take it as they take a DDP hook's state.
 
     Example:
-        >>> comm = pycomm.fsdp.compress(model, hook="int8", error_feedback=True)
+        >>> comm = pycomm.fsdp.compress(model, hook="int8", hook_options={"error_feedback": True})
         >>> pycomm.checkpoint.save_rank_state(comm, "out/step-100")   # every rank its own file
         >>> pycomm.checkpoint.load_rank_state(comm, "out/step-100")   # on resume, every rank
     """
@@ -300,7 +301,12 @@ def _check(
     return spec, opts
 
 
-def compress(model: torch.nn.Module, hook: str = "int8", **options: Any) -> FSDPCompression:
+def compress(
+    model: torch.nn.Module,
+    hook: str = "int8",
+    hook_options: Optional[dict[str, Any]] = None,
+    **legacy: Any,
+) -> FSDPCompression:
     """Send the gradients of every ``fully_shard``-ed module of ``model`` with ``hook``.
 
     Call it on every rank, after ``fully_shard`` and before the first backward. The hook,
@@ -312,16 +318,18 @@ def compress(model: torch.nn.Module, hook: str = "int8", **options: Any) -> FSDP
         hook: ``"allreduce"`` (the exact reduce-scatter, summed in fp32, or in float64 for
             float64 gradients) or a compressed hook of the
             registry (``"bf16"``, ``"fp16"``, ``"int8"``, ``"onebit"``, a user's codec).
-        options: the hook's options (``block``, ``start_iter``, ``error_feedback``
-            (default False here), ``residual_dtype``, a user codec's own).
+        hook_options: the hook's options, one dict as in ``pycomm.wrap`` (``block``,
+            ``start_iter``, ``error_feedback`` (default False here), ``residual_dtype``, a user
+            codec's own); as keyword arguments, the older spelling, with a FutureWarning.
 
     Returns:
         An :class:`FSDPCompression`: ``stats``, ``state_dict()``, ``load_state_dict()``.
 
     Example:
         >>> fully_shard(model)
-        >>> comm = pycomm.fsdp.compress(model, hook="bf16")
+        >>> comm = pycomm.fsdp.compress(model, hook="int8", hook_options={"block": 128})
     """
+    options = hook_options_of("pycomm.fsdp.compress", hook_options, legacy)
     if not (dist.is_available() and dist.is_initialized()):
         raise RuntimeError("pycomm.fsdp.compress: no process group; call pycomm.init() first")
     if not isinstance(model, torch.nn.Module):

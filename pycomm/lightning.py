@@ -90,7 +90,9 @@ class DDPStrategy(_LightningDDPStrategy):
 
     def _register_ddp_hooks(self) -> None:
         # Lightning's registers only on CUDA; pycomm's hooks work on every device.
-        self.pycomm_state = register(self.model, hook=self.pycomm_hook, **self.pycomm_hook_options)
+        self.pycomm_state = register(
+            self.model, hook=self.pycomm_hook, hook_options=self.pycomm_hook_options
+        )
 
     def _hook_state(self) -> Any:
         return getattr(self.model, STATE_ATTR, None) or self.pycomm_state

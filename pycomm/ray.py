@@ -104,7 +104,8 @@ def prepare_model(
             )
         _one_worker(f"no {hook} hook is registered")
         return prepared
-    pycomm.register(prepared, hook=hook, **options)
+    steps = options.pop("accumulate_steps", 1)  # register's own argument, not the hook's
+    pycomm.register(prepared, hook=hook, accumulate_steps=steps, hook_options=options)
     return prepared
 
 

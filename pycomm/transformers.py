@@ -169,7 +169,7 @@ class CommHookCallback(TrainerCallback):
                 )
                 self._said_single = True
             return
-        self.state = pycomm.register(model, hook=self.hook, **self.hook_options)
+        self.state = pycomm.register(model, hook=self.hook, hook_options=self.hook_options)
         if state.global_step > 0:  # resumed: the Trainer loaded checkpoint-<global_step>
             folder = self._checkpoint_dir(args, state.global_step)
             if not load_rank_state(self.state, folder, missing="ignore"):

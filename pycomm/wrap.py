@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from pycomm._validate import check_int
+from pycomm._validate import check_int, hook_options_of
 from pycomm.dist import settle_at_exit
 from pycomm.hooks import AccumulateState, AutoState, HookState, accumulate_hook
 from pycomm.hooks.config import agree, error_field, resolved_config
@@ -207,7 +207,11 @@ def _attach(ddp: DDP, state: HookState, fn: Callable, accumulate_steps: int) -> 
 
 
 def register(
-    ddp: DDP, hook: HookArg = "allreduce", accumulate_steps: int = 1, **hook_options: Any
+    ddp: DDP,
+    hook: HookArg = "allreduce",
+    accumulate_steps: int = 1,
+    hook_options: Optional[dict[str, Any]] = None,
+    **options: Any,
 ) -> HookState:
     """Register a pycomm hook on an existing DDP model and return its state.
 
@@ -218,18 +222,22 @@ def register(
     integrations. A state instance must be built over DDP's process group (or None for the
     default group) and not be used by another model.
 
+    ``hook_options``: the hook's options, one dict, as in ``wrap`` (options as keyword
+    arguments, the older spelling, still work with a FutureWarning).
+
     Every rank must call it with the same hook, options and model: that is checked across ranks
     first, and a difference raises a ValueError on every rank naming it.
 
     Example:
         >>> ddp = DistributedDataParallel(model)
-        >>> state = pycomm.register(ddp, hook="allreduce")
+        >>> state = pycomm.register(ddp, hook="int8", hook_options={"block": 128})
         >>> state = pycomm.register(ddp2, hook=(MyState(None), my_hook), accumulate_steps=4)
     """
     if not isinstance(ddp, DDP):
         raise TypeError(f"pycomm.register: expected a DistributedDataParallel, got {type(ddp)}")
     # Compared across ranks with the rest, so that every rank raises the same error instead
     # of one raising while the others wait for it in the next collective.
+    hook_options = hook_options_of("pycomm.register", hook_options, options)
     problem = _registration_problem(ddp) or _state_problem(ddp.process_group, hook)
     fields, state, fn = resolve_hook(hook, hook_options, accumulate_steps, ddp.process_group)
     agree(

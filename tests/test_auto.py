@@ -348,7 +348,7 @@ def _rank_register_and_checkpoint(path):
 
     with _injected([SLOW]):
         ddp = DDP(_model(), bucket_cap_mb=0.004)
-        state = pycomm.register(ddp, hook="auto", allow=["allreduce", "bf16"])
+        state = pycomm.register(ddp, hook="auto", hook_options={"allow": ["allreduce", "bf16"]})
         opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
         _train(ddp, opt, _data(6))
         pycomm.checkpoint.save(path, ddp, opt, step=6)

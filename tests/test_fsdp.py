@@ -61,7 +61,7 @@ def _rank_train(hook, per_block, steps, options, divide=None, k=1):
     m = _shard(_model(), per_block)
     if divide is not None:
         m.set_gradient_divide_factor(divide)
-    comm = pycomm.fsdp.compress(m, hook=hook, **options) if hook != "fsdp" else None
+    comm = pycomm.fsdp.compress(m, hook=hook, hook_options=options) if hook != "fsdp" else None
     opt = torch.optim.SGD(m.parameters(), lr=0.1)
     grads, stats = [], []
     for i, (x, y) in enumerate(_data(steps * k)):
@@ -136,7 +136,7 @@ def _rank_resume(options, folder=None):
         m = _shard(_model())
         return (
             m,
-            pycomm.fsdp.compress(m, hook="int8", **options),
+            pycomm.fsdp.compress(m, hook="int8", hook_options=options),
             torch.optim.Adam(m.parameters(), lr=1e-2),
         )
 
@@ -182,7 +182,7 @@ def test_resume_is_bitwise(options, tmp_path):
 
 def _rank_mixed_precision():
     m = _shard(_model(), mp_policy=MixedPrecisionPolicy(reduce_dtype=torch.bfloat16))
-    comm = pycomm.fsdp.compress(m, hook="int8", start_iter=2)
+    comm = pycomm.fsdp.compress(m, hook="int8", hook_options={"start_iter": 2})
     opt = torch.optim.SGD(m.parameters(), lr=0.1)
     losses = []
     for x, y in _data(8):
@@ -244,7 +244,9 @@ def _rank_refusals():
     rank = dist.get_rank()
     attempt(
         "options differ",
-        lambda: pycomm.fsdp.compress(_shard(_model()), hook="int8", block=64 if rank == 0 else 32),
+        lambda: pycomm.fsdp.compress(
+            _shard(_model()), hook="int8", hook_options={"block": 64 if rank == 0 else 32}
+        ),
     )
     attempt(
         "hook differs",
@@ -254,10 +256,19 @@ def _rank_refusals():
     attempt("powersgd", lambda: pycomm.fsdp.compress(_shard(_model()), hook="powersgd"))
     attempt("unknown hook", lambda: pycomm.fsdp.compress(_shard(_model()), hook="int3"))
     attempt(
-        "hierarchy", lambda: pycomm.fsdp.compress(_shard(_model()), hook="int8", hierarchy="node")
+        "hierarchy",
+        lambda: pycomm.fsdp.compress(
+            _shard(_model()), hook="int8", hook_options={"hierarchy": "node"}
+        ),
     )
-    attempt("bad option", lambda: pycomm.fsdp.compress(_shard(_model()), hook="int8", bloc=64))
-    attempt("bad value", lambda: pycomm.fsdp.compress(_shard(_model()), hook="int8", block=0))
+    attempt(
+        "bad option",
+        lambda: pycomm.fsdp.compress(_shard(_model()), hook="int8", hook_options={"bloc": 64}),
+    )
+    attempt(
+        "bad value",
+        lambda: pycomm.fsdp.compress(_shard(_model()), hook="int8", hook_options={"block": 0}),
+    )
     if dist.get_world_size() == 4:
         from torch.distributed.device_mesh import init_device_mesh
 

@@ -169,7 +169,9 @@ def _rank_fsdp_default():
     model = _model()
     fully_shard(model)
     spelled = {"block": 64} if rank == 0 else {}
-    out["spelled default"] = _error(lambda: pycomm.fsdp.compress(model, hook="int8", **spelled))
+    out["spelled default"] = _error(
+        lambda: pycomm.fsdp.compress(model, hook="int8", hook_options=spelled)
+    )
     return out
 
 

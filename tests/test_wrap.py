@@ -270,3 +270,30 @@ def test_powersgd_with_many_buckets_keeps_ranks_in_step():
     for _ in range(3):
         a, b = run_ranks(_rank_powersgd_buckets, 2, 30, timeout=60)
         assert torch.equal(a, b)
+
+
+def _rank_one_spelling():
+    """``hook_options={...}`` everywhere; the older keyword spelling still registers the same
+    hook, with a FutureWarning; an option given both ways is refused."""
+    import warnings
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 4)
+    new = pycomm.register(DDP(model), hook="int8", hook_options={"block": 128}).options()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        old = pycomm.register(DDP(torch.nn.Linear(8, 4)), hook="int8", block=128).options()
+    try:
+        pycomm.register(DDP(model), hook="int8", hook_options={"block": 64}, block=128)
+        both = None
+    except ValueError as e:
+        both = str(e)
+    warned = [str(w.message) for w in caught if issubclass(w.category, FutureWarning)]
+    return new == old, warned, both
+
+
+def test_hook_options_is_one_dict():
+    for same, warned, both in run_ranks(_rank_one_spelling, 2, timeout=60):
+        assert same
+        assert len(warned) == 1 and "pass hook_options={'block': ...}" in warned[0]
+        assert "option 'block' given both in hook_options and as a keyword argument" in both

@@ -359,7 +359,7 @@ def _train_fsdp(task, data, vocab, hook, optimizer, seed, steps, progress, label
     comm = None
     if hook != REFERENCE:
         name, options = VARIANTS.get(hook, (hook, HOOK_OPTIONS.get(hook)))
-        comm = pycomm.fsdp.compress(model, hook=name, **(options or {}))
+        comm = pycomm.fsdp.compress(model, hook=name, hook_options=options)
     opt = make_optimizer(optimizer, model.parameters(), task.lr)
     losses = []
     for batch in _batches(task, data, steps, seed):
