@@ -45,6 +45,7 @@ except ImportError:  # FSDP calls allocate() and __call__(), nothing else
     ReduceScatter = object  # type: ignore[misc,assignment]
 
 from pycomm._validate import hook_options_of
+from pycomm.exchange import rank_order_sum
 from pycomm.hooks import AllreduceState, CompressedState, hook_spec
 from pycomm.hooks.config import agree, error_field, resolved_config
 from pycomm.hooks.registry import registration
@@ -149,11 +150,7 @@ class ModuleReduceScatter(ReduceScatter):
         dist.all_to_all_single(recv, x.contiguous(), group=group)
         self.stats["bytes_sent"] += (n - 1) * s * x.element_size()
         # fp32 sums, or float64's own: exact for every dtype FSDP reduces in
-        rows = recv.view(n, s).to(torch.promote_types(x.dtype, torch.float32))
-        acc = rows[0].clone()
-        for r in range(1, n):  # in rank order: every rank sums its chunk the same way
-            acc += rows[r]
-        out.copy_(acc.mul_(scale) if scale != 1.0 else acc)
+        out.copy_(rank_order_sum(recv.view(n, s), scale))
 
     def _compressed(self, out, x, group, n: int, s: int, scale: float) -> None:
         st = self.state
