@@ -12,7 +12,9 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from pycomm._validate import check_int, hook_options_of
 from pycomm.dist import settle_at_exit
-from pycomm.hooks import AccumulateState, AutoState, HookState, accumulate_hook
+from pycomm.hooks import HookState
+from pycomm.hooks.accumulate import AccumulateState, accumulate_hook
+from pycomm.hooks.auto import AutoState
 from pycomm.hooks.config import agree, error_field, resolved_config
 from pycomm.hooks.registry import hook_names, hook_spec, registration
 from pycomm.hooks.state import accepts_dtype, dtype_names, unbound

@@ -87,7 +87,7 @@ def _rank_plain():
 
     # a state registered by hand on a plain DDP (no parameters bound): known from its buckets
     ddp = DDP(_net(), bucket_cap_mb=0.001)
-    state = pycomm.hooks.OneBitState(None, start_iter=2)
+    state = pycomm.hooks.hook_spec("onebit").state(None, start_iter=2)
     ddp.register_comm_hook(state, pycomm.hooks.compressed_hook)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

@@ -48,13 +48,13 @@ def _quiet():
 def test_states_are_built_before_the_process_group():
     assert not dist.is_initialized()
     states = [
-        pycomm.hooks.AllreduceState(None),
-        pycomm.hooks.Bf16State(None),
-        pycomm.hooks.Int8State(None, block=128),
-        pycomm.hooks.OneBitState(None),
-        pycomm.hooks.PowerSGDHookState(None),
+        pycomm.hooks.hook_spec("allreduce").state(None),
+        pycomm.hooks.hook_spec("bf16").state(None),
+        pycomm.hooks.hook_spec("int8").state(None, block=128),
+        pycomm.hooks.hook_spec("onebit").state(None),
+        pycomm.hooks.hook_spec("powersgd").state(None),
     ]
-    stage = pycomm.hooks.AccumulateState(states[2], pycomm.hooks.compressed_hook, 2, [])
+    stage = pycomm.hooks.accumulate.AccumulateState(states[2], pycomm.hooks.compressed_hook, 2, [])
     for s in [*states, stage]:
         assert s._world_size is None
     with pytest.raises(RuntimeError, match="before the process group exists"):
@@ -285,7 +285,7 @@ def _rank_ddp(tmp):
     rank = dist.get_rank()
     # a state built before the group, bound at the first hook call
     dist.destroy_process_group()
-    early = pycomm.hooks.Int8State(None)
+    early = pycomm.hooks.hook_spec("int8").state(None)
     out["unbound"] = early._world_size is None
     dist.init_process_group(
         "gloo",
@@ -311,7 +311,7 @@ def _rank_ddp(tmp):
     dist.all_gather_object(theirs, sd)
     out["other_rank"] = _error(lambda: early.load_state_dict(theirs[1 - rank]))
     blob = pycomm.checkpoint.gather_hook_state(early)
-    fresh = pycomm.hooks.Int8State(None)
+    fresh = pycomm.hooks.hook_spec("int8").state(None)
     pycomm.checkpoint.load_hook_state(fresh, blob)
     out["gathered"] = fresh.state_dict()["rank"] == rank and all(
         torch.equal(a["r1"], b["r1"])

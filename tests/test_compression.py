@@ -410,7 +410,7 @@ def _rank_resume(widths, bound):
             ddp = pycomm.wrap(module, hook="int8")
             return ddp, pycomm.hook_state(ddp)
         ddp = DDP(module, bucket_cap_mb=8)
-        state = pycomm.hooks.Int8State(None)
+        state = pycomm.hooks.hook_spec("int8").state(None)
         ddp.register_comm_hook(state, pycomm.hooks.compressed_hook)
         return ddp, state
 

@@ -309,7 +309,7 @@ def _custom_hook_ddp(group, on_step):
 def _int8_ddp(group, on_step):
     """DDP with pycomm's int8 hook, wrapped to call ``on_step(iteration)`` first."""
     ddp = DDP(_model(), process_group=group)
-    state = pycomm.hooks.Int8State(group)
+    state = pycomm.hooks.hook_spec("int8").state(group)
 
     def dying_int8_hook(state, bucket):  # or stalling
         on_step(state.iter)

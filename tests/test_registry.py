@@ -191,7 +191,7 @@ def my_hook(state, bucket):
 @pytest.mark.parametrize(
     "args, kwargs, pattern",
     [
-        (("int8", MyState, my_hook), {}, "the name is taken by pycomm.hooks.quantized.Int8State"),
+        (("int8", MyState, my_hook), {}, "the name is taken by pycomm.hooks.codec.Int8State"),
         # a taken name is the first problem reported, before the codec's self-check
         (("int8",), {"codec": _broken(code_dtype=torch.int16)}, "the name is taken by pycomm"),
         (("My-Hook", MyState, my_hook), {}, "name='My-Hook', expected lowercase letters"),
@@ -429,7 +429,7 @@ def test_no_import_cycle_inside_pycomm_hooks():
     """Each hooks module imports only modules before it in this order (a leaf first)."""
     order = [
         "groups", "state", "bucket", "codec", "hierarchy", "allreduce", "advice", "layout",
-        "residuals", "compressed", "registry", "lowprec", "quantized", "warmup", "auto",
+        "residuals", "compressed", "registry", "warmup", "auto",
         "powersgd", "accumulate",
     ]  # fmt: skip
     folder = os.path.join(ROOT, "pycomm", "hooks")
@@ -540,3 +540,84 @@ def test_the_buckets_pycomm_hands_an_exchange_follow_the_protocol():
         assert out["flat"] and all(ok and flat for _, ok, flat in out["flat"]), out
         assert {kind for kind, _, _ in out["flat"]} <= {"GradBucket", "_HookBucket"}, out
         assert out["node"] == [("_ShardBucket", True, True)], out
+
+
+BUILT_IN_CODECS = {
+    "bf16": pycomm.hooks.Bf16Codec,
+    "fp16": pycomm.hooks.Fp16Codec,
+    "int8": Int8Codec,
+    "fp8": Fp8Codec,
+    "int4": Int4Codec,
+    "onebit": OneBitCodec,
+}
+
+
+@pytest.mark.parametrize("name", sorted(BUILT_IN_CODECS))
+def test_built_in_codecs_are_registered_as_a_users_codec(name):
+    """A built-in codec hook is its codec class through register_hook(codec=...): the same
+    codec registered by a user, with the built-in's defaults, resolves to the same options,
+    codec format and bucket size."""
+    spec = hook_spec(name)
+    assert spec.codec is BUILT_IN_CODECS[name] and spec.hook is pycomm.hooks.compressed_hook
+    builtin = spec.state(None)
+    defaults = {
+        k: getattr(spec.state, f"default_{k}")
+        for k in ("start_iter", "error_feedback", "local_feedback")
+    }
+    register_hook(
+        "user_copy",
+        codec=BUILT_IN_CODECS[name],
+        defaults=defaults,
+        bucket_cap_mb=spec.state.default_bucket_cap_mb,
+    )
+    try:
+        mine = hook_spec("user_copy").state(None)
+        assert mine.options() == builtin.options()
+        assert mine.identity()["codec format"] == builtin.identity()["codec format"]
+        assert mine.default_bucket_cap_mb == builtin.default_bucket_cap_mb
+    finally:
+        unregister_hook("user_copy")
+
+
+def test_built_in_defaults_and_advice_come_from_the_registration():
+    onebit = hook_spec("onebit").state(None)
+    assert (onebit.start_iter, onebit.local_feedback, onebit.default_bucket_cap_mb) == (
+        20, False, None,
+    )  # fmt: skip
+    assert onebit.optimizer_advice(torch.optim.Adam([torch.zeros(1, requires_grad=True)]))
+    assert onebit.optimizer_advice(torch.optim.SGD([torch.zeros(1, requires_grad=True)])) is None
+    assert hook_spec("bf16").state(None).error_feedback is False
+    assert hook_spec("int8").state(None).optimizer_advice(object()) is None
+    assert hook_spec("int4").state(None, scale_dtype=torch.bfloat16).options()["scale_dtype"] == (
+        "bfloat16"
+    )
+
+
+@pytest.mark.parametrize(
+    "kwargs, pattern",
+    [
+        ({"defaults": {"block": 4}}, r"defaults has 'block', expected some of start_iter"),
+        ({"defaults": {"start_iter": 1}}, r"defaults\['start_iter'\]=1, expected an int >= 2"),
+        ({"defaults": {"error_feedback": 1}}, r"defaults\['error_feedback'\]=1, expected True"),
+        ({"defaults": [("start_iter", 3)]}, r"defaults=\[\('start_iter', 3\)\], expected a dict"),
+        ({"bucket_cap_mb": 0}, r"bucket_cap_mb=0, expected a number > 0"),
+        ({"advice": 3}, r"advice=3, expected a function \(state, optimizer\)"),
+    ],
+)
+def test_a_codec_hooks_defaults_are_checked(kwargs, pattern):
+    with pytest.raises(ValueError, match=r"register_hook\('mine'\): " + pattern):
+        register_hook("mine", codec=PlainCodec, **kwargs)
+    assert "mine" not in hook_names()
+
+
+def test_defaults_belong_to_a_codec_hook():
+    with pytest.raises(ValueError, match=r"defaults= without codec=\.\.\.; expected it with a"):
+        register_hook("mine", MyState, my_hook, defaults={"start_iter": 3})
+
+
+def test_the_old_state_class_names_still_reach_the_states_with_a_warning():
+    with pytest.warns(FutureWarning, match=r"pycomm.hooks.Int8State is deprecated; use"):
+        cls = pycomm.hooks.Int8State
+    assert cls is hook_spec("int8").state
+    with pytest.raises(AttributeError, match="no attribute 'Int9State'"):
+        pycomm.hooks.Int9State  # noqa: B018

@@ -131,7 +131,7 @@ def test_resolved_differences_are_named_on_every_rank():
 def _rank_explicit_default(hook, k):
     """``{"block": B}`` (the default) on rank 0, ``{}`` on rank 1: trains."""
     rank = dist.get_rank()
-    default = pycomm.hooks.hook_spec(hook).state.default_block
+    default = pycomm.hooks.hook_spec(hook).codec().block
     opts = {"block": default} if rank == 0 else {}
     model = _model()
     ddp = pycomm.wrap(model, hook=hook, hook_options=opts, accumulate_steps=k)

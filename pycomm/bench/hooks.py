@@ -35,7 +35,7 @@ class WireOnlyCodec(Codec):
     splits into compute, exchange and codecs.
 
     Example:
-        >>> state = pycomm.hooks.Int8State(None, error_feedback=False)
+        >>> state = pycomm.hooks.hook_spec("int8").state(None, error_feedback=False)
         >>> state.codec = WireOnlyCodec(state.codec)
     """
 

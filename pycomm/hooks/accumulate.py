@@ -123,7 +123,7 @@ class AccumulateState(HookState):
             them in fp32, and the hook only leaves them alone until the k-th micro-step.
 
     Example:
-        >>> inner = pycomm.hooks.Int8State(None)
+        >>> inner = pycomm.hooks.hook_spec("int8").state(None)
         >>> params = [p for p in model.parameters() if p.requires_grad]
         >>> state = AccumulateState(inner, pycomm.hooks.compressed_hook, 4, params)
         >>> ddp.register_comm_hook(state, accumulate_hook)

@@ -118,3 +118,48 @@ def _caller_level() -> int:
             return level
         frame, level = frame.f_back, level + 1
     return 2
+
+
+def onebit_advice(state: Any, optimizer: Any) -> Optional[str]:
+    """The ``onebit`` hook's advice: with an Adam-family optimizer or SGD with momentum,
+    onebit fell behind the exact all-reduce in the quality suite (README, "Choosing a hook");
+    None for plain SGD.
+
+    Example:
+        >>> onebit_advice(pycomm.hook_state(ddp), torch.optim.Adam(model.parameters()))
+        'pycomm onebit hook: with an Adam-family optimizer (Adam), onebit fell behind ...'
+    """
+    name = type(optimizer).__name__
+    # held-out loss above the exact all-reduce's on the quality suite's transformer (full
+    # run, seeds 0-2): (local_feedback=True, defaults, start_iter=40, error_feedback=False)
+    if "Adam" in name:
+        family, local, default, longer, plain = (
+            f"an Adam-family optimizer ({name})", "+11%", "+5.3%", "+4.9%", "+6.1%",
+        )  # fmt: skip
+    elif any(g.get("momentum", 0) for g in getattr(optimizer, "param_groups", [])):
+        family, local, default, longer, plain = (
+            f"SGD with momentum ({name})", "diverging", "+3.9%", "+3.4%", "+3.3%",
+        )  # fmt: skip
+    else:
+        return None
+    where = (
+        "in the quality suite (python -m pycomm.bench.quality, 4 ranks, a character-level "
+        "transformer: held-out loss "
+    )
+    if not state.error_feedback:
+        return (
+            f"pycomm onebit hook: without error feedback (error_feedback=False), with "
+            f"{family}, onebit fell behind the exact all-reduce {where}{plain} after 150 "
+            "steps, against a 3% limit). Use the int8 hook for such models"
+        )
+    if state.local_feedback:
+        return (
+            f"pycomm onebit hook: error feedback on each rank's own gradient (local_feedback"
+            f"=True) with {family} fell behind the exact all-reduce {where}{local}; "
+            f"{default} with onebit's default local_feedback=False). Use the int8 hook"
+        )
+    return (
+        f"pycomm onebit hook: with {family}, onebit fell behind the exact all-reduce {where}"
+        f"{default} after 150 steps, against a 3% limit; {longer} with start_iter=40; the "
+        "digits MLPs held within 1 point). Use the int8 hook for such models"
+    )

@@ -1,12 +1,19 @@
 """The exact all-reduce hook: DDP's own reduction, with byte accounting."""
 
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
 
 from pycomm.hooks import hierarchy as hier
-from pycomm.hooks.state import HookState, check_bucket, completed, is_sparse, ring_bytes
+from pycomm.hooks.state import (
+    HookState,
+    check_bucket,
+    completed,
+    dtype_names,
+    is_sparse,
+    ring_bytes,
+)
 
 
 class AllreduceState(HookState):
@@ -62,19 +69,59 @@ def allreduce_hook(
     Example:
         >>> ddp.register_comm_hook(AllreduceState(None), allreduce_hook)
     """
-    if is_sparse(bucket):
-        return sparse_allreduce(state, bucket)
-    tensor = check_bucket("allreduce", bucket)
-    if state.world_size == 1:
-        state.count(bucket, 0, collectives=0)
-        return completed(tensor)
-    plan = state.node_plan
-    if plan is not None:
-        cross = hier.exact_cross(plan, tensor.numel())
-        return hier.node_reduce(
-            state, plan, bucket, tensor, bucket.index(), cross, prescale=1.0 / state.world_size
-        )
-    return exact_allreduce(state, bucket, tensor, state.process_group)
+
+    def dense(tensor: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
+        plan = state.node_plan
+        if plan is not None:
+            cross = hier.exact_cross(plan, tensor.numel())
+            return hier.node_reduce(
+                state, plan, bucket, tensor, bucket.index(), cross, prescale=1.0 / state.world_size
+            )
+        return exact_allreduce(state, bucket, tensor, state.process_group)
+
+    return per_bucket(state, bucket, dense)
+
+
+def per_bucket(
+    state: HookState,
+    bucket: dist.GradBucket,
+    dense: Callable[[torch.Tensor], torch.futures.Future[torch.Tensor]],
+    *,
+    begin: Optional[Callable[[], Any]] = None,
+    end: Optional[Callable[[], Any]] = None,
+    alone: bool = True,
+) -> torch.futures.Future[torch.Tensor]:
+    """The routine every pycomm hook runs on a bucket, written once: ``begin()`` (a step's
+    bookkeeping, at every call); a sparse gradient's bucket reduced exactly as DDP does
+    (:func:`sparse_allreduce`); the dense bucket's buffer checked (a dense floating-point
+    tensor of one of ``state.grad_dtypes``, else a TypeError naming the hook, the bucket
+    and the dtype); on one rank (``alone``) the bucket as it is, counted; else
+    ``dense(buffer)``, the hook's own exchange; and ``end()`` after the step's last bucket,
+    whatever happened.
+
+    Example:
+        >>> def my_hook(state, bucket):
+        ...     return per_bucket(state, bucket, lambda x: my_exchange(state, bucket, x))
+    """
+    if begin is not None:
+        begin()
+    try:
+        if is_sparse(bucket):  # exact, as DDP reduces it; at its place in the step
+            return sparse_allreduce(state, bucket)
+        x = check_bucket(state.hook_name, bucket)
+        dtypes = state.grad_dtypes
+        if dtypes is not None and x.dtype not in dtypes:
+            raise TypeError(
+                f"pycomm {state.hook_name} hook: bucket {bucket.index()} has dtype {x.dtype}, "
+                f"expected {dtype_names(dtypes)}"
+            )
+        if alone and state.world_size == 1:
+            state.count(bucket, 0, collectives=0)
+            return completed(x)
+        return dense(x)
+    finally:
+        if end is not None and bucket.is_last():
+            end()
 
 
 def exact_allreduce(

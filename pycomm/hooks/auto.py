@@ -73,7 +73,7 @@ import torch.distributed as dist
 
 from pycomm._validate import check_int
 from pycomm.hooks import hierarchy as hier
-from pycomm.hooks.allreduce import exact_allreduce, sparse_allreduce
+from pycomm.hooks.allreduce import exact_allreduce, per_bucket
 from pycomm.hooks.codec import Codec
 from pycomm.hooks.compressed import CompressedState
 from pycomm.hooks.groups import phase_groups
@@ -81,9 +81,7 @@ from pycomm.hooks.registry import hook_names, hook_spec, spec_identity
 from pycomm.hooks.state import (
     HookState,
     accepts_dtype,
-    check_bucket,
     dtype_names,
-    is_sparse,
     ring_bytes,
 )
 from pycomm.hooks.warmup import Warmup, timed, timed_allreduce
@@ -510,24 +508,25 @@ class AutoState(HookState):
             raise RuntimeError("pycomm auto hook: run_chosen() before the decision")
         return self._chosen_fn(self.chosen, bucket)
 
-    def measure_bucket(self, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-        """A warm-up bucket: the exact all-reduce on auto's own group, its ready and reduced
-        times recorded."""
-        x = check_bucket("auto", bucket)
+    def measure_bucket(
+        self, bucket: dist.GradBucket, x: torch.Tensor
+    ) -> torch.futures.Future[torch.Tensor]:
+        """A warm-up bucket (its buffer ``x``): the exact all-reduce on auto's own group, its
+        ready and reduced times recorded."""
         self.device = x.device
         self._dtypes.add(x.dtype)
-        try:
-            done = self.warmup.bucket_ready(self.iter, x.numel())
-            fut = exact_allreduce(self, bucket, x, self._group)
+        done = self.warmup.bucket_ready(self.iter, x.numel())
+        fut = exact_allreduce(self, bucket, x, self._group)
 
-            def reduced(f: torch.futures.Future) -> torch.Tensor:
-                done.append(time.perf_counter())
-                return f.value()
+        def reduced(f: torch.futures.Future) -> torch.Tensor:
+            done.append(time.perf_counter())
+            return f.value()
 
-            return fut.then(reduced)
-        finally:
-            if bucket.is_last():
-                self.iter += 1
+        return fut.then(reduced)
+
+    def end_iteration(self) -> None:
+        """After a warm-up iteration's last bucket."""
+        self.iter += 1
 
     # --- checkpoint ----------------------------------------------------------------------
 
@@ -700,10 +699,8 @@ def auto_hook(state: AutoState, bucket: dist.GradBucket) -> torch.futures.Future
         state.decide_now()
     if state.chosen is not None:
         return state.run_chosen(bucket)
-    if is_sparse(bucket):  # exact in every hook, so neither measured nor a candidate's
-        try:
-            return sparse_allreduce(state, bucket)
-        finally:
-            if bucket.is_last():
-                state.iter += 1
-    return state.measure_bucket(bucket)
+    # a sparse bucket is exact in every hook, so neither measured nor a candidate's
+    return per_bucket(
+        state, bucket, lambda x: state.measure_bucket(bucket, x), end=state.end_iteration,
+        alone=False,
+    )  # fmt: skip

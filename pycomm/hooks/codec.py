@@ -48,10 +48,12 @@ from typing import Any, Callable, Optional
 import torch
 
 from pycomm import ops
-from pycomm._validate import check_int
+from pycomm._validate import check_bool, check_dtype, check_int
 
 __all__ = [
     "Codec",
+    "Bf16Codec",
+    "Fp16Codec",
     "HalfCodec",
     "Fp8Codec",
     "Int4Codec",
@@ -197,11 +199,10 @@ class HalfCodec(Codec):
     scale_dtype = None
 
     def __init__(self, dtype: torch.dtype = torch.bfloat16, two_phase: bool = False) -> None:
-        if dtype not in (torch.float16, torch.bfloat16):
-            raise ValueError(f"pycomm HalfCodec: dtype={dtype}, expected float16 or bfloat16")
+        where = f"pycomm {type(self).__name__}"
+        self.code_dtype = check_dtype(where, "dtype", dtype, (torch.bfloat16, torch.float16))
+        self.two_phase = check_bool(where, "two_phase", two_phase)
         self.block = 8
-        self.code_dtype = dtype
-        self.two_phase = bool(two_phase)
 
     def code_bytes(self, m: int) -> int:
         return 2 * m
@@ -211,6 +212,28 @@ class HalfCodec(Codec):
 
     def decode_sum(self, codes, scales, scale, out):
         return ops.decode16_sum(codes, scale, out)
+
+
+class Bf16Codec(HalfCodec):
+    """The ``bf16`` hook's codec: :class:`HalfCodec` with bf16 codes.
+
+    Example:
+        >>> codec = Bf16Codec(two_phase=True)
+    """
+
+    def __init__(self, two_phase: bool = False) -> None:
+        super().__init__(torch.bfloat16, two_phase)
+
+
+class Fp16Codec(HalfCodec):
+    """The ``fp16`` hook's codec: :class:`HalfCodec` with fp16 codes.
+
+    Example:
+        >>> codec = Fp16Codec()
+    """
+
+    def __init__(self, two_phase: bool = False) -> None:
+        super().__init__(torch.float16, two_phase)
 
 
 class Int8Codec(Codec):
@@ -290,9 +313,9 @@ def check_block(where: str, block: Any, multiple: int, why: str = "") -> int:
 class Int4Codec(Codec):
     """Signed 4-bit codes (q in [-7, 7], two a byte: element 2k in the low nibble of byte k,
     two's complement), one scale ``s = absmax / 7`` per ``block`` elements (even; default
-    128), stored as ``scale_dtype`` (float32 or bfloat16); ``q = round_half_even(y / s)``,
-    decoded ``q * s``. Runs the fused ops :func:`pycomm.ops.quantize_int4` and
-    :func:`pycomm.ops.dequantize_int4_sum`.
+    128), stored as ``scale_dtype`` ("float32" or "bfloat16", or the torch dtype);
+    ``q = round_half_even(y / s)``, decoded ``q * s``. Runs the fused ops
+    :func:`pycomm.ops.quantize_int4` and :func:`pycomm.ops.dequantize_int4_sum`.
 
     Example:
         >>> codec = Int4Codec(block=128)
@@ -300,13 +323,11 @@ class Int4Codec(Codec):
 
     code_dtype = torch.uint8
 
-    def __init__(self, block: int = 128, scale_dtype: torch.dtype = torch.float32) -> None:
+    def __init__(self, block: int = 128, scale_dtype: Any = "float32") -> None:
         self.block = check_block("pycomm Int4Codec", block, 2, " (2 a byte)")
-        if scale_dtype not in (torch.float32, torch.bfloat16):
-            raise ValueError(
-                f"pycomm Int4Codec: scale_dtype={scale_dtype}, expected float32 or bfloat16"
-            )
-        self.scale_dtype = scale_dtype
+        self.scale_dtype = check_dtype(
+            "pycomm Int4Codec", "scale_dtype", scale_dtype, (torch.float32, torch.bfloat16)
+        )
 
     def code_bytes(self, m: int) -> int:
         return m // 2

@@ -23,16 +23,13 @@ import torch.distributed as dist
 from pycomm._validate import check_bool, check_dtype, check_int
 from pycomm.hooks import advice
 from pycomm.hooks import hierarchy as hier
-from pycomm.hooks.allreduce import exact_allreduce, sparse_allreduce
+from pycomm.hooks.allreduce import exact_allreduce, per_bucket
 from pycomm.hooks.codec import Codec, check_codec
 from pycomm.hooks.groups import Stage, phase_groups
 from pycomm.hooks.layout import BucketLayout
 from pycomm.hooks.residuals import ResidualStore
 from pycomm.hooks.state import (
     HookState,
-    check_bucket,
-    completed,
-    dtype_names,
     is_sparse,
     ring_bytes,
 )
@@ -256,7 +253,7 @@ class CompressedState(HookState):
         try:
             codec = self.codec_factory(**kwargs)
         except (TypeError, ValueError) as e:
-            raise ValueError(f"{self.where}: the codec refused options {kwargs}: {e}") from e
+            raise ValueError(f"{self.where}: {_refusal(str(e), kwargs)}") from e
         check_codec(codec, self.where)
         return codec
 
@@ -267,7 +264,9 @@ class CompressedState(HookState):
             return {}
         sig = inspect.signature(self.codec_factory)
         given = getattr(self, "codec_kwargs", {})
-        return {k: given.get(k, sig.parameters[k].default) for k in self.codec_option_names}
+        out = {k: given.get(k, sig.parameters[k].default) for k in self.codec_option_names}
+        # a dtype by its name: "bfloat16" and torch.bfloat16 are one option value
+        return {k: _named(v) for k, v in out.items()}
 
     def identity(self) -> dict[str, Any]:
         """The state class, and the codec's class and format (:func:`codec_identity`)."""
@@ -415,6 +414,21 @@ class CompressedState(HookState):
         self.store.load(loaded)
 
 
+def _named(value: Any) -> Any:
+    """A dtype as its name (``"bfloat16"``), any other option value as it is."""
+    return str(value).split(".")[-1] if isinstance(value, torch.dtype) else value
+
+
+def _refusal(message: str, kwargs: dict[str, Any]) -> str:
+    """A codec's refusal of its options as the hook's: ``block=12, expected ...`` when the
+    codec's message names one of them after its own prefix, else the options and the message."""
+    for name in kwargs:
+        head, sep, rest = message.partition(": ")
+        if sep and rest.startswith(f"{name}="):
+            return rest
+    return f"the codec refused options {kwargs}: {message}"
+
+
 def _two_phase(
     state: CompressedState,
     bucket: dist.GradBucket,
@@ -545,12 +559,13 @@ def summed_numel(codec: Codec, n: int) -> int:
 def compressed_hook(
     state: CompressedState, bucket: dist.GradBucket
 ) -> torch.futures.Future[torch.Tensor]:
-    """Average the bucket over the group in a compressed format (fp16, bf16, int8, onebit:
-    the state's). The first ``state.start_iter`` iterations use the exact fp32 all-reduce.
+    """Average the bucket over the group through the state's codec: the one hook function of
+    every registered codec, pycomm's and users' alike. The first ``state.start_iter``
+    iterations use the exact fp32 all-reduce.
 
     Args:
-        state: a :class:`CompressedState` subclass (Fp16State, Bf16State, Int8State,
-            OneBitState): codec, options, residuals, counters.
+        state: a registered codec hook's state (``pycomm.hooks.hook_spec(name).state``, a
+            :class:`CompressedState` subclass): codec, options, residuals, counters.
         bucket: the DDP bucket that is ready: its flat buffer and the parameters it holds.
 
     Returns:
@@ -559,28 +574,16 @@ def compressed_hook(
         identical on every rank.
 
     Example:
-        >>> state = pycomm.hooks.Int8State(process_group=None, block=64)
+        >>> state = pycomm.hooks.hook_spec("int8").state(process_group=None, block=64)
         >>> ddp.register_comm_hook(state, pycomm.hooks.compressed_hook)
     """
-    if is_sparse(bucket):  # exact, as DDP reduces it; at its place in the step
-        state.new_step()
-        try:
-            return sparse_allreduce(state, bucket)
-        finally:
-            if bucket.is_last():
-                state.end_step()
-    x = check_bucket(state.hook_name, bucket)
-    if x.dtype not in state.grad_dtypes:
-        raise TypeError(
-            f"pycomm {state.hook_name} hook: bucket {bucket.index()} has dtype {x.dtype}, "
-            f"expected {dtype_names(state.grad_dtypes)}"
-        )
-    state.watch_bucket(bucket)
-    state.new_step()  # at a step's first bucket: the previous step is committed
-    try:
-        if state.world_size == 1:
-            state.count(bucket, 0, collectives=0)
-            return completed(x)
+
+    def begin() -> None:
+        state.new_step()  # at a step's first bucket: the previous step is committed
+        if not is_sparse(bucket):
+            state.watch_bucket(bucket)
+
+    def dense(x: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
         if state.node_plan is not None:
             return _node(state, bucket, x)
         if state.iter < state.start_iter:
@@ -589,9 +592,8 @@ def compressed_hook(
         if state.bucket_layout.bound:
             return state.bucket_layout.run(bucket, x, lambda b, t, i: reduce(state, b, t, i))
         return reduce(state, bucket, x)
-    finally:
-        if bucket.is_last():
-            state.end_step()
+
+    return per_bucket(state, bucket, dense, begin=begin, end=state.end_step)
 
 
 def _node(state: CompressedState, bucket: dist.GradBucket, x: torch.Tensor):

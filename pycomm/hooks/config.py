@@ -12,7 +12,7 @@ with another default there, is a ValueError on every rank that names the first d
 
 Example:
     >>> with pycomm.hooks.state.unbound():
-    ...     state = pycomm.hooks.Int8State(None)
+    ...     state = pycomm.hooks.hook_spec("int8").state(None)
     >>> resolved_config(state)["hook option 'block'"]
     64
 """
@@ -41,7 +41,7 @@ def resolved_config(state: HookState, fn: Optional[Callable] = None) -> dict[str
     hook's name, :meth:`~HookState.identity`, the function, and one field per resolved option.
 
     Example:
-        >>> resolved_config(pycomm.hooks.Int8State(None))["codec"]
+        >>> resolved_config(pycomm.hooks.hook_spec("int8").state(None))["codec"]
         'pycomm.hooks.codec.Int8Codec'
     """
     identity = state.identity()

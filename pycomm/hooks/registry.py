@@ -24,6 +24,7 @@ import re
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
+from pycomm._validate import check_bool, check_int
 from pycomm.hooks.codec import check_codec
 from pycomm.hooks.compressed import CompressedState, codec_identity, compressed_hook
 from pycomm.hooks.state import HookState
@@ -59,7 +60,7 @@ class HookSpec:
 
     Example:
         >>> pycomm.hooks.hook_spec("int8").state
-        <class 'pycomm.hooks.quantized.Int8State'>
+        <class 'pycomm.hooks.codec.Int8State'>
     """
 
     name: str
@@ -78,9 +79,20 @@ def _where(name: Any) -> str:
     return f"pycomm.hooks.register_hook({name!r})"
 
 
-def _codec_state(name: str, factory: Callable[..., Any]) -> type:
+# the engine's options a registered codec may give its own default for (``defaults=``)
+ENGINE_DEFAULTS = ("start_iter", "error_feedback", "local_feedback")
+
+
+def _codec_state(
+    name: str,
+    factory: Callable[..., Any],
+    defaults: dict[str, Any],
+    bucket_cap_mb: Optional[float],
+    advice: Optional[Callable[[Any, Any], Optional[str]]],
+) -> type:
     """A CompressedState subclass for a registered codec: ``factory``'s keyword parameters
-    are the hook's codec options."""
+    are the hook's codec options; ``defaults``, ``bucket_cap_mb`` and ``advice`` its own
+    defaults and optimizer advice."""
     params = [
         p
         for p in inspect.signature(factory).parameters.values()
@@ -94,18 +106,70 @@ def _codec_state(name: str, factory: Callable[..., Any]) -> type:
             f"({', '.join(CompressedState.option_names)}); expected other parameter names"
         )
     title = "".join(part.title() for part in name.split("_"))
-    return type(
-        f"{title}State",
-        (CompressedState,),
-        {
-            "__doc__": f"State of the registered codec hook {name!r} ({factory.__name__}).",
-            "__module__": getattr(factory, "__module__", __name__),
-            "hook_name": name,
-            "codec_factory": staticmethod(factory),
-            "codec_option_names": names,
-            "option_names": (*CompressedState.option_names, *names),
-        },
-    )
+    body: dict[str, Any] = {
+        "__doc__": f"State of the registered codec hook {name!r} ({factory.__name__}).",
+        "__module__": getattr(factory, "__module__", __name__),
+        "hook_name": name,
+        "codec_factory": staticmethod(factory),
+        "codec_option_names": names,
+        "option_names": (*CompressedState.option_names, *names),
+        **{f"default_{k}": v for k, v in defaults.items()},
+    }
+    if bucket_cap_mb is not None:
+        body["default_bucket_cap_mb"] = bucket_cap_mb
+    if advice is not None:
+
+        def optimizer_advice(self: CompressedState, optimizer: Any) -> Optional[str]:
+            return advice(self, optimizer)
+
+        optimizer_advice.__doc__ = advice.__doc__
+        body["optimizer_advice"] = optimizer_advice
+    return type(f"{title}State", (CompressedState,), body)
+
+
+def _check_extras(
+    where: str,
+    codec: Any,
+    defaults: Any,
+    bucket_cap_mb: Any,
+    advice: Any,
+) -> dict[str, Any]:
+    """``defaults`` as a dict, once ``defaults``, ``bucket_cap_mb`` and ``advice`` are checked:
+    each is a codec hook's (``codec=...`` without ``state=...``)."""
+    given = {"defaults": defaults, "bucket_cap_mb": bucket_cap_mb, "advice": advice}
+    if codec is None:
+        extra = sorted(k for k, v in given.items() if v is not None)
+        if extra:
+            raise ValueError(
+                f"{where}: {extra[0]}= without codec=...; expected it with a codec (a state "
+                "class of one's own sets its defaults itself)"
+            )
+        return {}
+    if defaults is not None and not isinstance(defaults, dict):
+        raise ValueError(f"{where}: defaults={defaults!r}, expected a dict or None")
+    out = dict(defaults or {})
+    unknown = sorted(set(out) - set(ENGINE_DEFAULTS))
+    if unknown:
+        raise ValueError(
+            f"{where}: defaults has {unknown[0]!r}, expected some of {', '.join(ENGINE_DEFAULTS)} "
+            "(a codec's own options take their defaults from its signature)"
+        )
+    if "start_iter" in out:
+        check_int(where, "defaults['start_iter']", out["start_iter"], 2)
+    for key in ("error_feedback", "local_feedback"):
+        if key in out:
+            check_bool(where, f"defaults[{key!r}]", out[key])
+    if bucket_cap_mb is not None and (
+        isinstance(bucket_cap_mb, bool)
+        or not isinstance(bucket_cap_mb, (int, float))
+        or not bucket_cap_mb > 0
+    ):
+        raise ValueError(f"{where}: bucket_cap_mb={bucket_cap_mb!r}, expected a number > 0")
+    if advice is not None and not callable(advice):
+        raise ValueError(
+            f"{where}: advice={advice!r}, expected a function (state, optimizer) -> str or None"
+        )
+    return out
 
 
 def register_hook(
@@ -116,6 +180,9 @@ def register_hook(
     codec: Optional[Callable[..., Any]] = None,
     auto: bool = False,
     description: str = "",
+    defaults: Optional[dict[str, Any]] = None,
+    bucket_cap_mb: Optional[float] = None,
+    advice: Optional[Callable[[Any, Any], Optional[str]]] = None,
 ) -> HookSpec:
     """Register a hook under ``name`` and return its :class:`HookSpec`.
 
@@ -124,8 +191,16 @@ def register_hook(
     :func:`~pycomm.hooks.compressed_hook` on a generated
     :class:`~pycomm.hooks.CompressedState` subclass, and gets everything the built-in codecs
     get (two-phase exchange, error feedback, ``start_iter``, ``hierarchy``, the non-finite
-    skip, stats, checkpoints). Or ``state`` (a :class:`~pycomm.hooks.HookState` subclass) and
-    ``hook`` (its function), with ``codec`` optional.
+    skip, stats, checkpoints). pycomm's own codecs are registered this way. Or ``state`` (a
+    :class:`~pycomm.hooks.HookState` subclass) and ``hook`` (its function), with ``codec``
+    optional.
+
+    With ``codec`` alone, a hook may also give: ``defaults``, its own defaults of the engine's
+    ``start_iter``, ``error_feedback`` and ``local_feedback`` (``{"start_iter": 20}``);
+    ``bucket_cap_mb``, the DDP bucket size ``pycomm.wrap`` picks when the caller gives none
+    (default: DDP's); ``advice``, a function ``(state, optimizer) -> str or None`` that says
+    why the hook, as configured, trains worse with that optimizer (warned once, at the
+    optimizer's first step: :meth:`~pycomm.hooks.HookState.optimizer_advice`).
 
     Raises ValueError (naming the argument, the value and what is expected) for a taken
     name, a bad spec, or a codec that breaks the protocol (the self-check of
@@ -134,6 +209,7 @@ def register_hook(
 
     Example:
         >>> spec = pycomm.hooks.register_hook("topk", codec=TopKCodec)
+        >>> pycomm.hooks.register_hook("sign", codec=SignCodec, defaults={"start_iter": 20})
         >>> pycomm.hooks.register_hook("mine", MyState, my_hook)
     """
     where = _where(name)
@@ -157,12 +233,14 @@ def register_hook(
                 f"without arguments ({e}); expected defaults for every parameter"
             ) from e
         check_codec(instance, where)
+    extras = _check_extras(where, codec if state is None else None, defaults, bucket_cap_mb, advice)
     if state is None:
         if codec is None:
             raise ValueError(f"{where}: expected codec=..., or state=... and hook=...")
         if hook is not None:
             raise ValueError(f"{where}: hook={hook!r} without state=...; expected both or neither")
-        state, hook = _codec_state(name, codec), compressed_hook
+        state = _codec_state(name, codec, extras, bucket_cap_mb, advice)
+        hook = compressed_hook
     if not (isinstance(state, type) and issubclass(state, HookState)):
         raise ValueError(f"{where}: state={state!r}, expected a pycomm.hooks.HookState subclass")
     if not callable(hook):
@@ -240,7 +318,7 @@ def registration(name: str) -> str:
 
     Example:
         >>> registration("int8")
-        'pycomm.hooks.quantized.Int8State'
+        'pycomm.hooks.codec.Int8State'
     """
     spec = _SPECS.get(name)
     return "not registered" if spec is None else qualified_name(spec.state)
@@ -253,7 +331,7 @@ def spec_identity(name: str) -> str:
 
     Example:
         >>> spec_identity("int8")
-        'pycomm.hooks.quantized.Int8State, pycomm.hooks.compressed.compressed_hook, codec ...'
+        'pycomm.hooks.codec.Int8State, pycomm.hooks.compressed.compressed_hook, codec ...'
     """
     spec = _SPECS.get(name)
     if spec is None:

@@ -30,7 +30,7 @@ def unbound() -> Iterator[None]:
 
     Example:
         >>> with pycomm.hooks.state.unbound():
-        ...     state = pycomm.hooks.Int8State(None, block=32)
+        ...     state = pycomm.hooks.hook_spec("int8").state(None, block=32)
         >>> state.bind()
     """
     token = _UNBOUND.set(True)
@@ -65,8 +65,8 @@ class HookState:
     model. Pass it as ``pycomm.wrap(model, hook=(state, hook_fn))``.
 
     Example:
-        >>> state = pycomm.hooks.AllreduceState(process_group=None)
-        >>> ddp.register_comm_hook(state, pycomm.hooks.allreduce_hook)
+        >>> spec = pycomm.hooks.hook_spec("allreduce")
+        >>> ddp.register_comm_hook(spec.state(process_group=None), spec.hook)
         >>> state.stats["bytes_sent"]
     """
 
@@ -106,8 +106,8 @@ class HookState:
         same point (the first hook call, or registration), since it may create groups.
 
         Example:
-            >>> state = pycomm.hooks.Int8State(None)  # before init_process_group: unbound
-            >>> pycomm.init(); state.bind()            # or let the first hook call bind it
+            >>> state = pycomm.hooks.hook_spec("int8").state(None)  # no group yet: unbound
+            >>> pycomm.init(); state.bind()  # or let the first hook call bind it
         """
         if self._world_size is not None:
             return
