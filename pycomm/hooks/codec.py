@@ -441,8 +441,30 @@ def check_codec(codec: Any, where: str = "pycomm.hooks.check_codec", device: Any
     Example:
         >>> check_codec(pycomm.hooks.Int8Codec(block=64))
     """
-    name = type(codec).__name__
-    where = f"{where}: codec {name}"
+    where = f"{where}: codec {type(codec).__name__}"
+    block, code_dtype, scale_dtype = _check_attributes(where, codec)
+    # Two blocks, or more where blocks are short: decode_sum below writes 3 elements fewer.
+    m, rows = block * max(2, -(-8 // block)), 2
+    cb = _check_bytes(where, codec, "code_bytes", m, code_dtype)
+    sb = _check_bytes(where, codec, "scale_bytes", m, scale_dtype)
+    if cb + sb == 0:
+        _fail(where, f"code_bytes({m}) + scale_bytes({m}) is 0, expected bytes to send")
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(rows, m - 1, generator=gen).to(device)  # one short: the padding rule
+    dev = x.device  # "cuda" resolved to "cuda:0"
+    residual = (torch.randn(rows, m, generator=gen) * 1e-3).to(dev)
+    y = torch.nn.functional.pad(x * 0.5, (0, 1)) + residual
+    packed, out_res = _check_encode(where, codec, x, residual, m, cb + sb)
+    codes, scales = _run(where, f"split(packed, {m})", codec.split, packed, m)
+    if codes.dtype != code_dtype or codes.shape[0] != rows:
+        _fail(where, f"split() gave codes {codes.dtype} {list(codes.shape)}, expected {rows} rows")
+    ones = [_check_row(where, codec, codes, scales, r, y[r], out_res[r]) for r in range(rows)]
+    _check_sum(where, codec, codes, scales, ones, m)
+    _check_nonfinite(where, codec, m, dev)
+
+
+def _check_attributes(where: str, codec: Any) -> tuple[int, torch.dtype, Any]:
+    """The codec's block, code and scale dtypes, once its attributes and methods are checked."""
     block = getattr(codec, "block", None)
     if not isinstance(block, int) or isinstance(block, bool) or block < 1:
         _fail(where, f"block={block!r}, expected a positive int")
@@ -459,73 +481,88 @@ def check_codec(codec: Any, where: str = "pycomm.hooks.check_codec", device: Any
         _fail(where, f"two_phase={two_phase!r}, expected True or False")
     if not two_phase and scale_dtype is not None:
         _fail(where, "two_phase=False with scales: only scale-free codes can be summed as they are")
-    # Two blocks, or more where blocks are short: decode_sum below writes 3 elements fewer.
-    m, rows = block * max(2, -(-8 // block)), 2
-    cb = _check_bytes(where, codec, "code_bytes", m, code_dtype)
-    sb = _check_bytes(where, codec, "scale_bytes", m, scale_dtype)
-    if cb + sb == 0:
-        _fail(where, f"code_bytes({m}) + scale_bytes({m}) is 0, expected bytes to send")
-    gen = torch.Generator().manual_seed(0)
-    x = torch.randn(rows, m - 1, generator=gen).to(device)  # one short: the padding rule
-    dev = x.device  # "cuda" resolved to "cuda:0"
-    residual = (torch.randn(rows, m, generator=gen) * 1e-3).to(dev)
+    return block, code_dtype, scale_dtype
+
+
+def _check_encode(
+    where: str, codec: Any, x: torch.Tensor, residual: torch.Tensor, m: int, row_bytes: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row of ``x`` encoded (scale 0.5, with its residual) and packed: the packed rows and
+    the residuals encode wrote (NaN where it wrote none), once the outputs are checked."""
+    rows, dev = x.shape[0], x.device
+    cb = codec.code_bytes(m)
     before = residual.clone()
     out_res = torch.full_like(residual, float("nan"))  # what encode does not write stays NaN
-    packed = torch.empty(rows, cb + sb, dtype=torch.uint8, device=dev)
+    packed = torch.empty(rows, row_bytes, dtype=torch.uint8, device=dev)
     for r in range(rows):
         call = f"encode(x of {m - 1}, residual, 0.5, {m}, residual_out)"
         encoded = _run(where, call, codec.encode, x[r], residual[r], 0.5, m, out_res[r])
         if not isinstance(encoded, tuple) or len(encoded) != 2:
             _fail(where, f"{call} returned {type(encoded).__name__}, expected (codes, scales)")
         codes, scales = encoded
-        _check_out(where, call, "codes", codes, code_dtype, cb, x.device)
-        _check_out(where, call, "scales", scales, scale_dtype, sb, x.device)
-        _run(
-            where,
-            "pack(codes, scales, 1, out)",
-            functools.partial(codec.pack, out=packed[r : r + 1]),
-            codes,
-            scales,
-            1,
-        )
+        _check_out(where, call, "codes", codes, codec.code_dtype, cb, dev)
+        _check_out(where, call, "scales", scales, codec.scale_dtype, row_bytes - cb, dev)
+        pack = functools.partial(codec.pack, out=packed[r : r + 1])
+        _run(where, "pack(codes, scales, 1, out)", pack, codes, scales, 1)
     if not torch.equal(residual, before):
         _fail(where, "encode(..., residual_out) changed residual, expected it only read")
-    codes, scales = _run(where, f"split(packed, {m})", codec.split, packed, m)
-    if codes.dtype != code_dtype or codes.shape[0] != rows:
-        _fail(where, f"split() gave codes {codes.dtype} {list(codes.shape)}, expected {rows} rows")
-    y = torch.nn.functional.pad(x * 0.5, (0, 1)) + before
-    ones: list[torch.Tensor] = []
-    for r in range(rows):
-        one = torch.empty(m, device=dev)
-        st = _run(
+    return packed, out_res
+
+
+def _check_row(
+    where: str,
+    codec: Any,
+    codes: torch.Tensor,
+    scales: Optional[torch.Tensor],
+    r: int,
+    y: torch.Tensor,
+    res: torch.Tensor,
+) -> torch.Tensor:
+    """Row ``r`` decoded alone, once its statistics, its finiteness and the residual encode
+    wrote for it (``res``, ``y - decode``) are checked."""
+    m = y.numel()
+    one = torch.empty(m, device=y.device)
+    st = _run(
+        where,
+        f"decode_sum(codes of 1 row, scales, 1.0, out of {m})",
+        codec.decode_sum,
+        codes[r : r + 1],
+        None if scales is None else scales[r : r + 1],
+        1.0,
+        one,
+    )
+    _check_stats_type(where, st, y.device)
+    unset = (~torch.isfinite(res)).nonzero()
+    if unset.numel():
+        _fail(
             where,
-            f"decode_sum(codes of 1 row, scales, 1.0, out of {m})",
-            codec.decode_sum,
-            codes[r : r + 1],
-            None if scales is None else scales[r : r + 1],
-            1.0,
-            one,
+            f"the residual encode() wrote has {unset.numel()} of {m} elements that are not "
+            f"finite (the first at index {int(unset[0])}) for a finite y: encode must "
+            "write y - decode(codes) to every element of residual_out",
         )
-        _check_stats_type(where, st, dev)
-        ones.append(one)
-        unset = (~torch.isfinite(out_res[r])).nonzero()
-        if unset.numel():
-            _fail(
-                where,
-                f"the residual encode() wrote has {unset.numel()} of {m} elements that are not "
-                f"finite (the first at index {int(unset[0])}) for a finite y: encode must "
-                "write y - decode(codes) to every element of residual_out",
-            )
-        if not torch.isfinite(one).all():
-            _fail(where, f"decode_sum(codes of row {r}) wrote non-finite values for a finite y")
-        if not torch.allclose(one + out_res[r], y[r], rtol=1e-3, atol=1e-5):
-            worst = (one + out_res[r] - y[r]).abs().max().item()
-            _fail(
-                where,
-                "the residual encode() wrote is not y - decode(codes) (off by up to "
-                f"{worst:.3g}): error feedback would drift",
-            )
-    # shorter than a chunk (the last rank's part), and scaled
+    if not torch.isfinite(one).all():
+        _fail(where, f"decode_sum(codes of row {r}) wrote non-finite values for a finite y")
+    if not torch.allclose(one + res, y, rtol=1e-3, atol=1e-5):
+        worst = (one + res - y).abs().max().item()
+        _fail(
+            where,
+            "the residual encode() wrote is not y - decode(codes) (off by up to "
+            f"{worst:.3g}): error feedback would drift",
+        )
+    return one
+
+
+def _check_sum(
+    where: str,
+    codec: Any,
+    codes: torch.Tensor,
+    scales: Optional[torch.Tensor],
+    ones: list[torch.Tensor],
+    m: int,
+) -> None:
+    """Every row decoded and summed, scaled by 0.5, into an output shorter than a chunk (the
+    last rank's part): its statistics, and 0.5 times the sum of the rows decoded alone."""
+    rows, dev = len(ones), ones[0].device
     out = torch.full((m - 3,), float("nan"), device=dev)
     stats = _run(
         where,
@@ -546,7 +583,7 @@ def check_codec(codec: Any, where: str = "pycomm.hooks.check_codec", device: Any
             f"decode_sum returned stats {stats.tolist()}, expected [{sq:.6g}, {bad:g}] "
             "(sum of out**2 over finite out, count of non-finite out) for the out it wrote",
         )
-    want = (0.5 * (ones[0] + ones[1]))[: m - 3]
+    want = (0.5 * sum(ones))[: m - 3]
     if not torch.allclose(out, want, rtol=1e-5, atol=1e-6):
         ratio = (out.double().norm() / want.double().norm().clamp_min(1e-30)).item()
         _fail(
@@ -555,7 +592,6 @@ def check_codec(codec: Any, where: str = "pycomm.hooks.check_codec", device: Any
             "size of 0.5 * (the sum of the rows decoded one by one), expected 1: decode_sum "
             "must add the rows and multiply the sum by its scale argument",
         )
-    _check_nonfinite(where, codec, m, dev)
 
 
 def _check_nonfinite(where: str, codec: Any, m: int, dev: torch.device) -> None:
