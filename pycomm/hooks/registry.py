@@ -225,14 +225,7 @@ def register_hook(
     if old is not None and old.module != (getattr(owner, "__module__", "") or ""):
         _taken(where, old)  # before the codec's self-check: the name is the first problem
     if codec is not None:
-        try:
-            instance = codec()
-        except TypeError as e:
-            raise ValueError(
-                f"{where}: codec={getattr(codec, '__name__', codec)!r} cannot be built "
-                f"without arguments ({e}); expected defaults for every parameter"
-            ) from e
-        check_codec(instance, where)
+        _check_codec_factory(where, codec)
     extras = _check_extras(where, codec if state is None else None, defaults, bucket_cap_mb, advice)
     if state is None:
         if codec is None:
@@ -241,19 +234,7 @@ def register_hook(
             raise ValueError(f"{where}: hook={hook!r} without state=...; expected both or neither")
         state = _codec_state(name, codec, extras, bucket_cap_mb, advice)
         hook = compressed_hook
-    if not (isinstance(state, type) and issubclass(state, HookState)):
-        raise ValueError(f"{where}: state={state!r}, expected a pycomm.hooks.HookState subclass")
-    if not callable(hook):
-        raise ValueError(f"{where}: hook={hook!r}, expected a function hook(state, bucket)")
-    try:
-        inspect.signature(hook).bind(None, None)
-    except TypeError as e:
-        raise ValueError(
-            f"{where}: hook={getattr(hook, '__qualname__', hook)!r} cannot take (state, "
-            f"bucket): {e}"
-        ) from e
-    except ValueError:  # a builtin without a signature: DDP will tell
-        pass
+    _check_state_and_hook(where, state, hook)
     if not isinstance(auto, bool):
         raise ValueError(f"{where}: auto={auto!r}, expected True or False")
     if auto and codec is None and name != "allreduce":
@@ -273,6 +254,35 @@ def register_hook(
         state.hook_name = name
     _SPECS[name] = spec
     return spec
+
+
+def _check_codec_factory(where: str, codec: Callable[..., Any]) -> None:
+    """The codec built at its defaults passes :func:`check_codec`, or a ValueError."""
+    try:
+        instance = codec()
+    except TypeError as e:
+        raise ValueError(
+            f"{where}: codec={getattr(codec, '__name__', codec)!r} cannot be built "
+            f"without arguments ({e}); expected defaults for every parameter"
+        ) from e
+    check_codec(instance, where)
+
+
+def _check_state_and_hook(where: str, state: Any, hook: Any) -> None:
+    """A HookState subclass and a function that takes (state, bucket), or a ValueError."""
+    if not (isinstance(state, type) and issubclass(state, HookState)):
+        raise ValueError(f"{where}: state={state!r}, expected a pycomm.hooks.HookState subclass")
+    if not callable(hook):
+        raise ValueError(f"{where}: hook={hook!r}, expected a function hook(state, bucket)")
+    try:
+        inspect.signature(hook).bind(None, None)
+    except TypeError as e:
+        raise ValueError(
+            f"{where}: hook={getattr(hook, '__qualname__', hook)!r} cannot take (state, "
+            f"bucket): {e}"
+        ) from e
+    except ValueError:  # a builtin without a signature: DDP will tell
+        pass
 
 
 def _taken(where: str, old: HookSpec) -> None:
