@@ -7,6 +7,8 @@ runs pycomm's engine on a tensor of the caller's: the codec of a registered hook
 ``"allreduce"``; error feedback kept per ``key``; the two-phase exchange, the node hierarchy
 (``hierarchy="node"``, all_reduce), the non-finite rule (a call whose decode holds a NaN or Inf
 drops the residuals it wrote) and the byte counts are the engine's, as under DDP.
+``pycomm.fsdp.compress`` is an adapter over it: FSDP2's reduce-scatter of each module is a
+``reduce_scatter`` of an ``Exchange``, keyed by the module's name.
 
 Example:
     >>> ex = pycomm.Exchange("int8")                    # collective: every rank, same options
@@ -14,6 +16,8 @@ Example:
     >>> ex.reduce_scatter(shard, full, key="grads").wait()
     >>> ex.all_gather(full, shard, key="weights").wait()
     >>> ex.stats["bytes_sent"], ex.state_dict()
+    >>> work = ex.reduce_scatter(shard, full, key="grads", scale=0.25)  # premultiplied sum
+    >>> work.wait(); work.bytes_sent                    # this call's bytes, no device wait
 
 Rules a caller keeps, as for any collective of ``torch.distributed``:
 
@@ -29,6 +33,7 @@ Rules a caller keeps, as for any collective of ``torch.distributed``:
 
 from __future__ import annotations
 
+import math
 from collections.abc import Hashable
 from typing import Any, Optional
 
@@ -36,6 +41,7 @@ import torch
 import torch.distributed as dist
 
 from pycomm._validate import check_int
+from pycomm.hooks.compressed import PHASE_1
 from pycomm.hooks.config import agree, error_field, resolved_config
 from pycomm.hooks.registry import hook_names, hook_spec, registration
 from pycomm.hooks.state import HookState, completed, dtype_names, unbound
@@ -43,20 +49,45 @@ from pycomm.hooks.state import HookState, completed, dtype_names, unbound
 __all__ = ["Exchange", "Work", "rank_order_sum"]
 
 _OPS = ("mean", "sum")
+_CALLS = ("all_reduce", "reduce_scatter", "all_gather")
+# what the exact exchange ("allreduce") takes; a codec, its state's grad_dtypes
+_EXACT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
 
 class Work:
     """An issued call of an :class:`Exchange`: ``wait()`` blocks until the result is in the
     caller's tensor and returns it; ``get_future()`` is the ``torch.futures.Future`` of it.
 
+    Attributes (read-only, known when the call is issued; no wait for the device):
+        bytes_sent: the bytes this rank puts on the wire for the call (what ``stats``
+            adds to its ``bytes_sent``).
+        bytes_fp32: what the exact fp32 collective of the same tensors sends (what ``stats``
+            adds to its ``bytes_fp32``).
+
     Example:
         >>> work = ex.all_reduce(t, key="t")
         >>> work.wait() is t
         True
+        >>> work.bytes_sent, work.bytes_fp32  # this call's bytes, and an fp32 collective's
     """
 
-    def __init__(self, future: torch.futures.Future, result: torch.Tensor) -> None:
+    def __init__(
+        self,
+        future: torch.futures.Future,
+        result: torch.Tensor,
+        bytes_sent: int = 0,
+        bytes_fp32: int = 0,
+    ) -> None:
         self._future, self._result = future, result
+        self._bytes = (bytes_sent, bytes_fp32)
+
+    @property
+    def bytes_sent(self) -> int:
+        return self._bytes[0]
+
+    @property
+    def bytes_fp32(self) -> int:
+        return self._bytes[1]
 
     def wait(self) -> torch.Tensor:
         self._future.wait()
@@ -110,11 +141,14 @@ class Exchange:
 
     Args:
         codec: a registered hook with a codec (``pycomm.hooks.hook_names()``, e.g. ``"int8"``
-            or a user's), or ``"allreduce"`` for the exact fp32 exchange.
+            or a user's), or ``"allreduce"`` for the exact exchange (fp32 sums; float64
+            tensors too, summed in float64).
         process_group: the ranks that exchange; every one of them builds the ``Exchange``.
-        start_iter: how many calls of the ``Exchange`` run exact before the codec starts
-            (default 0: compressed from the first call; DDP's default of 2 is for its bucket
-            rebuild).
+        start_iter: the warm-up, per key: the first ``start_iter`` calls of each ``key`` (and
+            call: an ``all_reduce`` and a ``reduce_scatter`` of one key count apart) run
+            exact, its later calls through the codec (default 0: compressed from each key's
+            first call; DDP's default of 2 is for its bucket rebuild). The counts are in
+            :meth:`state_dict`.
         **options: the hook's options (``block``, ``error_feedback``, ``residual_dtype``,
             ``local_feedback``, ``hierarchy``, a user's codec's own), as in
             ``pycomm.wrap(hook_options=...)``.
@@ -164,7 +198,8 @@ class Exchange:
         self._state: HookState = state
         self._fn = hook_spec(codec).hook
         self._codec = getattr(state, "codec", None)
-        self._keys: dict[Hashable, int] = {}
+        self._keys: dict[Hashable, int] = {}  # (call, key) -> its position, in order of use
+        self._calls: dict[Hashable, int] = {}  # (call, key) -> calls issued (the warm-up)
         self._last: Optional[torch.futures.Future] = None
 
     def _build(self, codec: Any, group: Any, start_iter: Any, options: dict) -> HookState:
@@ -205,17 +240,27 @@ class Exchange:
     # --- the calls ----------------------------------------------------------------------
 
     def all_reduce(self, tensor: torch.Tensor, key: Hashable, op: str = "mean") -> Work:
-        """Replace ``tensor`` (contiguous, float32, bfloat16 or float16) by its mean over the
-        ranks (``op="sum"``: the sum, the mean times N), sent through the codec, with the
-        error-feedback residual of ``key``. Every rank holds the same bits after it.
+        """Replace ``tensor`` (contiguous, float32, bfloat16 or float16; float64 too with
+        ``"allreduce"``) by its mean over the ranks (``op="sum"``: the sum, the mean times N),
+        sent through the codec, with the error-feedback residual of ``key``. Every rank holds
+        the same bits after it.
 
         Example:
             >>> ex.all_reduce(delta, key="delta").wait()
         """
         flat = self._check("all_reduce", "tensor", tensor, op)
-        index = self._start("all_reduce", key)
-        world = self._state.world_size
-        fut = self._fn(self._state, _CallBucket(index, flat))
+        index, compress = self._start("all_reduce", key)
+        state, world = self._state, self._state.world_size
+        before = _sent(state)
+        has_start = hasattr(state, "start_iter")
+        if has_start:  # the hook's own warm-up test (iter < start_iter), made this key's
+            state.start_iter = 0 if compress else state.iter + 1
+        try:
+            fut = self._fn(state, _CallBucket(index, flat))
+        finally:
+            if has_start:
+                state.start_iter = self.start_iter
+        nbytes = tuple(b - a for a, b in zip(before, _sent(state)))
         if op == "sum" and world > 1:
             fut = fut.then(lambda f: f.value().mul_(world))
 
@@ -225,31 +270,46 @@ class Exchange:
                 flat.copy_(out)
             return tensor
 
-        return self._issued(fut.then(into), tensor, end=False)
+        return self._issued(fut.then(into), tensor, *nbytes, end=False)
 
     def reduce_scatter(
-        self, output: torch.Tensor, input: torch.Tensor, key: Hashable, op: str = "mean"
+        self,
+        output: torch.Tensor,
+        input: torch.Tensor,
+        key: Hashable,
+        op: str = "mean",
+        *,
+        scale: Optional[float] = None,
     ) -> Work:
         """``dist.reduce_scatter_tensor``'s shapes: ``input`` holds N chunks of
         ``output.numel()`` elements, and ``output`` becomes this rank's chunk of their mean
         (``op="sum"``: sum) over the ranks: each rank encodes its input (with ``key``'s
-        residual), sends chunk j to rank j, and decodes and sums the N it receives.
+        residual), sends chunk j to rank j, and decodes and sums the N it receives. The exact
+        exchange sums the N chunks in rank order (:func:`rank_order_sum`).
+
+        ``scale``: each rank's input is multiplied by ``scale`` before the sum (a premultiplied
+        sum, as ``ReduceOp.PREMUL_SUM``); it overrides ``op`` (``op="mean"`` is ``scale=1/N``,
+        ``op="sum"`` ``scale=1``).
 
         Example:
             >>> ex.reduce_scatter(shard, grads, key="grads").wait()
+            >>> ex.reduce_scatter(shard, grads, key="grads", scale=1 / 8).wait()
         """
         x, out = self._check_pair("reduce_scatter", output, input, op)
         n, s = self._state.world_size, out.numel()
-        index = self._start("reduce_scatter", key)
-        state, scale = self._state, (1.0 / n if op == "mean" else 1.0)
+        factor = self._scale(op, scale, n)
+        index, compress = self._start("reduce_scatter", key)
+        state = self._state
         bucket, fp32 = _CallBucket(index, x), (n - 1) * s * 4
         if n == 1:
             state.count(bucket, 0, collectives=0, bytes_fp32=0)
-            out.copy_(x)
+            out.copy_(rank_order_sum(x.view(1, s), factor))
             return self._issued(completed(output), output)
-        if not self._compressing():
-            state.count(bucket, (n - 1) * s * x.element_size(), bytes_fp32=fp32)
-            return self._issued(self._exact_reduce_scatter(x, out, n, s, scale), output)
+        if not compress:
+            nbytes = (n - 1) * s * x.element_size()
+            state.count(bucket, nbytes, bytes_fp32=fp32)
+            fut = self._exact_reduce_scatter(x, out, n, s, factor)
+            return self._issued(fut, output, nbytes, fp32)
         codec = self._codec
         c = -(-s // codec.block) * codec.block  # each chunk padded to whole blocks
         if c != s:
@@ -257,9 +317,9 @@ class Exchange:
             padded.view(n, c)[:, :s].copy_(x.view(n, s))
             x = padded
         step, state.device = state.iter, x.device
-        # the engine's residual of a bucket of n * c elements: its r1 is phase 1's, all of it
-        r1, _, r1_out, _ = state.residual((index, n * c, str(x.dtype)), n * c)
-        codes, scales = codec.encode(x, r1, scale, n * c, r1_out)
+        # the residual of the padded input: phase 1's alone (r1), the key's whatever its dtype
+        r1, _, r1_out, _ = state.residual((index, n * c, PHASE_1), n * c)
+        codes, scales = codec.encode(x, r1, factor, n * c, r1_out)
         send = codec.pack(codes, scales, n)
         recv = torch.empty_like(send)
         nbytes = (n - 1) * send.shape[1]
@@ -273,7 +333,7 @@ class Exchange:
             state.note_decode(codec.decode_sum(rcodes, rscales, 1.0, out), step)
             return output  # out is its flat view
 
-        return self._issued(work.get_future().then(decode), output)
+        return self._issued(work.get_future().then(decode), output, nbytes, fp32)
 
     def all_gather(self, output: torch.Tensor, input: torch.Tensor, key: Hashable) -> Work:
         """``dist.all_gather_into_tensor``'s shapes: ``output`` holds N chunks of
@@ -287,7 +347,7 @@ class Exchange:
         """
         x, out = self._check_pair("all_gather", output, input, "mean")
         n, m = self._state.world_size, x.numel()
-        index = self._start("all_gather", key)
+        index, compress = self._start("all_gather", key)
         state = self._state
         bucket, fp32 = _CallBucket(index, x), (n - 1) * m * 4
         if n == 1:
@@ -295,9 +355,10 @@ class Exchange:
             out.copy_(x)
             return self._issued(completed(output), output)
         codec = self._codec
-        if not self._compressing():
+        if not compress:
             gathered = torch.empty(n * m, dtype=x.dtype, device=x.device)
-            state.count(bucket, (n - 1) * m * x.element_size(), bytes_fp32=fp32)
+            nbytes = (n - 1) * m * x.element_size()
+            state.count(bucket, nbytes, bytes_fp32=fp32)
             work = self._gather_rows(gathered.view(n, m), x.view(1, m))
 
             def place(f: torch.futures.Future) -> torch.Tensor:
@@ -305,7 +366,7 @@ class Exchange:
                 output.copy_(gathered.view_as(output))
                 return output
 
-            return self._issued(work.then(place), output)
+            return self._issued(work.then(place), output, nbytes, fp32)
         c = -(-m // codec.block) * codec.block
         codes, scales = codec.encode(x, None, 1.0, c)
         row = codec.pack(codes, scales, 1)
@@ -331,7 +392,7 @@ class Exchange:
             state.note_decode(st, step)
             return output  # out is its flat view
 
-        return self._issued(work.then(decode), output)
+        return self._issued(work.then(decode), output, nbytes, fp32)
 
     # --- state --------------------------------------------------------------------------
 
@@ -344,19 +405,37 @@ class Exchange:
         self._settle()
         return self._state.stats
 
+    def residual_bytes(self, key: Hashable) -> int:
+        """Bytes of the error-feedback residuals this rank keeps for ``key`` (its calls
+        together; 0 without error feedback, or before its first compressed call), as
+        ``stats["residual_bytes"]`` counts them for every key; reads no device value.
+
+        Example:
+            >>> ex.residual_bytes("grads")
+        """
+        store = getattr(self._state, "store", None)
+        if store is None or not getattr(self._state, "error_feedback", False):
+            return 0
+        indices = [i for (_, k), i in self._keys.items() if k == key]
+        return sum(store.nbytes(i, pending=True) for i in indices)
+
     def state_dict(self) -> dict[str, Any]:
-        """This rank's residuals (per key), counters and configuration; load it with
-        :meth:`load_state_dict` into an ``Exchange`` of the same codec and options, on the
-        same rank, with the same keys. Waits for the last call.
+        """This rank's residuals (per key), counters, calls per key (the warm-up) and
+        configuration; load it with :meth:`load_state_dict` into an ``Exchange`` of the same
+        codec and options, on the same rank, with the same keys. Waits for the last call.
 
         Example:
             >>> torch.save(ex.state_dict(), f"exchange-rank{rank}.pt")
         """
         self._settle()
-        return {"exchange": self._state.state_dict(), "keys": list(self._keys)}
+        return {
+            "exchange": self._state.state_dict(),
+            "keys": list(self._keys),
+            "calls": [self._calls.get(k, 0) for k in self._keys],
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict`: the residuals, counters and keys; another
+        """Restore :meth:`state_dict`: the residuals, counters, keys and their calls; another
         codec, option, rank or world size is refused naming it."""
         if not isinstance(state, dict) or "exchange" not in state:
             raise ValueError(
@@ -365,7 +444,69 @@ class Exchange:
             )
         self._settle()
         self._state.load_state_dict(state["exchange"])
+        store = getattr(self._state, "store", None)
+        if store is not None:  # a key's first compressed call may come after the load
+            store.place_loaded()
         self._keys = {k: i for i, k in enumerate(state["keys"])}
+        # without counts per key (an earlier state_dict): the warm-up counted every call
+        every = int(state["exchange"].get("iter", 0))
+        calls = state.get("calls", [every] * len(self._keys))
+        self._calls = dict(zip(self._keys, (int(c) for c in calls)))
+
+    def load_key(
+        self,
+        key: Hashable,
+        calls: int,
+        residual: Optional[torch.Tensor] = None,
+        call: str = "reduce_scatter",
+    ) -> None:
+        """Give ``key``, which has no calls yet (since construction or the last
+        :meth:`load_state_dict`), the history of ``calls`` calls of ``call`` (the warm-up
+        counts them) and, for a reduce-scatter with error feedback, ``residual``: the
+        residual of its input as that call's codec keeps it (the N chunks, each padded to
+        whole blocks, in ``residual_dtype``). What converts a state of another format (an
+        older ``pycomm.fsdp`` checkpoint) into this one; a residual of another size or dtype
+        is refused naming both.
+
+        Example:
+            >>> ex.load_key("layers.0", calls=12, residual=saved_residual)
+        """
+        where = f"{self.where}.load_key"
+        if call not in _CALLS:
+            raise ValueError(f"{where}: call={call!r}, expected one of {', '.join(_CALLS)}")
+        check_int(where, "calls", calls, 0)
+        try:
+            if (call, key) in self._keys:
+                raise ValueError(
+                    f"{where}: key={key!r} has calls of {call} already; expected a key "
+                    "without history (a fresh Exchange, or one just loaded)"
+                )
+        except TypeError:
+            raise TypeError(f"{where}: key={key!r} is not hashable") from None
+        state = self._state
+        if residual is not None:
+            feedback = getattr(state, "error_feedback", False)
+            if call != "reduce_scatter" or not feedback:
+                raise ValueError(
+                    f"{where}: a residual for a {call} of codec={self.codec_name!r} with "
+                    f"error_feedback={feedback}; expected residual=None, or reduce_scatter "
+                    "with error feedback"
+                )
+            n, block, dtype = state.world_size, self._codec.block, state.residual_dtype
+            numel = residual.numel()
+            kept = state.key_sizes((0, numel, PHASE_1)).get("r1")
+            if numel % (n * block) or kept != numel or residual.dtype != dtype:
+                raise ValueError(
+                    f"{where}: residual of {numel} elements of {residual.dtype}, expected "
+                    f"{n} chunks of whole blocks of {block} elements of {dtype}, as this "
+                    f"configuration keeps it ({kept or 'none'} for {numel} elements)"
+                )
+        self._settle()
+        index = self._keys[(call, key)] = len(self._keys)
+        self._calls[(call, key)] = calls
+        if residual is not None:
+            kept = {"r1": residual.detach().clone()}
+            state.store.put((index, residual.numel(), PHASE_1), kept)
 
     # --- the call's path ----------------------------------------------------------------
 
@@ -373,9 +514,7 @@ class Exchange:
         where = f"{self.where}.{call}"
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{where}: {name} is a {type(t).__name__}, expected a tensor")
-        dtypes = getattr(self._state, "grad_dtypes", None) or (
-            torch.float32, torch.bfloat16, torch.float16,
-        )  # fmt: skip
+        dtypes = getattr(self._state, "grad_dtypes", None) or _EXACT_DTYPES
         if t.dtype not in dtypes or t.layout != torch.strided:
             raise TypeError(
                 f"{where}: {name} has dtype {t.dtype} and layout {t.layout}, expected a dense "
@@ -420,8 +559,24 @@ class Exchange:
             )
         return x, out
 
-    def _start(self, call: str, key: Hashable) -> int:
-        """The position of ``(call, key)`` (new ones in order of first use), once the last
+    def _scale(self, op: str, scale: Any, n: int) -> float:
+        """The factor each rank's input is multiplied by before the sum."""
+        if scale is None:
+            return 1.0 / n if op == "mean" else 1.0
+        if (
+            isinstance(scale, bool)
+            or not isinstance(scale, (int, float))
+            or not math.isfinite(scale)
+        ):
+            raise ValueError(
+                f"{self.where}.reduce_scatter: scale={scale!r}, expected a finite float (each "
+                "rank's input is multiplied by it before the sum) or None (op decides)"
+            )
+        return float(scale)
+
+    def _start(self, call: str, key: Hashable) -> tuple[int, bool]:
+        """The position of ``(call, key)`` (new ones in order of first use) and whether this
+        call goes through the codec (the key's ``start_iter`` exact calls done), once the last
         call's exchange is done and its step committed (its residuals kept, or dropped after
         a non-finite decode)."""
         try:
@@ -430,24 +585,29 @@ class Exchange:
             raise TypeError(
                 f"{self.where}.{call}: key={key!r} is not hashable; expected a str, int or tuple"
             ) from None
+        done = self._calls.get((call, key), 0)
+        self._calls[(call, key)] = done + 1
         self._settle()
         new_step = getattr(self._state, "new_step", None)
         if new_step is not None:
             new_step()
-        return index
+        return index, self._codec is not None and done >= self.start_iter
 
-    def _compressing(self) -> bool:
-        """Whether this call goes through the codec (after ``start_iter`` exact calls)."""
-        return self._codec is not None and self._state.iter >= self.start_iter
-
-    def _issued(self, fut: torch.futures.Future, result: torch.Tensor, end: bool = True) -> Work:
+    def _issued(
+        self,
+        fut: torch.futures.Future,
+        result: torch.Tensor,
+        bytes_sent: int = 0,
+        bytes_fp32: int = 0,
+        end: bool = True,
+    ) -> Work:
         """``end``: close the call's step (all_reduce's hook closes its own: its bucket is the
         step's last)."""
         end_step = getattr(self._state, "end_step", None)
         if end and end_step is not None:
             end_step()
         self._last = fut
-        return Work(fut, result)
+        return Work(fut, result, bytes_sent, bytes_fp32)
 
     def _settle(self) -> None:
         if self._last is not None:
@@ -476,3 +636,9 @@ class Exchange:
             return out
 
         return work.get_future().then(total)
+
+
+def _sent(state: HookState) -> tuple[int, int]:
+    """The state's ``bytes_sent`` and ``bytes_fp32`` so far (no fold, no device wait)."""
+    counters = state.counters
+    return counters["bytes_sent"], counters["bytes_fp32"]

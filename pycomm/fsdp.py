@@ -1,25 +1,33 @@
 """Compressed gradient reduce-scatter for FSDP2 (``torch.distributed.fsdp.fully_shard``).
 
 FSDP2 reduces each sharded module's gradients with one reduce-scatter of a flat input of
-``world_size`` equal chunks, chunk j going to rank j. :func:`compress` installs a pycomm
-:class:`ReduceScatter` on every ``FSDPModule`` of a model through torch's own extension point
-(``FSDPModule.set_custom_reduce_scatter``): each rank encodes its whole input with a
-registered hook's codec (int8, bf16, fp16, onebit, or a user's, see
-:func:`pycomm.hooks.register_hook`), exchanges the codes all-to-all, and decodes and sums its
-chunk in fp32 into its output shard. That is phase 1 of pycomm's two-phase all-reduce: the
-bytes a rank sends are (N-1)/N of the compressed input. ``hook="allreduce"`` is the exact fp32
-reduce-scatter, sent the same way (one all-to-all, the rows summed in rank order).
+``world_size`` equal chunks, chunk j going to rank j. :func:`compress` builds one
+:class:`pycomm.Exchange` on the process group of the FSDP mesh and installs a
+:class:`ModuleReduceScatter` on every ``FSDPModule`` of a model through torch's own extension
+point (``FSDPModule.set_custom_reduce_scatter``): a module's reduce-scatter is the Exchange's
+``reduce_scatter``, keyed by the module's name. The codec (int8, bf16, fp16, onebit, or a
+user's, see :func:`pycomm.hooks.register_hook`), the padding of each chunk to whole blocks,
+the error-feedback residual and the byte counts are therefore the engine's: each rank encodes
+its whole input, exchanges the codes all-to-all, and decodes and sums its chunk in fp32 into
+its output shard (the bytes a rank sends are (N-1)/N of the compressed input).
+``hook="allreduce"`` is the Exchange's exact reduce-scatter (one all-to-all, the rows summed in
+rank order in fp32, float64 gradients in float64). This module keeps no codec or residual of
+its own: what it adds is FSDP's side, below.
 
-FSDP's reduction is honoured as it asks for it: its op (``AVG``, ``SUM`` or ``PREMUL_SUM``,
-from ``set_gradient_divide_factor``), its post-division and its ``reduce_dtype``
-(``MixedPrecisionPolicy``); accumulation without communication is FSDP's own
-``set_requires_gradient_sync(False)`` on the micro-steps that should not reduce.
+FSDP's reduction is honoured as it asks for it: its op (``AVG`` the Exchange's
+``op="mean"``, ``SUM`` ``op="sum"``, ``PREMUL_SUM`` from ``set_gradient_divide_factor`` its
+factor as ``scale``), its post-division and its ``reduce_dtype``
+(``MixedPrecisionPolicy``; a codec's other dtypes are refused before any collective);
+accumulation without communication is FSDP's own ``set_requires_gradient_sync(False)`` on the
+micro-steps that should not reduce. The warm-up is per module: the first ``start_iter``
+reduce-scatters of each module are exact (default: the hook's own ``start_iter``).
 
 Error feedback keeps, on every rank, a residual of each module's whole unsharded gradient:
 the memory FSDP exists to save (4 bytes a parameter in fp32, 2 with
 ``residual_dtype="bfloat16"``, on every rank, against FSDP's 4/N for the sharded gradient).
 It is therefore off by default here (``error_feedback=True`` turns it on); ``stats`` reports
-``residual_bytes``.
+``residual_bytes``. The residual follows the engine's non-finite rule: a block whose input
+holds a NaN or Inf keeps its residual as it was.
 
 Example:
     >>> for block in model.blocks:
@@ -32,6 +40,7 @@ Example:
 
 from __future__ import annotations
 
+import copy
 import logging
 from typing import Any, Optional
 
@@ -45,7 +54,7 @@ except ImportError:  # FSDP calls allocate() and __call__(), nothing else
     ReduceScatter = object  # type: ignore[misc,assignment]
 
 from pycomm._validate import hook_options_of
-from pycomm.exchange import rank_order_sum
+from pycomm.exchange import Exchange
 from pycomm.hooks import AllreduceState, CompressedState, hook_spec
 from pycomm.hooks.config import agree, error_field, resolved_config
 from pycomm.hooks.registry import registration
@@ -55,6 +64,9 @@ __all__ = ["FSDPCompression", "ModuleReduceScatter", "compress"]
 
 logger = logging.getLogger(__name__)
 
+# the version of FSDPCompression.state_dict (1: per module its residual, before the Exchange)
+FORMAT = 2
+
 # options of the DDP hooks that have no meaning for a one-phase reduce-scatter
 _NOT_HERE = {
     "hierarchy": "the node hierarchy is DDP's; FSDP2 reduce-scatters within its mesh",
@@ -63,47 +75,64 @@ _NOT_HERE = {
     "its residual)",
 }
 
+_COUNTERS = ("calls", "bytes_sent", "bytes_fp32")
 
-def _scale(op: Any, n: int) -> float:
-    """The factor FSDP's ``op`` applies before summing: AVG 1/N, SUM 1, PREMUL_SUM its own."""
+
+def _reduction(op: Any) -> dict[str, Any]:
+    """``Exchange.reduce_scatter``'s arguments for FSDP's ``op``: AVG the mean, SUM the sum,
+    PREMUL_SUM its factor as ``scale``."""
     kind = getattr(op, "op", op)
     if kind == dist.ReduceOp.AVG:
-        return 1.0 / n
+        return {"op": "mean"}
     if kind == dist.ReduceOp.SUM:
-        return 1.0
+        return {"op": "sum"}
     if kind == dist.ReduceOp.PREMUL_SUM:
-        return float(op.factor)
+        return {"scale": float(op.factor)}
     raise ValueError(f"pycomm.fsdp: FSDP asked for a reduce-scatter with op {op!r}")
 
 
+def _ranks(group: Optional[dist.ProcessGroup]) -> list[int]:
+    return dist.get_process_group_ranks(dist.group.WORLD if group is None else group)
+
+
 class ModuleReduceScatter(ReduceScatter):
-    """The ``ReduceScatter`` of one ``FSDPModule`` (installed by :func:`compress`): its codec's
-    state, residual, warm-up count and counters.
+    """The ``ReduceScatter`` of one ``FSDPModule`` (installed by :func:`compress`): the
+    model's :class:`pycomm.Exchange`, called with the module's name as key, and the module's
+    counters.
 
     Attributes:
         name: the module's name in the model ("" for the root).
+        exchange: the :class:`pycomm.Exchange` of the model (one for every module).
         iter: reduce-scatters run (one per synchronized backward).
-        stats: ``calls``, ``bytes_sent``, ``bytes_fp32`` (what an fp32 ring reduce-scatter of
-            the same input sends) and ``residual_bytes``.
+        stats: ``calls``, ``bytes_sent``, ``bytes_fp32`` (what an fp32 reduce-scatter of the
+            same input sends) and ``residual_bytes`` (the module's residual in the Exchange).
 
     Example:
         >>> rs = pycomm.fsdp.compress(model, hook="int8").modules[""]
         >>> rs.stats["bytes_sent"]
     """
 
-    def __init__(self, name: str, hook: str, state: Optional[CompressedState]) -> None:
+    def __init__(
+        self,
+        name: str,
+        hook: str,
+        exchange: Exchange,
+        grad_dtypes: Optional[tuple[torch.dtype, ...]] = None,
+    ) -> None:
         self.name = name
         self.hook = hook
-        self.state = state  # None: the exact fp32 reduce-scatter
-        self.iter = 0
-        self.residual: Optional[torch.Tensor] = None
-        self.stats: dict[str, int] = {
-            "calls": 0,
-            "bytes_sent": 0,
-            "bytes_fp32": 0,
-            "residual_bytes": 0,
-        }
-        self._pad: Optional[torch.Tensor] = None  # the chunk-padded input, when padding is due
+        self.exchange = exchange
+        self.grad_dtypes = grad_dtypes  # None: every floating dtype (the exact exchange)
+        self.counters = {key: 0 for key in _COUNTERS}
+        self._group: Any = exchange.process_group  # the last group FSDP passed, once checked
+
+    @property
+    def iter(self) -> int:
+        return self.counters["calls"]
+
+    @property
+    def stats(self) -> dict[str, int]:
+        return {**self.counters, "residual_bytes": self.exchange.residual_bytes(self.name)}
 
     def allocate(self, size: Any, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         return torch.empty(size, dtype=dtype, device=device)
@@ -117,83 +146,63 @@ class ModuleReduceScatter(ReduceScatter):
         async_op: bool = False,
     ) -> Optional[dist.Work]:
         """Reduce-scatter ``input_tensor`` (N chunks of ``output_tensor.numel()``) into
-        ``output_tensor`` on ``group``, as FSDP's ``op`` asks; synchronous (FSDP runs it in
-        its reduce-scatter stream)."""
+        ``output_tensor`` on ``group``, as FSDP's ``op`` asks, through the Exchange;
+        synchronous (FSDP runs it in its reduce-scatter stream)."""
+        where = f"pycomm.fsdp ({self.name or 'root'})"
         n = dist.get_world_size(group)
         s = output_tensor.numel()
         if input_tensor.numel() != n * s:
             raise ValueError(
-                f"pycomm.fsdp ({self.name or 'root'}): input of {input_tensor.numel()} "
-                f"elements for an output of {s} on {n} ranks, expected {n * s}"
+                f"{where}: input of {input_tensor.numel()} elements for an output of {s} on "
+                f"{n} ranks, expected {n * s}"
             )
-        scale = _scale(op, n)
-        st = self.state
-        if st is not None and not accepts_dtype(st, input_tensor.dtype):
+        if group is not self._group:
+            ours, theirs = _ranks(self.exchange.process_group), _ranks(group)
+            if theirs != ours:
+                raise ValueError(
+                    f"{where}: FSDP reduce-scatters on the process group of ranks {theirs}, "
+                    f"expected the group of ranks {ours} that compress() built its Exchange "
+                    "on (the sharded parameters' mesh); call pycomm.fsdp.compress after "
+                    "fully_shard, with every module on that mesh"
+                )
+            self._group = group
+        reduction = _reduction(op)
+        if self.grad_dtypes is not None and not accepts_dtype(self, input_tensor.dtype):
             # every rank reduces the same dtype: each raises here, none waits in a collective
             raise TypeError(
-                f"pycomm.fsdp ({self.name or 'root'}): the {self.hook} hook reduces "
-                f"{dtype_names(st.grad_dtypes)} gradients, and FSDP reduces this module's in "
+                f"{where}: the {self.hook} hook reduces {dtype_names(self.grad_dtypes)} "
+                f"gradients, and FSDP reduces this module's in "
                 f"{str(input_tensor.dtype).replace('torch.', '')}; expected a model of those "
                 "dtypes, MixedPrecisionPolicy(reduce_dtype=torch.float32), or hook='allreduce'"
             )
-        self.stats["calls"] += 1
-        self.stats["bytes_fp32"] += (n - 1) * s * 4
-        if st is None or self.iter < st.start_iter:
-            self._exact(output_tensor, input_tensor, group, n, s, scale)
-        else:
-            self._compressed(output_tensor, input_tensor, group, n, s, scale)
-        self.iter += 1
+        out = output_tensor
+        if not out.is_contiguous():
+            out = torch.empty_like(output_tensor, memory_format=torch.contiguous_format)
+        work = self.exchange.reduce_scatter(
+            out, input_tensor.contiguous(), key=self.name, **reduction
+        )
+        work.wait()
+        if out is not output_tensor:
+            output_tensor.copy_(out)
+        c = self.counters
+        c["calls"] += 1
+        c["bytes_sent"] += work.bytes_sent
+        c["bytes_fp32"] += work.bytes_fp32
         return None
 
-    def _exact(self, out, x, group, n: int, s: int, scale: float) -> None:
-        recv = torch.empty_like(x)
-        dist.all_to_all_single(recv, x.contiguous(), group=group)
-        self.stats["bytes_sent"] += (n - 1) * s * x.element_size()
-        # fp32 sums, or float64's own: exact for every dtype FSDP reduces in
-        out.copy_(rank_order_sum(recv.view(n, s), scale))
-
-    def _compressed(self, out, x, group, n: int, s: int, scale: float) -> None:
-        st = self.state
-        codec = st.codec
-        c = -(-s // codec.block) * codec.block  # each chunk padded to whole blocks
-        if c != s:  # chunk j at [j * c, j * c + s): the codec's chunks are FSDP's
-            if self._pad is None or self._pad.numel() != n * c or self._pad.dtype != x.dtype:
-                self._pad = torch.zeros(n * c, dtype=x.dtype, device=x.device)
-            self._pad.view(n, c)[:, :s].copy_(x.view(n, s))
-            x = self._pad
-        residual = None
-        if st.error_feedback:
-            if self.residual is None or self.residual.numel() != n * c:
-                self.residual = torch.zeros(n * c, dtype=st.residual_dtype, device=x.device)
-                self.stats["residual_bytes"] = self.residual.numel() * self.residual.element_size()
-            residual = self.residual
-        codes, scales = codec.encode(x, residual, scale, n * c)
-        send = codec.pack(codes, scales, n)
-        recv = torch.empty_like(send)
-        dist.all_to_all_single(recv, send, group=group)
-        self.stats["bytes_sent"] += (n - 1) * send.shape[1]
-        rcodes, rscales = codec.split(recv, c)
-        codec.decode_sum(rcodes, rscales, 1.0, out)
-
     def state_dict(self) -> dict[str, Any]:
-        return {
-            "iter": self.iter,
-            "residual": None if self.residual is None else self.residual.clone(),
-            "stats": dict(self.stats),
-        }
+        """The module's counters (its residual and warm-up are the Exchange's)."""
+        return {"stats": dict(self.counters)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.iter = int(state["iter"])
-        res = state["residual"]
-        self.residual = None if res is None else res.detach().clone()
-        self.stats.clear()
-        self.stats.update(state["stats"])
+        self.counters.update({key: int(state["stats"][key]) for key in _COUNTERS})
 
 
 class FSDPCompression(HookState):
-    """What :func:`compress` returns for a model: one :class:`ModuleReduceScatter` per
-    ``FSDPModule`` (``modules``, by name), their summed ``stats`` and one checkpointable
-    state per rank. A :class:`~pycomm.hooks.HookState`, so ``pycomm.checkpoint``'s
+    """What :func:`compress` returns for a model: the :class:`pycomm.Exchange` that reduces
+    its gradients (``exchange``), one :class:`ModuleReduceScatter` per ``FSDPModule``
+    (``modules``, by name), their summed ``stats`` and one checkpointable state per rank. A
+    :class:`~pycomm.hooks.HookState`, so ``pycomm.checkpoint``'s
     ``save_rank_state``/``load_rank_state`` take it as they take a DDP hook's state.
 
     Example:
@@ -205,12 +214,18 @@ class FSDPCompression(HookState):
     hook_name = "fsdp"
 
     def __init__(
-        self, hook: str, options: dict[str, Any], modules: dict[str, ModuleReduceScatter]
+        self,
+        hook: str,
+        options: dict[str, Any],
+        modules: dict[str, ModuleReduceScatter],
+        exchange: Exchange,
     ) -> None:
-        super().__init__(None)
+        super().__init__(exchange.process_group)
         self.hook = hook
         self.hook_options = options
         self.modules = modules
+        self.exchange = exchange
+        self._fresh = copy.deepcopy(exchange.state_dict())  # what a format 1 loads into
 
     @property
     def stats(self) -> dict[str, Any]:
@@ -218,8 +233,8 @@ class FSDPCompression(HookState):
         modules, and ``compression`` (bytes_fp32 / bytes_sent)."""
         out = {"calls": 0, "bytes_sent": 0, "bytes_fp32": 0, "residual_bytes": 0}
         for m in self.modules.values():
-            for key in out:
-                out[key] += m.stats[key]
+            for key, value in m.stats.items():
+                out[key] += value
         out["compression"] = out["bytes_fp32"] / out["bytes_sent"] if out["bytes_sent"] else 1.0
         return out
 
@@ -230,18 +245,51 @@ class FSDPCompression(HookState):
         return {**super().fingerprint(), "modules": sorted(self.modules)}
 
     def state_dict(self) -> dict[str, Any]:
-        """This rank's state: every module's residual, warm-up count and counters."""
+        """This rank's state: the Exchange's (every module's residual and warm-up count) and
+        every module's counters."""
         return {
+            "format": FORMAT,
             "fingerprint": self.fingerprint(),
             "rank": self.rank,
             "world_size": self.world_size,
+            "exchange": self.exchange.state_dict(),
             "modules": {name: m.state_dict() for name, m in self.modules.items()},
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state_dict` of this rank; another hook, option or model (or another
-        rank's state) is a ValueError naming it."""
+        rank's state) is a ValueError naming it. A state of format 1 (before the Exchange:
+        per module its warm-up count, residual and counters) is converted."""
+        version = state.get("format", 1) if isinstance(state, dict) else None
+        if version not in (1, FORMAT):
+            raise ValueError(
+                f"pycomm.fsdp: cannot load a state of format {version!r}; this pycomm reads "
+                f"formats 1 and {FORMAT} (a newer pycomm wrote it? load it with that version)"
+            )
         self.check_fingerprint(state)
+        if version == 1:
+            self._load_format_1(state)
+            return
+        self.exchange.load_state_dict(state["exchange"])
+        for name, m in self.modules.items():
+            m.load_state_dict(state["modules"][name])
+
+    def _load_format_1(self, state: dict[str, Any]) -> None:
+        """Per module ``{"iter", "residual", "stats"}``: its calls and residual go to a fresh
+        Exchange state under the module's key, its counters to the module; all or nothing."""
+        before = self.state_dict()
+        self.exchange.load_state_dict(self._fresh)
+        for name in self.modules:
+            old = state["modules"][name]
+            try:
+                self.exchange.load_key(name, int(old["iter"]), old["residual"])
+            except ValueError as e:
+                self.load_state_dict(before)
+                raise ValueError(
+                    f"pycomm.fsdp: cannot load module {name or 'root'!r} of a state written by "
+                    f"pycomm.fsdp format 1 (before the Exchange): {e}; expected the model, hook "
+                    "and options that wrote it, or start the compression state afresh"
+                ) from e
         for name, m in self.modules.items():
             m.load_state_dict(state["modules"][name])
 
@@ -250,25 +298,40 @@ def _fsdp_modules(model: torch.nn.Module) -> list[tuple[str, FSDPModule]]:
     return [(name, m) for name, m in model.named_modules() if isinstance(m, FSDPModule)]
 
 
-def _mesh_problem(modules: list[tuple[str, FSDPModule]]) -> Optional[str]:
+def _mesh_group(modules: list[tuple[str, FSDPModule]]) -> tuple[Any, Optional[str]]:
+    """The process group of the sharded parameters' mesh (None: no sharded parameter, the
+    default group), or the problem with their meshes."""
+    found: Optional[tuple[str, Any]] = None
     for name, module in modules:
         for pname, p in module.named_parameters():
             mesh = getattr(p, "device_mesh", None)
-            if mesh is not None and mesh.ndim != 1:
-                return (
+            if mesh is None:
+                continue
+            if mesh.ndim != 1:
+                return None, (
                     f"parameter {pname!r} of module {name or 'root'!r} is sharded on a "
                     f"{mesh.ndim}-D device mesh (HSDP): pycomm.fsdp compresses FSDP2's "
                     "reduce-scatter over a 1-D mesh only; shard on a 1-D mesh, or keep FSDP's "
                     "own reduction for HSDP"
                 )
-    return None
+            group = mesh.get_group()
+            if found is None:
+                found = (f"{pname!r} of module {name or 'root'!r}", group)
+            elif group is not found[1] and _ranks(group) != _ranks(found[1]):
+                return None, (
+                    f"parameter {pname!r} of module {name or 'root'!r} is sharded over ranks "
+                    f"{_ranks(group)}, and parameter {found[0]} over ranks "
+                    f"{_ranks(found[1])}: pycomm.fsdp compresses one mesh's reduce-scatter; "
+                    "expected every module on one mesh"
+                )
+    return (None if found is None else found[1]), None
 
 
 def _check(
     hook: Any, options: dict[str, Any], modules: list[tuple[str, FSDPModule]]
-) -> tuple[Any, dict[str, Any]]:
-    """The hook's spec and the options its states get, or the error for this rank's
-    ``hook``, ``options`` or modules."""
+) -> tuple[Any, dict[str, Any], Any]:
+    """The hook's spec, the options its Exchange gets and the mesh's group, or the error for
+    this rank's ``hook``, ``options`` or modules."""
     spec = hook_spec(hook, "pycomm.fsdp.compress")
     compressed = isinstance(spec.state, type) and issubclass(spec.state, CompressedState)
     exact = isinstance(spec.state, type) and issubclass(spec.state, AllreduceState)
@@ -289,13 +352,13 @@ def _check(
         raise ValueError(
             f"pycomm.fsdp.compress: hook='allreduce' takes no options, got {sorted(options)}"
         )
-    problem = _mesh_problem(modules)
+    group, problem = _mesh_group(modules)
     if problem is not None:
         raise ValueError(f"pycomm.fsdp.compress: {problem}")
     opts = dict(options)
     if compressed:
         opts.setdefault("error_feedback", False)
-    return spec, opts
+    return spec, opts, group
 
 
 def compress(
@@ -304,19 +367,22 @@ def compress(
     hook_options: Optional[dict[str, Any]] = None,
     **legacy: Any,
 ) -> FSDPCompression:
-    """Send the gradients of every ``fully_shard``-ed module of ``model`` with ``hook``.
+    """Send the gradients of every ``fully_shard``-ed module of ``model`` with ``hook``,
+    through one :class:`pycomm.Exchange` on the FSDP mesh's process group.
 
     Call it on every rank, after ``fully_shard`` and before the first backward. The hook,
     the options and the sharded modules (names, parameter shapes) are compared across ranks
     first: a difference is a ValueError on every rank.
 
     Args:
-        model: a model whose modules (the root included, or not) were ``fully_shard``-ed.
+        model: a model whose modules (the root included, or not) were ``fully_shard``-ed, on
+            one 1-D mesh.
         hook: ``"allreduce"`` (the exact reduce-scatter, summed in fp32, or in float64 for
             float64 gradients) or a compressed hook of the
             registry (``"bf16"``, ``"fp16"``, ``"int8"``, ``"onebit"``, a user's codec).
         hook_options: the hook's options, one dict as in ``pycomm.wrap`` (``block``,
-            ``start_iter``, ``error_feedback`` (default False here), ``residual_dtype``, a user
+            ``start_iter`` (per module: its first reduce-scatters run exact; default the
+            hook's own), ``error_feedback`` (default False here), ``residual_dtype``, a user
             codec's own); as keyword arguments, the older spelling, with a FutureWarning.
 
     Returns:
@@ -335,14 +401,14 @@ def compress(
         )
     modules = _fsdp_modules(model)
     # every check this rank can make, then every rank's resolved configuration compared
-    # (the same error on every rank); the states bind, creating groups, only afterwards
+    # (the same error on every rank); the Exchange is built, creating groups, only afterwards
     fields: dict[str, Any] = {}
     if isinstance(hook, str):  # a name registered on some ranks only: named on every rank
         fields["hook"] = hook
         fields[f"registration of hook {hook!r}"] = registration(hook)
     fields.update(error_field(None))
     try:
-        spec, opts = _check(hook, options, modules)
+        spec, opts, group = _check(hook, options, modules)
         if issubclass(spec.state, CompressedState):
             with unbound():
                 fields.update(resolved_config(spec.state(None, **opts)))
@@ -355,11 +421,16 @@ def compress(
     ]
     agree("pycomm.fsdp.compress", fields)
     compressed = issubclass(spec.state, CompressedState)
+    ex_opts = dict(opts)
+    start_iter = ex_opts.pop("start_iter", getattr(spec.state, "default_start_iter", 0))
+    ex_opts["hierarchy"] = "flat"  # the reduce-scatter within the mesh, whatever the nodes
+    if compressed:
+        ex_opts["local_feedback"] = True  # error feedback is on the reduce-scatter's input
+    exchange = Exchange(hook, group, start_iter=start_iter, **ex_opts)
+    grad_dtypes = spec.state.grad_dtypes if compressed else None
     installed: dict[str, ModuleReduceScatter] = {}
     for name, module in modules:
-        # the codec, its options checked (a ValueError naming the option) by the hook's state
-        state = spec.state(None, **opts) if compressed else None
-        rs = ModuleReduceScatter(name, hook, state)
+        rs = ModuleReduceScatter(name, hook, exchange, grad_dtypes)
         try:
             module.set_custom_reduce_scatter(rs)
         except ValueError as e:
@@ -374,4 +445,4 @@ def compress(
         len(installed),
         opts,
     )
-    return FSDPCompression(hook, opts, installed)
+    return FSDPCompression(hook, opts, installed, exchange)

@@ -11,6 +11,7 @@ from harness import error_text as _error
 from harness import run_ranks
 
 import pycomm
+from pycomm.exchange import rank_order_sum
 from pycomm.hooks import HalfCodec, register_hook, unregister_hook
 
 
@@ -305,3 +306,143 @@ def test_node_hierarchy_and_warm_up():
         assert same and 0 < node_err < 3e-2
         assert "hierarchy='node' runs all_reduce alone" in refused
         assert errs[0] < 1e-6 < errs[1] < 3e-2  # exact, then int8
+
+
+def _rank_warm_up_per_key():
+    """start_iter=2: the first two calls of each key (and call) run exact, the third through
+    the codec, however the keys interleave; the counts travel in state_dict."""
+    r, n = dist.get_rank(), dist.get_world_size()
+    g = torch.Generator().manual_seed(r)
+    ex = pycomm.Exchange("int8", start_iter=2)
+
+    def call(kind, key, ex=ex):
+        if kind == "all_reduce":
+            t = torch.randn(1000, generator=g)
+            exact = _exact_mean(t)
+            ex.all_reduce(t, key=key).wait()
+            return float((t - exact).norm() / exact.norm())
+        if kind == "reduce_scatter":
+            inp, shard = torch.randn(n * 300, generator=g), torch.empty(300)
+            exact = _exact_mean(inp).view(n, 300)[r]
+            ex.reduce_scatter(shard, inp, key=key).wait()
+            return float((shard - exact).norm() / exact.norm())
+        mine, full = torch.randn(300, generator=g), torch.empty(n * 300)
+        exact = torch.cat(_gathered(mine))
+        ex.all_gather(full, mine, key=key).wait()
+        return float((full - exact).norm() / exact.norm())
+
+    errs = {}
+    for kind in ("all_reduce", "reduce_scatter", "all_gather"):
+        errs[kind] = [call(kind, "a"), call(kind, "b"), call(kind, "a"), call(kind, "a")]
+        errs[kind].append(call(kind, "b"))
+    saved = ex.state_dict()
+    resumed = pycomm.Exchange("int8", start_iter=2)
+    resumed.load_state_dict(saved)
+    after = [call("all_reduce", "b", resumed), call("all_reduce", "c", resumed)]
+    return errs, after
+
+
+def test_warm_up_counts_the_calls_of_each_key():
+    for errs, after in run_ranks(_rank_warm_up_per_key, 2, timeout=60):
+        for kind, (a1, b1, a2, a3, b2) in errs.items():
+            assert max(a1, b1, a2, b2) < 1e-6 < a3, (kind, errs[kind])  # exact, exact, int8
+        b3, c1 = after
+        assert c1 < 1e-6 < b3  # loaded: b has had its two exact calls, c none
+
+
+def _rank_scale_float64_and_bytes():
+    """reduce_scatter's scale (a premultiplied sum), float64 on the exact exchange, and the
+    bytes of each call on its Work against stats."""
+    r, n = dist.get_rank(), dist.get_world_size()
+    g = torch.Generator().manual_seed(r)
+    out = {}
+    exact = pycomm.Exchange("allreduce")
+    inp, shard = torch.randn(n * 100, generator=g), torch.empty(100)
+    rows = torch.stack(_gathered(inp)).view(n, n, 100)[:, r]
+    exact.reduce_scatter(shard, inp, key="s", scale=0.3).wait()
+    out["scale bitwise"] = torch.equal(shard, rank_order_sum(rows, 0.3))
+    d = torch.randn(n * 100, generator=g, dtype=torch.float64)
+    dshard = torch.empty(100, dtype=torch.float64)
+    drows = torch.stack(_gathered(d)).view(n, n, 100)[:, r]
+    exact.reduce_scatter(dshard, d, key="d", op="sum").wait()
+    out["float64 bitwise"] = torch.equal(dshard, rank_order_sum(drows))
+    t = torch.randn(50, generator=g, dtype=torch.float64)
+    want = _exact_mean(t)
+    exact.all_reduce(t, key="t").wait()
+    out["float64 all_reduce"] = float((t - want).norm() / want.norm())
+    ex = pycomm.Exchange("int8")
+    want = _exact_mean(inp).view(n, 100)[r] * n * 0.3
+    works = [ex.reduce_scatter(shard, inp, key="s", scale=0.3)]
+    works[0].wait()
+    out["int8 scale"] = float((shard - want).norm() / want.norm())
+    t = torch.randn(777, generator=g)
+    works.append(ex.all_reduce(t, key="t"))
+    works.append(ex.all_gather(torch.empty(n * 333), torch.randn(333, generator=g), key="g"))
+    works[-1].wait()
+    stats = ex.stats
+    out["bytes"] = (
+        sum(w.bytes_sent for w in works) == stats["bytes_sent"],
+        sum(w.bytes_fp32 for w in works) == stats["bytes_fp32"],
+        all(0 < w.bytes_sent < w.bytes_fp32 for w in works),
+    )
+    out["int8 float64"] = _error(lambda: ex.all_reduce(torch.ones(8, dtype=torch.float64), key=1))
+    for bad in ("half", float("nan"), True):
+        out[f"scale {bad!r}"] = _error(
+            lambda bad=bad: ex.reduce_scatter(torch.empty(3), torch.ones(3 * n), key=1, scale=bad)
+        )
+    return out
+
+
+def test_scale_float64_and_the_bytes_of_each_call():
+    a, b = run_ranks(_rank_scale_float64_and_bytes, 2, timeout=60)
+    assert {k: v for k, v in a.items() if isinstance(v, str)} == {
+        k: v for k, v in b.items() if isinstance(v, str)
+    }
+    assert a["scale bitwise"] and a["float64 bitwise"] and a["float64 all_reduce"] < 1e-15
+    assert 0 < a["int8 scale"] < 3e-2
+    assert a["bytes"] == (True, True, True)
+    assert "has dtype torch.float64" in a["int8 float64"]
+    assert "float32, bfloat16 or float16" in a["int8 float64"]
+    for bad in ("'half'", "nan", "True"):
+        assert f"reduce_scatter: scale={bad}, expected a finite float" in a[f"scale {bad}"]
+
+
+def _rank_residuals_of_a_key(codec, options):
+    """A reduce-scatter keeps one residual, on its padded input (none for phase 2), read per
+    key without waiting; load_key gives a fresh Exchange a key's history."""
+    n = dist.get_world_size()
+    g = torch.Generator().manual_seed(dist.get_rank())
+    ex = pycomm.Exchange(codec, error_feedback=True, **options)
+    inp, shard = torch.randn(n * 333, generator=g), torch.empty(333)
+    for _ in range(2):
+        ex.reduce_scatter(shard, inp, key="rs").wait()
+    block = ex.state_dict()["exchange"]["fingerprint"]["options"]["block"]
+    out = {
+        "key": ex.residual_bytes("rs"),
+        "all": ex.stats["residual_bytes"],
+        "other": ex.residual_bytes("nothing"),
+        "want": n * -(-333 // block) * block * 4,
+    }
+    (res,) = ex.state_dict()["exchange"]["residuals"].values()
+    other = pycomm.Exchange(codec, error_feedback=True, **options)
+    other.load_key("rs", 2, res["r1"])
+    out["loaded"] = other.residual_bytes("rs")
+    out["used"] = _error(lambda: other.load_key("rs", 1))
+    out["size"] = _error(lambda: other.load_key("x", 0, res["r1"][:-8]))
+    out["call"] = _error(lambda: other.load_key("y", 0, res["r1"], call="all_reduce"))
+    a, b = shard.clone(), shard.clone()
+    ex.reduce_scatter(a, inp, key="rs").wait()
+    other.reduce_scatter(b, inp, key="rs").wait()
+    out["same"] = torch.equal(a, b)
+    return out
+
+
+@pytest.mark.parametrize("codec, options", [("int8", {}), ("onebit", {"local_feedback": True})])
+def test_a_reduce_scatter_keeps_one_residual_per_key(codec, options):
+    for out in run_ranks(_rank_residuals_of_a_key, 2, codec, options, timeout=60):
+        assert out["key"] == out["all"] == out["want"] == out["loaded"]
+        assert out["other"] == 0
+        assert "key='rs' has calls of reduce_scatter already" in out["used"]
+        assert "residual of 760 elements" in out["size"]
+        assert "a residual for a all_reduce" in out["call"]
+        assert out["same"]

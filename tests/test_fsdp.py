@@ -347,3 +347,132 @@ def test_shard_placement_fn_on_one_mesh():
     for a, b in zip(ours, ref):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
     assert torch.equal(int8[0], int8[1])
+
+
+def _format_1(comm):
+    """``comm``'s state as pycomm.fsdp's state_dict wrote it before the Exchange (format 1):
+    per module its warm-up count, its residual (the padded input's, None before its first
+    compressed call or without error feedback) and its counters."""
+    ex = comm.exchange.state_dict()
+    index = {key: i for i, (_, key) in enumerate(ex["keys"])}
+    residuals = {k[0]: r["r1"] for k, r in ex["exchange"]["residuals"].items()}
+    return {
+        "fingerprint": comm.fingerprint(),
+        "rank": comm.rank,
+        "world_size": comm.world_size,
+        "modules": {
+            name: {
+                "iter": m.iter,
+                "residual": residuals.get(index.get(name)),
+                "stats": dict(m.stats),
+            }
+            for name, m in comm.modules.items()
+        },
+    }
+
+
+def _rank_format_1(options):
+    """A checkpoint of format 1 loads: the run goes on bitwise as without the cut."""
+    data = _data(6, seed=3)
+
+    def build():
+        m = _shard(_model())
+        comm = pycomm.fsdp.compress(m, hook="int8", hook_options=options)
+        return m, comm, torch.optim.Adam(m.parameters(), lr=1e-2)
+
+    def step(m, opt, x, y):
+        torch.nn.functional.mse_loss(m(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+
+    m, comm, opt = build()
+    for x, y in data:
+        step(m, opt, x, y)
+    straight, straight_stats = _full(m), comm.stats
+    m, comm, opt = build()
+    for x, y in data[:3]:
+        step(m, opt, x, y)
+    old = copy.deepcopy(_format_1(comm))
+    saved = copy.deepcopy({"model": m.state_dict(), "opt": opt.state_dict()})
+    version = comm.state_dict()["format"]
+    m, comm, opt = build()
+    m.load_state_dict(saved["model"])
+    opt.load_state_dict(saved["opt"])
+    comm.load_state_dict(old)
+    loaded = {name: (rs.iter, dict(rs.stats)) for name, rs in comm.modules.items()}
+    for x, y in data[3:]:
+        step(m, opt, x, y)
+    stats = comm.stats
+    errors = {}
+    try:
+        comm.load_state_dict({**comm.state_dict(), "format": 3})
+    except ValueError as e:
+        errors["newer"] = str(e)
+    broken = copy.deepcopy(old)
+    if options.get("error_feedback"):
+        broken["modules"]["2"]["residual"] = broken["modules"]["2"]["residual"][:-8]
+        try:
+            comm.load_state_dict(broken)
+        except ValueError as e:
+            errors["broken"] = str(e)
+        errors["unchanged"] = comm.stats == stats  # a failed load changes nothing
+    want = {name: (s["iter"], s["stats"]) for name, s in old["modules"].items()}
+    return (
+        version,
+        torch.equal(straight, _full(m)),
+        loaded == want,
+        stats == straight_stats,
+        errors,
+    )
+
+
+@pytest.mark.parametrize("options", [{"error_feedback": True}, {}])
+def test_a_checkpoint_of_format_1_loads_and_resumes_bitwise(options):
+    for version, same, loaded, stats, errors in run_ranks(_rank_format_1, 2, options, timeout=120):
+        assert version == 2
+        assert same and loaded and stats
+        newer = errors["newer"]
+        assert "cannot load a state of format 3; this pycomm reads formats 1 and 2" in newer
+        if options:
+            assert errors["broken"].startswith(
+                "pycomm.fsdp: cannot load module '2' of a state written by pycomm.fsdp "
+                "format 1 (before the Exchange): pycomm.Exchange.load_key: residual of "
+            )
+            assert errors["unchanged"]
+
+
+def _rank_group_and_residual():
+    """The group FSDP passes is the Exchange's (or has its ranks), else a ValueError naming
+    both; error feedback keeps one residual, on the padded input (4 bytes a parameter)."""
+    m = _shard(_model())
+    comm = pycomm.fsdp.compress(m, hook="int8", hook_options={"error_feedback": True})
+    for x, y in _data(3):
+        torch.nn.functional.mse_loss(m(x), y).backward()
+        m.zero_grad()
+    per_param = comm.stats["residual_bytes"] / sum(p.numel() for p in m.parameters())
+    n, rank = dist.get_world_size(), dist.get_rank()
+    same_ranks = dist.new_group(list(range(n)))
+    alone = [dist.new_group([r]) for r in range(n)][rank]
+    rs = comm.modules["0"]
+    out = torch.empty(8)
+    rs(out, torch.ones(8 * n), same_ranks, dist.ReduceOp.SUM)
+    try:
+        rs(torch.empty(8), torch.ones(8), alone, dist.ReduceOp.SUM)
+        other = None
+    except ValueError as e:
+        other = str(e)
+    return per_param, torch.equal(out, torch.full((8,), float(n))), other
+
+
+def test_the_group_is_checked_and_the_residual_is_one_copy():
+    for rank, (per_param, summed, other) in enumerate(
+        run_ranks(_rank_group_and_residual, 2, timeout=120)
+    ):
+        assert 4.0 <= per_param < 4.25, per_param  # padding to whole blocks; no phase 2
+        assert summed
+        assert other == (
+            f"pycomm.fsdp (0): FSDP reduce-scatters on the process group of ranks [{rank}], "
+            "expected the group of ranks [0, 1] that compress() built its Exchange on (the "
+            "sharded parameters' mesh); call pycomm.fsdp.compress after fully_shard, with every "
+            "module on that mesh"
+        )

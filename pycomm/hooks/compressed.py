@@ -41,6 +41,10 @@ logger = logging.getLogger(__name__)
 
 _RESIDUAL_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16"}
 
+# The third field of a residual key that holds phase 1's residual alone: a reduce-scatter's
+# (pycomm.Exchange, pycomm.fsdp), ``(index, n, PHASE_1)``; a bucket's is its dtype.
+PHASE_1 = "phase 1"
+
 
 class Workspace:
     """The buffers of each bucket's exchange, allocated once: fresh ones every step cost more
@@ -300,12 +304,22 @@ class CompressedState(HookState):
             return {"r2": c}
         return {"r1": self.exchange_size * c, "r2": c}
 
+    def key_sizes(self, key: tuple) -> dict[str, int]:
+        """The residuals kept under ``key``: a bucket's, ``(index, n, dtype)``, those of
+        :meth:`residual_sizes`; a reduce-scatter's, ``(index, n, PHASE_1)``, r1 alone (its
+        exchange is phase 1; none with ``local_feedback=False``)."""
+        sizes = self.residual_sizes(key[1])
+        if key[2] == PHASE_1:
+            return {name: numel for name, numel in sizes.items() if name == "r1"}
+        return sizes
+
     def residual(self, key: tuple, n: int) -> tuple:
-        """(r1, r2, r1_out, r2_out): the kept residuals of bucket ``key`` (n elements) to read
-        and the buffers this step's new ones go to (all None without error feedback)."""
+        """(r1, r2, r1_out, r2_out): the kept residuals of bucket ``key`` (n elements, its
+        second field) to read and the buffers this step's new ones go to (all None without
+        error feedback; see :meth:`key_sizes`)."""
         if not self.error_feedback:
             return None, None, None, None
-        return self.store.get(key, self.residual_sizes(n), self.device)
+        return self.store.get(key, self.key_sizes((key[0], n, *key[2:])), self.device)
 
     def new_step(self) -> bool:
         """Called at every hook call: at the first of a step, commit the previous step (its
@@ -383,7 +397,7 @@ class CompressedState(HookState):
         super().load_state_dict(state)
         loaded = state.get("residuals", {})
         for key, res in loaded.items():
-            for name, numel in self.residual_sizes(key[1]).items():
+            for name, numel in self.key_sizes(key).items():
                 got = res[name].numel() if name in res else 0
                 if got != numel:
                     raise ValueError(

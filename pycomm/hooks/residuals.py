@@ -70,17 +70,43 @@ class ResidualStore:
                     name: torch.zeros(numel, dtype=self.dtype, device=device)
                     for name, numel in sizes.items()
                 }
-            self.residuals[key] = res
-            if self.strict:
-                self.next[key] = {name: torch.empty_like(t) for name, t in res.items()}
-            self.stats["residual_bytes"] = (2 if self.strict else 1) * sum(
-                t.numel() * t.element_size() for r in self.residuals.values() for t in r.values()
-            )
+            self.put(key, res)
         self.touched.add(key)
         if not self.strict:  # updated in place (the codec's residual_out None)
             return res.get("r1"), res.get("r2"), None, None
         nxt = self.next[key]
         return res.get("r1"), res.get("r2"), nxt.get("r1"), nxt.get("r2")
+
+    def put(self, key: tuple, res: Residuals) -> None:
+        """Keep ``res`` as bucket ``key``'s residuals, as a finished step leaves them (also a
+        residual converted from another checkpoint format), in place of any it had."""
+        self.residuals[key] = res
+        if self.strict:
+            self.next[key] = {name: torch.empty_like(t) for name, t in res.items()}
+        self.stats["residual_bytes"] = self.nbytes()
+
+    def place_loaded(self) -> None:
+        """Place every loaded residual now, as if each bucket had come: a bucket without one
+        then starts from zeros instead of being refused (``pycomm.Exchange``, whose keys may
+        take their first compressed call after a load)."""
+        pending, self.pending = self.pending or {}, None
+        for key, res in pending.items():
+            self.put(key, res)
+
+    def nbytes(self, index: Optional[Any] = None, pending: bool = False) -> int:
+        """Bytes of the kept residuals (two copies' with ``strict``), of every bucket, or of
+        the buckets whose key starts with ``index``; ``pending``: those loaded and not placed
+        yet too."""
+        kept = list(self.residuals.items())
+        if pending and self.pending:
+            kept += list(self.pending.items())
+        total = sum(
+            t.numel() * t.element_size()
+            for key, r in kept
+            if index is None or key[0] == index
+            for t in r.values()
+        )
+        return (2 if self.strict else 1) * total
 
     def note_decode(self, st: torch.Tensor, step: int) -> None:
         """Keep a decode's [squared norm, non-finite count] (from a callback thread) until

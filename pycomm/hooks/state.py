@@ -142,6 +142,18 @@ class HookState:
         """The counters (a live dict)."""
         return self._stats
 
+    @property
+    def counters(self) -> dict[str, Any]:
+        """The counters as they stand, without what reading :attr:`stats` does first (a
+        compression hook folds its decodes' results into them, which on an accelerator waits
+        for the device): the byte and call counts are current, the decode counts
+        (``nonfinite_buckets``) may lag. A live dict; read it, do not write it.
+
+        Example:
+            >>> sent = state.counters["bytes_sent"]  # no wait for the device
+        """
+        return self._stats
+
     def options(self) -> dict[str, Any]:
         """The hook's configuration: compared across ranks and stored in the fingerprint."""
         return {}
