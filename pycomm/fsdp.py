@@ -55,7 +55,8 @@ except ImportError:  # FSDP calls allocate() and __call__(), nothing else
 
 from pycomm._validate import hook_options_of
 from pycomm.exchange import Exchange
-from pycomm.hooks import AllreduceState, CompressedState, hook_spec
+from pycomm.hooks import CompressedState, hook_spec
+from pycomm.hooks.allreduce import AllreduceState
 from pycomm.hooks.config import agree, error_field, resolved_config
 from pycomm.hooks.registry import registration
 from pycomm.hooks.state import HookState, accepts_dtype, dtype_names, unbound
