@@ -26,6 +26,9 @@ Rules a caller keeps, as for any collective of ``torch.distributed``:
   (the codec's class and format, every option with its default) before any exchange; a
   difference is a ValueError on every rank naming it.
 - Every rank issues the same calls in the same order (the same ``key``, shapes and dtypes).
+  The ranks check it (``check_order``): by default each key's first call is compared, which
+  names a different order of new keys, or another shape, before its collective; with
+  ``check_order="every"`` every call is, for one small all-reduce a call.
 - Calls on one ``Exchange`` run one after another: a call waits for the previous call's
   exchange to finish before it starts, so that the previous call's residual is kept or dropped
   first. Use one ``Exchange`` per stream of calls that should overlap.
@@ -33,6 +36,7 @@ Rules a caller keeps, as for any collective of ``torch.distributed``:
 
 from __future__ import annotations
 
+import hashlib
 import math
 from collections.abc import Hashable
 from typing import Any, Optional
@@ -50,6 +54,7 @@ __all__ = ["Exchange", "Work", "rank_order_sum"]
 
 _OPS = ("mean", "sum")
 _CALLS = ("all_reduce", "reduce_scatter", "all_gather")
+_CHECKS = ("first", "every", "off")
 # what the exact exchange ("allreduce") takes; a codec, its state's grad_dtypes
 _EXACT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
@@ -149,6 +154,11 @@ class Exchange:
             exact, its later calls through the codec (default 0: compressed from each key's
             first call; DDP's default of 2 is for its bucket rebuild). The counts are in
             :meth:`state_dict`.
+        check_order: how the ranks check that they issue the same calls in the same order
+            (the call, the key, the elements, the dtype and the call's place): ``"first"``
+            (default: each key's first call, one object gather each), ``"every"`` (each call,
+            a 56-bit digest in one small all-reduce, with a wait for its result) or
+            ``"off"``. A difference is a ValueError on every rank naming each rank's call.
         **options: the hook's options (``block``, ``error_feedback``, ``residual_dtype``,
             ``local_feedback``, ``hierarchy``, a user's codec's own), as in
             ``pycomm.wrap(hook_options=...)``.
@@ -170,6 +180,7 @@ class Exchange:
         process_group: Optional[dist.ProcessGroup] = None,
         *,
         start_iter: int = 0,
+        check_order: str = "first",
         **options: Any,
     ) -> None:
         if not (dist.is_available() and dist.is_initialized()):
@@ -180,21 +191,28 @@ class Exchange:
         fields: dict[str, Any] = {"hook": codec}
         if isinstance(codec, str):
             fields[f"registration of hook {codec!r}"] = registration(codec)
-        fields.update(error_field(None))
+        fields.update(error_field(None))  # where the ranks compare it: before the config
         state = None
         try:
             state = self._build(codec, process_group, start_iter, options)
             fields.update(resolved_config(state, hook_spec(codec).hook))
+            if check_order not in _CHECKS:
+                raise ValueError(
+                    f"{self.where}: check_order={check_order!r}, expected "
+                    f"{', '.join(map(repr, _CHECKS))}"
+                )
         except (ValueError, TypeError) as e:
-            fields.update(error_field(e))
             state = None
+            fields.update(error_field(e))
         fields["start_iter"] = start_iter
+        fields["check_order"] = check_order
         agree(self.where, fields, process_group)
         assert state is not None  # agree raised on every rank otherwise
         state.bind()
         self.codec_name = codec
         self.process_group = process_group
         self.start_iter = start_iter
+        self.check_order = check_order
         self._state: HookState = state
         self._fn = hook_spec(codec).hook
         self._codec = getattr(state, "codec", None)
@@ -249,7 +267,7 @@ class Exchange:
             >>> ex.all_reduce(delta, key="delta").wait()
         """
         flat = self._check("all_reduce", "tensor", tensor, op)
-        index, compress = self._start("all_reduce", key)
+        index, compress = self._start("all_reduce", key, flat)
         state, world = self._state, self._state.world_size
         before = _sent(state)
         has_start = hasattr(state, "start_iter")
@@ -298,7 +316,7 @@ class Exchange:
         x, out = self._check_pair("reduce_scatter", output, input, op)
         n, s = self._state.world_size, out.numel()
         factor = self._scale(op, scale, n)
-        index, compress = self._start("reduce_scatter", key)
+        index, compress = self._start("reduce_scatter", key, x)
         state = self._state
         bucket, fp32 = _CallBucket(index, x), (n - 1) * s * 4
         if n == 1:
@@ -347,7 +365,7 @@ class Exchange:
         """
         x, out = self._check_pair("all_gather", output, input, "mean")
         n, m = self._state.world_size, x.numel()
-        index, compress = self._start("all_gather", key)
+        index, compress = self._start("all_gather", key, x)
         state = self._state
         bucket, fp32 = _CallBucket(index, x), (n - 1) * m * 4
         if n == 1:
@@ -574,20 +592,22 @@ class Exchange:
             )
         return float(scale)
 
-    def _start(self, call: str, key: Hashable) -> tuple[int, bool]:
+    def _start(self, call: str, key: Hashable, t: torch.Tensor) -> tuple[int, bool]:
         """The position of ``(call, key)`` (new ones in order of first use) and whether this
         call goes through the codec (the key's ``start_iter`` exact calls done), once the last
         call's exchange is done and its step committed (its residuals kept, or dropped after
-        a non-finite decode)."""
+        a non-finite decode), and the call's order checked across ranks (``check_order``)."""
         try:
-            index = self._keys.setdefault((call, key), len(self._keys))
+            first = (call, key) not in self._keys
         except TypeError:
             raise TypeError(
                 f"{self.where}.{call}: key={key!r} is not hashable; expected a str, int or tuple"
             ) from None
+        self._settle()
+        self._check_order(call, key, t, first)
+        index = self._keys.setdefault((call, key), len(self._keys))
         done = self._calls.get((call, key), 0)
         self._calls[(call, key)] = done + 1
-        self._settle()
         new_step = getattr(self._state, "new_step", None)
         if new_step is not None:
             new_step()
@@ -608,6 +628,27 @@ class Exchange:
             end_step()
         self._last = fut
         return Work(fut, result, bytes_sent, bytes_fp32)
+
+    def _check_order(self, call: str, key: Hashable, t: torch.Tensor, first: bool) -> None:
+        """Compare this call across the ranks: its place among this Exchange's calls, the
+        call, the key, the elements and the dtype. ``check_order="first"`` compares a key's
+        first call (all of it, one object gather); ``"every"`` each call, by a 56-bit digest
+        in one small all-reduce (all of it only when the digests differ); a difference is a
+        ValueError on every rank naming each rank's call, before the call's collective."""
+        mode, state = self.check_order, self._state
+        if mode == "off" or (mode == "first" and not first) or state.world_size == 1:
+            return
+        dtype = str(t.dtype).replace("torch.", "")
+        what = f"call {sum(self._calls.values())}: {call}(key={key!r}, {t.numel()} {dtype})"
+        if mode == "every":
+            digest = hashlib.blake2b(what.encode(), digest_size=7).digest()
+            h = int.from_bytes(digest, "little")
+            nccl = dist.get_backend(self.process_group) == "nccl"
+            v = torch.tensor([h, -h], dtype=torch.int64, device=t.device if nccl else "cpu")
+            dist.all_reduce(v, op=dist.ReduceOp.MAX, group=self.process_group)
+            if v.tolist() == [h, -h]:  # the largest digest and the smallest are this rank's
+                return
+        agree(f"{self.where}.{call}", {"the order of calls": what}, self.process_group)
 
     def _settle(self) -> None:
         if self._last is not None:

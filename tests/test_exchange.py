@@ -446,3 +446,40 @@ def test_a_reduce_scatter_keeps_one_residual_per_key(codec, options):
         assert "residual of 760 elements" in out["size"]
         assert "a residual for a all_reduce" in out["call"]
         assert out["same"]
+
+
+def _rank_call_order():
+    rank = dist.get_rank()
+    out = {"check_order": _error(lambda: pycomm.Exchange("int8", check_order="some"))}
+    first = pycomm.Exchange("int8")
+    t = torch.ones(64)
+    # a key's first call differs: "first" (the default) names both ranks' calls
+    out["first key"] = _error(lambda: first.all_reduce(t, key="a" if rank == 0 else "b"))
+    other = pycomm.Exchange("fp8")
+    out["first shape"] = _error(lambda: other.all_reduce(torch.ones(64 + rank), key="a"))
+    every = pycomm.Exchange("int8", check_order="every")
+    for key in ("a", "b"):
+        every.all_reduce(torch.ones(64), key=key).wait()
+    # both keys known on both ranks: only "every" sees the calls cross
+    out["every"] = _error(lambda: every.all_reduce(torch.ones(64), key="ab"[rank]))
+    out["every same"] = _error(lambda: every.all_reduce(torch.ones(64), key="a").wait())
+    return out
+
+
+def test_the_order_of_calls_is_checked_on_every_rank():
+    a, b = run_ranks(_rank_call_order, 2, timeout=60)
+    assert a == b
+    assert "check_order='some', expected 'first', 'every', 'off'" in a["check_order"]
+    assert (
+        "pycomm.Exchange.all_reduce: ranks disagree on the order of calls: rank 0 has "
+        '"call 0: all_reduce(key=\'a\', 64 float32)", rank 1 has "call 0: '
+        "all_reduce(key='b', 64 float32)\"" in a["first key"]
+    )
+    assert (
+        "64 float32)\", rank 1 has \"call 0: all_reduce(key='a', 65 float32)" in (a["first shape"])
+    )
+    assert (
+        'rank 0 has "call 2: all_reduce(key=\'a\', 64 float32)", rank 1 has "call 2: '
+        in (a["every"])
+    )
+    assert a["every same"] is None
