@@ -45,8 +45,8 @@ import torch
 import torch.distributed as dist
 
 from pycomm._validate import check_int
-from pycomm.hooks.compressed import PHASE_1
 from pycomm.hooks.config import agree, error_field, resolved_config
+from pycomm.hooks.engine import PHASE_1
 from pycomm.hooks.registry import hook_names, hook_spec, registration
 from pycomm.hooks.state import HookState, completed, dtype_names, unbound
 
@@ -119,6 +119,16 @@ def rank_order_sum(rows: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
     for r in range(1, rows.shape[0]):
         acc += rows[r]
     return acc.mul_(scale) if scale != 1.0 else acc
+
+
+def _returning(result: torch.Tensor):
+    """A future's callback that raises what the future raised, else returns ``result``."""
+
+    def done(f: torch.futures.Future) -> torch.Tensor:
+        f.value()
+        return result
+
+    return done
 
 
 class _CallBucket:
@@ -328,30 +338,11 @@ class Exchange:
             state.count(bucket, nbytes, bytes_fp32=fp32)
             fut = self._exact_reduce_scatter(x, out, n, s, factor)
             return self._issued(fut, output, nbytes, fp32)
-        codec = self._codec
-        c = -(-s // codec.block) * codec.block  # each chunk padded to whole blocks
-        if c != s:
-            padded = torch.zeros(n * c, dtype=x.dtype, device=x.device)
-            padded.view(n, c)[:, :s].copy_(x.view(n, s))
-            x = padded
-        step, state.device = state.iter, x.device
-        # the residual of the padded input: phase 1's alone (r1), the key's whatever its dtype
-        r1, _, r1_out, _ = state.residual((index, n * c, PHASE_1), n * c)
-        codes, scales = codec.encode(x, r1, factor, n * c, r1_out)
-        send = codec.pack(codes, scales, n)
-        recv = torch.empty_like(send)
-        nbytes = (n - 1) * send.shape[1]
-        state.count_codec(n * s, nbytes, fp32)
+        fut, nbytes = state.engine.reduce_scatter(
+            out, x, index, factor, state.iter, self.process_group
+        )
         state.count(bucket, nbytes, bytes_fp32=fp32)
-        work = dist.all_to_all_single(recv, send, group=self.process_group, async_op=True)
-
-        def decode(f: torch.futures.Future) -> torch.Tensor:
-            f.value()
-            rcodes, rscales = codec.split(recv, c)
-            state.note_decode(codec.decode_sum(rcodes, rscales, 1.0, out), step)
-            return output  # out is its flat view
-
-        return self._issued(work.get_future().then(decode), output, nbytes, fp32)
+        return self._issued(fut.then(_returning(output)), output, nbytes, fp32)
 
     def all_gather(self, output: torch.Tensor, input: torch.Tensor, key: Hashable) -> Work:
         """``dist.all_gather_into_tensor``'s shapes: ``output`` holds N chunks of
@@ -372,7 +363,6 @@ class Exchange:
             state.count(bucket, 0, collectives=0, bytes_fp32=0)
             out.copy_(x)
             return self._issued(completed(output), output)
-        codec = self._codec
         if not compress:
             gathered = torch.empty(n * m, dtype=x.dtype, device=x.device)
             nbytes = (n - 1) * m * x.element_size()
@@ -385,32 +375,9 @@ class Exchange:
                 return output
 
             return self._issued(work.then(place), output, nbytes, fp32)
-        c = -(-m // codec.block) * codec.block
-        codes, scales = codec.encode(x, None, 1.0, c)
-        row = codec.pack(codes, scales, 1)
-        rows = torch.empty(n, row.shape[1], dtype=torch.uint8, device=x.device)
-        nbytes = (n - 1) * row.shape[1]
-        state.count_codec(m, nbytes, fp32)
+        fut, nbytes = state.engine.all_gather(out, x, state.iter, self._gather_rows)
         state.count(bucket, nbytes, bytes_fp32=fp32)
-        state.device = x.device
-        work = self._gather_rows(rows, row)
-        step = state.iter
-
-        def decode(f: torch.futures.Future) -> torch.Tensor:
-            f.value()
-            rcodes, rscales = codec.split(rows, c)
-            flat = out.view(n, m)
-            st = None
-            for j in range(n):
-                part = codec.decode_sum(
-                    rcodes[j : j + 1], None if rscales is None else rscales[j : j + 1], 1.0,
-                    flat[j],
-                )  # fmt: skip
-                st = part if st is None else st + part
-            state.note_decode(st, step)
-            return output  # out is its flat view
-
-        return self._issued(work.then(decode), output, nbytes, fp32)
+        return self._issued(fut.then(_returning(output)), output, nbytes, fp32)
 
     # --- state --------------------------------------------------------------------------
 
@@ -512,7 +479,7 @@ class Exchange:
                 )
             n, block, dtype = state.world_size, self._codec.block, state.residual_dtype
             numel = residual.numel()
-            kept = state.key_sizes((0, numel, PHASE_1)).get("r1")
+            kept = state.engine.key_sizes((0, numel, PHASE_1)).get("r1")
             if numel % (n * block) or kept != numel or residual.dtype != dtype:
                 raise ValueError(
                     f"{where}: residual of {numel} elements of {residual.dtype}, expected "

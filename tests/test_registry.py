@@ -429,7 +429,7 @@ def test_no_import_cycle_inside_pycomm_hooks():
     """Each hooks module imports only modules before it in this order (a leaf first)."""
     order = [
         "groups", "state", "bucket", "codec", "hierarchy", "allreduce", "advice", "layout",
-        "residuals", "compressed", "registry", "warmup", "auto",
+        "residuals", "engine", "compressed", "registry", "warmup", "auto",
         "powersgd", "accumulate",
     ]  # fmt: skip
     folder = os.path.join(ROOT, "pycomm", "hooks")

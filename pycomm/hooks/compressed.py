@@ -1,20 +1,13 @@
-"""The engine behind pycomm's compression hooks (fp16, bf16, int8, fp8, int4, onebit).
-
-Two-phase all-reduce: every rank encodes its whole bucket (pre-scaled by 1/N, plus
-its error-feedback residual) and sends chunk j to rank j (phase 1, all-to-all, a
-reduce-scatter of compressed chunks); each rank decodes and sums its N chunks in fp32,
-re-encodes that sum with its own residual and sends it to every rank (phase 2, a gather). Bytes
-per rank are 2(N-1)/N of the compressed bucket, flat in N.
-
-Collective order: phase 1 is issued from the hook, in DDP's bucket order, on its own process
-group; phase 2 on a second group, from a callback that also waits until the previous bucket's
-phase 2 was issued. So every rank issues the same collectives in the same order on each group,
-however its phase 1s happen to complete (the trap that aborts torch's PowerSGD on gloo).
+"""The codec hooks' DDP side (fp16, bf16, int8, fp8, int4, onebit and users' codecs): the
+state of a registered codec hook (:class:`CompressedState`: its options, warm-up, bucket layout,
+node hierarchy, advice, stats and checkpoints) and the one hook function of every codec
+(:func:`compressed_hook`). The exchange itself is the engine's (:mod:`pycomm.hooks.engine`),
+which ``pycomm.Exchange`` and ``pycomm.fsdp`` run too: each DDP bucket goes to
+:meth:`Engine.all_reduce <pycomm.hooks.engine.Engine.all_reduce>` once it is past the warm-up.
 """
 
 import inspect
 import logging
-import math
 from typing import Any, Optional
 
 import torch
@@ -25,7 +18,8 @@ from pycomm.hooks import advice
 from pycomm.hooks import hierarchy as hier
 from pycomm.hooks.allreduce import exact_allreduce, per_bucket
 from pycomm.hooks.codec import Codec, check_codec
-from pycomm.hooks.groups import Stage, phase_groups
+from pycomm.hooks.engine import Engine, summed_numel
+from pycomm.hooks.groups import phase_groups
 from pycomm.hooks.layout import BucketLayout
 from pycomm.hooks.residuals import ResidualStore
 from pycomm.hooks.state import (
@@ -40,43 +34,6 @@ logger = logging.getLogger(__name__)
 
 
 _RESIDUAL_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16"}
-
-# The third field of a residual key that holds phase 1's residual alone: a reduce-scatter's
-# (pycomm.Exchange, pycomm.fsdp), ``(index, n, PHASE_1)``; a bucket's is its dtype.
-PHASE_1 = "phase 1"
-
-
-class Workspace:
-    """The buffers of each bucket's exchange, allocated once: fresh ones every step cost more
-    in page faults than the codecs themselves."""
-
-    def __init__(self) -> None:
-        self.buffers: dict[tuple, Any] = {}
-
-    def exchange(self, key: tuple, w: int, row_bytes: int, device) -> dict:
-        """The send and receive buffers of bucket ``key``: ``w`` rows of ``row_bytes``. Phase 2
-        reuses them (it runs once phase 1 has completed and its rows are decoded), which keeps
-        the step's memory, and so its cache misses, down: gradients, residuals and buffers of
-        both ranks already exceed this kind of machine's share of the last-level cache."""
-        ws = self.buffers.get(key)
-        if ws is None:
-            u8 = dict(dtype=torch.uint8, device=device)
-            ws = self.buffers[key] = {
-                "send": torch.empty(w, row_bytes, **u8),
-                "recv": torch.empty(w, row_bytes, **u8),
-            }
-        return ws
-
-    def chunk_sum(self, key: tuple, c: int, device) -> torch.Tensor:
-        """The fp32 buffer phase 2 sums this rank's chunk into. On the CPU one serves every
-        bucket: phase 2 of a bucket starts only once the previous bucket's phase 2 has issued
-        its gather (the order chain of _two_phase), so no two use it at once. On an
-        accelerator, where work is only enqueued, each bucket keeps its own."""
-        name = ("chunk_sum",) if device.type == "cpu" else ("chunk_sum", key)
-        buf = self.buffers.get(name)
-        if buf is None or buf.numel() < c or buf.device != device:
-            buf = self.buffers[name] = torch.empty(c, dtype=torch.float32, device=device)
-        return buf[:c]
 
 
 class CompressedState(HookState):
@@ -128,42 +85,68 @@ class CompressedState(HookState):
         self.start_iter = check_int(
             self.where, "start_iter", options.get("start_iter", self.default_start_iter), 2
         )
-        self.error_feedback = check_bool(
+        error_feedback = check_bool(
             self.where, "error_feedback", options.get("error_feedback", self.default_error_feedback)
         )
-        self.local_feedback = check_bool(
+        local_feedback = check_bool(
             self.where, "local_feedback", options.get("local_feedback", self.default_local_feedback)
         )
-        self.residual_dtype = check_dtype(
+        residual_dtype = check_dtype(
             self.where, "residual_dtype", options.get("residual_dtype", "float32"),
             tuple(_RESIDUAL_DTYPES),
         )  # fmt: skip
-        self.codec = self.make_codec(options)
+        strict_skip = check_bool(self.where, "strict_skip", options.get("strict_skip", False))
         self.iter = 0
         self._fold_next = False  # the next hook call starts a new step: commit the last one
-        self._stats.update(
-            nonfinite_buckets=0,
-            residual_bytes=0,
-            rebucketed_steps=0,
-            codec_bytes_sent=0,
-            codec_bytes_fp32=0,
-            codec_compression=1.0,
-        )
-        self.device = torch.device("cpu")  # of the buckets; set by the hook
-        # the three parts: residuals (kept per bucket, committed once a step is finite), the
-        # hook's own bucket layout over the bound parameters, and the exchange's buffers
-        self.strict_skip = check_bool(self.where, "strict_skip", options.get("strict_skip", False))
-        self.store = ResidualStore(
-            self.where, self._stats, self.residual_dtype, strict=self.strict_skip
-        )
+        self._stats.update(nonfinite_buckets=0, residual_bytes=0, rebucketed_steps=0)
+        # the exchange (codec, residuals kept per bucket and committed once a step is finite,
+        # buffers, phase groups) is the engine's; the hook's own parts: its bucket layout over
+        # the bound parameters, the warm-up, the node hierarchy, the optimizer advice
+        self.engine = Engine(
+            self.where, self.make_codec(options), self._stats,
+            error_feedback=error_feedback, local_feedback=local_feedback,
+            residual_dtype=residual_dtype, strict_skip=strict_skip,
+        )  # fmt: skip
+        if getattr(self, "_stage", None) is not None:
+            self.engine.bind(self._stage, self.exchange_size)
         self.bucket_layout = BucketLayout(self.where, self._stats)
-        self.workspace = Workspace()
         # DDP buckets whose parameters were handed to the optimizer check (pycomm.hooks.advice)
         # when no parameters were bound: a state registered with plain register_comm_hook
         self._advice_buckets: set[int] = set()
 
-    phases: Optional[Stage] = None  # set when the state binds to its group
     node_plan: Optional[hier.NodePlan] = None  # the node hierarchy, when it resolves to it
+
+    # --- the engine's parts, as the hook and its callers read them -----------------------
+
+    @property
+    def codec(self) -> Codec:
+        """The hook's codec (the engine's)."""
+        return self.engine.codec
+
+    @codec.setter
+    def codec(self, codec: Codec) -> None:
+        self.engine.codec = codec
+
+    @property
+    def store(self) -> ResidualStore:
+        """The error-feedback residuals (the engine's)."""
+        return self.engine.store
+
+    @property
+    def error_feedback(self) -> bool:
+        return self.engine.error_feedback
+
+    @property
+    def local_feedback(self) -> bool:
+        return self.engine.local_feedback
+
+    @property
+    def residual_dtype(self) -> torch.dtype:
+        return self.engine.residual_dtype
+
+    @property
+    def strict_skip(self) -> bool:
+        return self.store.strict
 
     @property
     def residuals(self) -> dict[tuple, dict[str, torch.Tensor]]:
@@ -189,7 +172,11 @@ class CompressedState(HookState):
             self.node_plan = hier.resolve(self.hook_name, self.process_group, self.hierarchy)
             # with the node hierarchy the exchange runs across nodes only, on its own groups
             plan = self.node_plan
-            self.phases = phase_groups(self.process_group) if plan is None else plan.cross
+            stage = phase_groups(self.process_group) if plan is None else plan.cross
+            if hasattr(self, "engine"):
+                self.engine.bind(stage, self.exchange_size)
+            else:  # bound while HookState.__init__ runs: the engine comes next
+                self._stage = stage
 
     @property
     def exchange_size(self) -> int:
@@ -202,18 +189,25 @@ class CompressedState(HookState):
         if self.node_plan is None:
             self.count(bucket, nbytes, collectives=collectives)
 
-    def count_codec(self, numel: int, nbytes: int, bytes_fp32: Optional[int] = None) -> None:
-        """Account one compressed exchange of ``numel`` elements that sends ``nbytes`` in
-        ``codec_bytes_sent``/``codec_bytes_fp32``/``codec_compression``: the codec's own ratio
-        over its exchanges alone (no warm-up step; under the node hierarchy, the cross-node
-        exchange of each rank's shard only). ``bytes_fp32``: what the exact fp32 collective
-        sends, where it is not a ring all-reduce of ``numel`` elements (a reduce-scatter's)."""
-        s = self._stats
-        s["codec_bytes_sent"] += nbytes
-        if bytes_fp32 is None:
-            bytes_fp32 = ring_bytes(numel * 4, self.exchange_size)
-        s["codec_bytes_fp32"] += bytes_fp32
-        s["codec_compression"] = s["codec_bytes_fp32"] / max(s["codec_bytes_sent"], 1)
+    def exchange(
+        self,
+        bucket: dist.GradBucket,
+        x: torch.Tensor,
+        index: Optional[int] = None,
+        step: Optional[int] = None,
+    ) -> torch.futures.Future[torch.Tensor]:
+        """The compressed exchange of ``x`` (``bucket``'s buffer, a bucket of the hook's
+        layout, or the node hierarchy's shard) through the engine, as the hook's bucket
+        ``index`` (default DDP's) for the hook's ``step`` (default the current one: the node
+        hierarchy issues it from a callback, possibly once the hook has moved on), counted in
+        the hook's totals."""
+        index = bucket.index() if index is None else index
+        step = self.iter if step is None else step
+
+        def count(nbytes: int, collectives: int) -> None:
+            self.count_exchange(bucket, nbytes, collectives)
+
+        return self.engine.all_reduce(x, (index, x.numel(), str(x.dtype)), step, count)
 
     def bind_parameters(self, params: list[torch.Tensor]) -> None:
         """The model's trainable parameters in ``module.parameters()`` order: names buckets
@@ -289,38 +283,6 @@ class CompressedState(HookState):
 
     # --- layout ------------------------------------------------------------------------
 
-    def chunk(self, n: int) -> int:
-        """Elements per rank's chunk for a bucket of ``n``: a whole number of blocks."""
-        b, w = self.codec.block, self.exchange_size
-        return max(1, math.ceil(n / (w * b))) * b
-
-    def residual_sizes(self, n: int) -> dict[str, int]:
-        """Residual elements kept for a bucket of ``n``: r1 on the whole padded bucket (phase 1;
-        none with ``local_feedback=False``), r2 on this rank's chunk (phase 2)."""
-        if not self.codec.two_phase:
-            return {"r1": summed_numel(self.codec, n)}
-        c = self.chunk(n)
-        if not self.local_feedback:
-            return {"r2": c}
-        return {"r1": self.exchange_size * c, "r2": c}
-
-    def key_sizes(self, key: tuple) -> dict[str, int]:
-        """The residuals kept under ``key``: a bucket's, ``(index, n, dtype)``, those of
-        :meth:`residual_sizes`; a reduce-scatter's, ``(index, n, PHASE_1)``, r1 alone (its
-        exchange is phase 1; none with ``local_feedback=False``)."""
-        sizes = self.residual_sizes(key[1])
-        if key[2] == PHASE_1:
-            return {name: numel for name, numel in sizes.items() if name == "r1"}
-        return sizes
-
-    def residual(self, key: tuple, n: int) -> tuple:
-        """(r1, r2, r1_out, r2_out): the kept residuals of bucket ``key`` (n elements, its
-        second field) to read and the buffers this step's new ones go to (all None without
-        error feedback; see :meth:`key_sizes`)."""
-        if not self.error_feedback:
-            return None, None, None, None
-        return self.store.get(key, self.key_sizes((key[0], n, *key[2:])), self.device)
-
     def new_step(self) -> bool:
         """Called at every hook call: at the first of a step, commit the previous step (its
         decodes are all done by then) and return True."""
@@ -339,14 +301,14 @@ class CompressedState(HookState):
     def commit(self) -> None:
         """End of a step (all its buckets decoded): keep its new residuals unless some bucket
         came out non-finite (see :class:`ResidualStore`)."""
-        self.store.commit(self.iter - 1, self.device)
+        self.store.commit(self.iter - 1, self.engine.device)
 
     # --- stats -------------------------------------------------------------------------
 
     def note_decode(self, st: torch.Tensor, step: int) -> None:
         """Keep a decode's [squared norm, non-finite count] for ``step`` (see
         :meth:`ResidualStore.note_decode`)."""
-        self.store.note_decode(st, step)
+        self.engine.note_decode(st, step)
 
     def fold(self) -> None:
         self.store.fold()
@@ -397,7 +359,7 @@ class CompressedState(HookState):
         super().load_state_dict(state)
         loaded = state.get("residuals", {})
         for key, res in loaded.items():
-            for name, numel in self.key_sizes(key).items():
+            for name, numel in self.engine.key_sizes(key).items():
                 got = res[name].numel() if name in res else 0
                 if got != numel:
                     raise ValueError(
@@ -443,112 +405,6 @@ def _refusal(message: str, kwargs: dict[str, Any]) -> str:
     return f"the codec refused options {kwargs}: {message}"
 
 
-def _two_phase(
-    state: CompressedState,
-    bucket: dist.GradBucket,
-    x: torch.Tensor,
-    index: Optional[int] = None,
-    step: Optional[int] = None,
-):
-    """The two-phase exchange of ``x`` as the hook's bucket ``index`` (default DDP's), for
-    the hook's ``step`` (default: the current one; the node hierarchy issues it from a
-    callback, possibly once the hook has moved on to the next step, so it passes the step)."""
-    codec, w = state.codec, state.exchange_size
-    index = bucket.index() if index is None else index
-    n, step = x.numel(), state.iter if step is None else step
-    c = state.chunk(n)
-    state.device = x.device
-    r1, r2, r1_out, r2_out = state.residual((index, n, str(x.dtype)), n)
-    codes, scales = codec.encode(x, r1, 1.0 / w, w * c, r1_out)
-    row_bytes = codec.code_bytes(c) + codec.scale_bytes(c)
-    key = (index, n, str(x.dtype))
-    ws = state.workspace.exchange(key, w, row_bytes, x.device)
-    # phase 2 sends from phase 1's send buffer and gathers into its receive buffer
-    send, recv = ws["send"], ws["recv"]
-    gathered = recv
-    codec.pack(codes, scales, w, out=send)
-    state.count_codec(n, 2 * (w - 1) * row_bytes)
-    state.count_exchange(bucket, 2 * (w - 1) * row_bytes, collectives=2)
-    phases = state.phases
-    g1, g2 = phases.groups
-    phase1 = dist.all_to_all_single(recv, send, group=g1, async_op=True).get_future()
-
-    result: torch.futures.Future[torch.Tensor] = torch.futures.Future()
-    prev, issued = phases.issued, torch.futures.Future()
-    phases.issued = issued
-
-    def finish(fut: torch.futures.Future) -> None:
-        try:
-            fut.value()
-            codes2, scales2 = codec.split(gathered, c)
-            st = None
-            for j in range(w):  # rank j's reduced chunk: elements [j * c, (j + 1) * c) of x
-                part = codec.decode_sum(
-                    codes2[j : j + 1],
-                    None if scales2 is None else scales2[j : j + 1],
-                    1.0,
-                    x[min(n, j * c) : min(n, (j + 1) * c)],
-                )
-                st = part if st is None else st + part
-            state.note_decode(st, step)
-            result.set_result(x)
-        except BaseException as e:  # noqa: BLE001 - handed to DDP through the future
-            result.set_exception(e)
-
-    def phase2(fut: torch.futures.Future) -> None:
-        try:
-            for sub in fut.value():
-                sub.value()
-            codes1, scales1 = codec.split(recv, c)
-            mine = state.workspace.chunk_sum(key, c, x.device)
-            codec.decode_sum(codes1, scales1, 1.0, mine)
-            if phases.nccl:
-                row = codec.pack(*codec.encode(mine, r2, 1.0, c, r2_out), 1)
-                work = dist.all_gather_into_tensor(gathered, row, group=g2, async_op=True)
-            else:  # gloo: all_to_all_single measured 3-7x faster than all_gather
-                rows = send
-                codec.pack(*codec.encode(mine, r2, 1.0, c, r2_out), 1, out=rows[:1])
-                rows[1:] = rows[:1]
-                work = dist.all_to_all_single(gathered, rows, group=g2, async_op=True)
-        except BaseException as e:  # noqa: BLE001
-            issued.set_result(torch.empty(0))
-            result.set_exception(e)
-            return
-        issued.set_result(torch.empty(0))
-        work.get_future().then(finish)
-
-    torch.futures.collect_all([phase1, prev]).then(phase2)
-    return result
-
-
-def _summed(
-    state: CompressedState,
-    bucket: dist.GradBucket,
-    x: torch.Tensor,
-    index: Optional[int] = None,
-    step: Optional[int] = None,
-):
-    """A ``two_phase=False`` codec's exchange: encode (pre-scaled, optional residual), sum
-    the codes in their own dtype with one all-reduce, decode once."""
-    codec, n, w = state.codec, x.numel(), state.exchange_size
-    step = state.iter if step is None else step
-    index = bucket.index() if index is None else index
-    state.device = x.device
-    numel = summed_numel(codec, n)
-    r1, _, r1_out, _ = state.residual((index, n, str(x.dtype)), n)
-    enc, _ = codec.encode(x, r1, 1.0 / w, numel, r1_out)
-    state.count_codec(n, ring_bytes(codec.code_bytes(numel), w))
-    state.count_exchange(bucket, ring_bytes(codec.code_bytes(numel), w), collectives=1)
-    work = dist.all_reduce(enc, group=state.phases.groups[0], async_op=True)
-
-    def decode(fut: torch.futures.Future) -> torch.Tensor:
-        fut.value()
-        state.note_decode(codec.decode_sum(enc.view(1, -1), None, 1.0, x), step)
-        return x
-
-    return work.get_future().then(decode)
-
-
 def codec_identity(codec: Codec) -> dict[str, Any]:
     """What two ranks' codecs must agree on to exchange codes: the codec's class and its
     format (block, dtypes, phases, bytes of 8 blocks), so that a codec edited on one node, or
@@ -562,12 +418,6 @@ def codec_identity(codec: Codec) -> dict[str, Any]:
             f"{codec.code_bytes(m)} + {codec.scale_bytes(m)} bytes per {m} elements"
         ),
     }
-
-
-def summed_numel(codec: Codec, n: int) -> int:
-    """Elements a ``two_phase=False`` codec encodes for a bucket of ``n``: n rounded up to
-    whole blocks (what the exchange sums, and the size of its residual)."""
-    return max(1, math.ceil(n / codec.block)) * codec.block
 
 
 def compressed_hook(
@@ -601,11 +451,10 @@ def compressed_hook(
         if state.node_plan is not None:
             return _node(state, bucket, x)
         if state.iter < state.start_iter:
-            return exact_allreduce(state, bucket, x, state.phases.groups[0])
-        reduce = _two_phase if state.codec.two_phase else _summed
+            return exact_allreduce(state, bucket, x, state.engine.phases.groups[0])
         if state.bucket_layout.bound:
-            return state.bucket_layout.run(bucket, x, lambda b, t, i: reduce(state, b, t, i))
-        return reduce(state, bucket, x)
+            return state.bucket_layout.run(bucket, x, state.exchange)
+        return state.exchange(bucket, x)
 
     return per_bucket(state, bucket, dense, begin=begin, end=state.end_step)
 
@@ -622,18 +471,17 @@ def _node(state: CompressedState, bucket: dist.GradBucket, x: torch.Tensor):
     def reduce(state: CompressedState, bucket, x: torch.Tensor, index: int):
         s = hier.shard_size(x.numel(), L)
         if state.codec.two_phase:
-            c = state.chunk(s)
+            c = state.engine.chunk(s)
             row = state.codec.code_bytes(c) + state.codec.scale_bytes(c)
             nbytes, calls = 2 * (m - 1) * row, 2
-            path = _two_phase
         else:
             numel = summed_numel(state.codec, s)
-            nbytes, calls, path = ring_bytes(state.codec.code_bytes(numel), m), 1, _summed
+            nbytes, calls = ring_bytes(state.codec.code_bytes(numel), m), 1
 
         step = state.iter  # now, in the hook: stage 2 runs later, from a callback
 
         def issue(shard_bucket, shard: torch.Tensor):
-            return path(state, shard_bucket, shard, index, step)
+            return state.exchange(shard_bucket, shard, index, step)
 
         cross = hier.Cross(issue, nbytes, calls)
         return hier.node_reduce(

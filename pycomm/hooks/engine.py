@@ -1,0 +1,356 @@
+"""The engine: the one place a tensor is compressed and exchanged.
+
+An :class:`Engine` holds what an exchange through a codec keeps between calls: the codec, the
+error-feedback residuals (:class:`~pycomm.hooks.residuals.ResidualStore`), the send and
+receive buffers, the process groups of its two phases, and the codec's byte counters. Its
+three collectives are the ones every caller runs:
+
+- :meth:`Engine.all_reduce`, the two-phase exchange (or one all-reduce of the codes for a
+  ``two_phase=False`` codec): every DDP bucket of a codec hook
+  (:func:`pycomm.hooks.compressed_hook`, flat or on the node hierarchy's cross-node shard) and
+  every ``pycomm.Exchange.all_reduce``;
+- :meth:`Engine.reduce_scatter`, phase 1 alone: ``pycomm.Exchange.reduce_scatter``, and so
+  every FSDP2 reduce-scatter of ``pycomm.fsdp``;
+- :meth:`Engine.all_gather`: ``pycomm.Exchange.all_gather``.
+
+Two-phase all-reduce: every rank encodes its whole tensor (pre-scaled by 1/N, plus its
+error-feedback residual) and sends chunk j to rank j (phase 1, all-to-all, a reduce-scatter
+of compressed chunks); each rank decodes and sums its N chunks in fp32, re-encodes that sum
+with its own residual and sends it to every rank (phase 2, a gather). Bytes per rank are
+2(N-1)/N of the compressed tensor, flat in N.
+
+Collective order: phase 1 is issued by the caller, in its order (DDP's bucket order), on its
+own process group; phase 2 on a second group, from a callback that also waits until the
+previous exchange's phase 2 was issued. So every rank issues the same collectives in the same
+order on each group, however its phase 1s happen to complete (the trap that aborts torch's
+PowerSGD on gloo).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable, Optional
+
+import torch
+import torch.distributed as dist
+
+from pycomm.hooks.codec import Codec
+from pycomm.hooks.groups import Stage
+from pycomm.hooks.residuals import ResidualStore
+from pycomm.hooks.state import ring_bytes
+
+__all__ = ["PHASE_1", "Engine", "Workspace", "summed_numel"]
+
+# The third field of a residual key that holds phase 1's residual alone: a reduce-scatter's
+# (pycomm.Exchange, pycomm.fsdp), ``(index, n, PHASE_1)``; an all-reduce's is its dtype.
+PHASE_1 = "phase 1"
+
+# count(bytes_sent, collectives): how a caller accounts one exchange in its own totals
+Count = Callable[[int, int], None]
+
+
+class Workspace:
+    """The buffers of each exchange, allocated once: fresh ones every step cost more in page
+    faults than the codecs themselves."""
+
+    def __init__(self) -> None:
+        self.buffers: dict[tuple, Any] = {}
+
+    def exchange(self, key: tuple, w: int, row_bytes: int, device) -> dict:
+        """The send and receive buffers of exchange ``key``: ``w`` rows of ``row_bytes``.
+        Phase 2 reuses them (it runs once phase 1 has completed and its rows are decoded),
+        which keeps the step's memory, and so its cache misses, down: gradients, residuals and
+        buffers of both ranks already exceed this kind of machine's share of the last-level
+        cache."""
+        ws = self.buffers.get(key)
+        if ws is None:
+            u8 = dict(dtype=torch.uint8, device=device)
+            ws = self.buffers[key] = {
+                "send": torch.empty(w, row_bytes, **u8),
+                "recv": torch.empty(w, row_bytes, **u8),
+            }
+        return ws
+
+    def chunk_sum(self, key: tuple, c: int, device) -> torch.Tensor:
+        """The fp32 buffer phase 2 sums this rank's chunk into. On the CPU one serves every
+        exchange: phase 2 of one starts only once the previous one's phase 2 has issued its
+        gather (the order chain of :meth:`Engine.all_reduce`), so no two use it at once. On an
+        accelerator, where work is only enqueued, each keeps its own."""
+        name = ("chunk_sum",) if device.type == "cpu" else ("chunk_sum", key)
+        buf = self.buffers.get(name)
+        if buf is None or buf.numel() < c or buf.device != device:
+            buf = self.buffers[name] = torch.empty(c, dtype=torch.float32, device=device)
+        return buf[:c]
+
+
+def summed_numel(codec: Codec, n: int) -> int:
+    """Elements a ``two_phase=False`` codec encodes for a tensor of ``n``: n rounded up to
+    whole blocks (what the exchange sums, and the size of its residual)."""
+    return max(1, math.ceil(n / codec.block)) * codec.block
+
+
+class Engine:
+    """A codec's exchange across ``size`` ranks, with its residuals, buffers and counters.
+
+    Args:
+        where: how its messages start (``pycomm int8 hook``).
+        codec: the :class:`~pycomm.hooks.Codec`.
+        stats: the caller's live counters; the engine adds ``codec_bytes_sent``,
+            ``codec_bytes_fp32``, ``codec_compression`` and (its residual store)
+            ``residual_bytes`` and ``nonfinite_buckets``.
+        error_feedback, local_feedback, residual_dtype, strict_skip: the residuals' options
+            (see :class:`pycomm.hooks.CompressedState`).
+
+    Example:
+        >>> engine = Engine("mine", Int8Codec(64), {}, error_feedback=True)
+        >>> engine.bind(phase_groups(None), dist.get_world_size())
+        >>> engine.all_reduce(x, (0, x.numel(), str(x.dtype)), step=0, count=my_count)
+    """
+
+    def __init__(
+        self,
+        where: str,
+        codec: Codec,
+        stats: dict[str, Any],
+        *,
+        error_feedback: bool = True,
+        local_feedback: bool = True,
+        residual_dtype: torch.dtype = torch.float32,
+        strict_skip: bool = False,
+    ) -> None:
+        self.where, self.codec, self.stats = where, codec, stats
+        self.size = 1  # ranks in the exchange: one until bound
+        self.error_feedback, self.local_feedback = error_feedback, local_feedback
+        self.residual_dtype = residual_dtype
+        self.store = ResidualStore(where, stats, residual_dtype, strict=strict_skip)
+        self.workspace = Workspace()
+        self.phases: Optional[Stage] = None  # the two phases' groups, once bound
+        self.device = torch.device("cpu")  # of the last exchange's tensor
+        for name, zero in (
+            ("codec_bytes_sent", 0), ("codec_bytes_fp32", 0), ("codec_compression", 1.0),
+        ):  # fmt: skip
+            stats.setdefault(name, zero)
+
+    def bind(self, phases: Stage, size: int) -> None:
+        """The process groups of the two phases (phase 1 on the first, phase 2 on the
+        second) and the ranks in the exchange (each group's size)."""
+        self.phases, self.size = phases, size
+
+    # --- sizes and residuals ------------------------------------------------------------
+
+    def chunk(self, n: int) -> int:
+        """Elements per rank's chunk for a tensor of ``n``: a whole number of blocks."""
+        b = self.codec.block
+        return max(1, math.ceil(n / (self.size * b))) * b
+
+    def residual_sizes(self, n: int) -> dict[str, int]:
+        """Residual elements kept for an all-reduce of ``n``: r1 on the whole padded tensor
+        (phase 1; none with ``local_feedback=False``), r2 on this rank's chunk (phase 2)."""
+        if not self.codec.two_phase:
+            return {"r1": summed_numel(self.codec, n)}
+        c = self.chunk(n)
+        if not self.local_feedback:
+            return {"r2": c}
+        return {"r1": self.size * c, "r2": c}
+
+    def key_sizes(self, key: tuple) -> dict[str, int]:
+        """The residuals kept under ``key``: an all-reduce's, ``(index, n, dtype)``, those of
+        :meth:`residual_sizes`; a reduce-scatter's, ``(index, n, PHASE_1)``, r1 alone (its
+        exchange is phase 1; none with ``local_feedback=False``)."""
+        sizes = self.residual_sizes(key[1])
+        if key[2] == PHASE_1:
+            return {name: numel for name, numel in sizes.items() if name == "r1"}
+        return sizes
+
+    def residual(self, key: tuple, n: int) -> tuple:
+        """(r1, r2, r1_out, r2_out): the kept residuals of ``key`` (n elements, its second
+        field) to read and the buffers this call's new ones go to (all None without error
+        feedback; see :meth:`key_sizes`)."""
+        if not self.error_feedback:
+            return None, None, None, None
+        return self.store.get(key, self.key_sizes((key[0], n, *key[2:])), self.device)
+
+    def count_codec(self, numel: int, nbytes: int, bytes_fp32: Optional[int] = None) -> None:
+        """Account one compressed exchange of ``numel`` elements that sends ``nbytes``:
+        the codec's own ratio over its exchanges alone. ``bytes_fp32``: what the exact fp32
+        collective sends, where it is not a ring all-reduce of ``numel`` elements."""
+        s = self.stats
+        s["codec_bytes_sent"] += nbytes
+        if bytes_fp32 is None:
+            bytes_fp32 = ring_bytes(numel * 4, self.size)
+        s["codec_bytes_fp32"] += bytes_fp32
+        s["codec_compression"] = s["codec_bytes_fp32"] / max(s["codec_bytes_sent"], 1)
+
+    def note_decode(self, st: torch.Tensor, step: int) -> None:
+        """Keep a decode's [squared norm, non-finite count] for ``step``."""
+        self.store.note_decode(st, step)
+
+    # --- the collectives ----------------------------------------------------------------
+
+    def all_reduce(self, x: torch.Tensor, key: tuple, step: int, count: Count):
+        """Replace ``x`` by its mean over the ranks through the codec, with the residuals of
+        ``key`` (``(index, x.numel(), dtype)``), the decode's statistics kept for ``step``;
+        ``count(bytes_sent, collectives)`` is called once, as it is issued. Returns the
+        future of ``x``."""
+        if self.codec.two_phase:
+            return self._two_phase(x, key, step, count)
+        return self._summed(x, key, step, count)
+
+    def _two_phase(self, x: torch.Tensor, key: tuple, step: int, count: Count):
+        codec, w, n = self.codec, self.size, x.numel()
+        c = self.chunk(n)
+        self.device = x.device
+        r1, r2, r1_out, r2_out = self.residual(key, n)
+        codes, scales = codec.encode(x, r1, 1.0 / w, w * c, r1_out)
+        row_bytes = codec.code_bytes(c) + codec.scale_bytes(c)
+        ws = self.workspace.exchange(key, w, row_bytes, x.device)
+        # phase 2 sends from phase 1's send buffer and gathers into its receive buffer
+        send, recv = ws["send"], ws["recv"]
+        gathered = recv
+        codec.pack(codes, scales, w, out=send)
+        self.count_codec(n, 2 * (w - 1) * row_bytes)
+        count(2 * (w - 1) * row_bytes, 2)
+        phases = self.phases
+        g1, g2 = phases.groups
+        phase1 = dist.all_to_all_single(recv, send, group=g1, async_op=True).get_future()
+
+        result: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+        prev, issued = phases.issued, torch.futures.Future()
+        phases.issued = issued
+
+        def finish(fut: torch.futures.Future) -> None:
+            try:
+                fut.value()
+                codes2, scales2 = codec.split(gathered, c)
+                st = None
+                for j in range(w):  # rank j's reduced chunk: elements [j * c, (j + 1) * c)
+                    part = codec.decode_sum(
+                        codes2[j : j + 1],
+                        None if scales2 is None else scales2[j : j + 1],
+                        1.0,
+                        x[min(n, j * c) : min(n, (j + 1) * c)],
+                    )
+                    st = part if st is None else st + part
+                self.note_decode(st, step)
+                result.set_result(x)
+            except BaseException as e:  # noqa: BLE001 - handed to the caller's future
+                result.set_exception(e)
+
+        def phase2(fut: torch.futures.Future) -> None:
+            try:
+                for sub in fut.value():
+                    sub.value()
+                codes1, scales1 = codec.split(recv, c)
+                mine = self.workspace.chunk_sum(key, c, x.device)
+                codec.decode_sum(codes1, scales1, 1.0, mine)
+                if phases.nccl:
+                    row = codec.pack(*codec.encode(mine, r2, 1.0, c, r2_out), 1)
+                    work = dist.all_gather_into_tensor(gathered, row, group=g2, async_op=True)
+                else:  # gloo: all_to_all_single measured 3-7x faster than all_gather
+                    rows = send
+                    codec.pack(*codec.encode(mine, r2, 1.0, c, r2_out), 1, out=rows[:1])
+                    rows[1:] = rows[:1]
+                    work = dist.all_to_all_single(gathered, rows, group=g2, async_op=True)
+            except BaseException as e:  # noqa: BLE001
+                issued.set_result(torch.empty(0))
+                result.set_exception(e)
+                return
+            issued.set_result(torch.empty(0))
+            work.get_future().then(finish)
+
+        torch.futures.collect_all([phase1, prev]).then(phase2)
+        return result
+
+    def _summed(self, x: torch.Tensor, key: tuple, step: int, count: Count):
+        """A ``two_phase=False`` codec's exchange: encode (pre-scaled, optional residual),
+        sum the codes in their own dtype with one all-reduce, decode once."""
+        codec, n, w = self.codec, x.numel(), self.size
+        self.device = x.device
+        numel = summed_numel(codec, n)
+        r1, _, r1_out, _ = self.residual(key, n)
+        enc, _ = codec.encode(x, r1, 1.0 / w, numel, r1_out)
+        nbytes = ring_bytes(codec.code_bytes(numel), w)
+        self.count_codec(n, nbytes)
+        count(nbytes, 1)
+        work = dist.all_reduce(enc, group=self.phases.groups[0], async_op=True)
+
+        def decode(fut: torch.futures.Future) -> torch.Tensor:
+            fut.value()
+            self.note_decode(codec.decode_sum(enc.view(1, -1), None, 1.0, x), step)
+            return x
+
+        return work.get_future().then(decode)
+
+    def reduce_scatter(
+        self,
+        out: torch.Tensor,
+        x: torch.Tensor,
+        index: int,
+        scale: float,
+        step: int,
+        group: Optional[dist.ProcessGroup],
+    ) -> tuple[torch.futures.Future, int]:
+        """``out`` (s elements) becomes this rank's chunk of the sum over the ranks of
+        ``scale`` times ``x`` (N chunks of s), through the codec: phase 1 alone, with the
+        phase-1 residual of ``index`` (``(index, N * c, PHASE_1)``, each chunk padded to c, a
+        whole number of blocks), on ``group``. Returns (the future of ``out``, bytes sent)."""
+        codec, n, s = self.codec, self.size, out.numel()
+        c = -(-s // codec.block) * codec.block  # each chunk padded to whole blocks
+        if c != s:
+            padded = torch.zeros(n * c, dtype=x.dtype, device=x.device)
+            padded.view(n, c)[:, :s].copy_(x.view(n, s))
+            x = padded
+        self.device = x.device
+        # the residual of the padded input: phase 1's alone (r1), the key's whatever its dtype
+        r1, _, r1_out, _ = self.residual((index, n * c, PHASE_1), n * c)
+        codes, scales = codec.encode(x, r1, scale, n * c, r1_out)
+        send = codec.pack(codes, scales, n)
+        recv = torch.empty_like(send)
+        nbytes = (n - 1) * send.shape[1]
+        self.count_codec(n * s, nbytes, (n - 1) * s * 4)
+        work = dist.all_to_all_single(recv, send, group=group, async_op=True)
+
+        def decode(f: torch.futures.Future) -> torch.Tensor:
+            f.value()
+            rcodes, rscales = codec.split(recv, c)
+            self.note_decode(codec.decode_sum(rcodes, rscales, 1.0, out), step)
+            return out
+
+        return work.get_future().then(decode), nbytes
+
+    def all_gather(
+        self,
+        out: torch.Tensor,
+        x: torch.Tensor,
+        step: int,
+        gather: Callable[[torch.Tensor, torch.Tensor], torch.futures.Future],
+    ) -> tuple[torch.futures.Future, int]:
+        """``out`` (N chunks of ``x.numel()``) becomes every rank's ``x``, rank j's at chunk
+        j, each encoded (no residual) and decoded, this rank's own too, so that every rank
+        holds the same bits; ``gather(rows, row)`` gathers every rank's packed row. Returns
+        (the future of ``out``, bytes sent)."""
+        codec, n, m = self.codec, self.size, x.numel()
+        c = -(-m // codec.block) * codec.block
+        codes, scales = codec.encode(x, None, 1.0, c)
+        row = codec.pack(codes, scales, 1)
+        rows = torch.empty(n, row.shape[1], dtype=torch.uint8, device=x.device)
+        nbytes = (n - 1) * row.shape[1]
+        self.count_codec(m, nbytes, (n - 1) * m * 4)
+        self.device = x.device
+        work = gather(rows, row)
+
+        def decode(f: torch.futures.Future) -> torch.Tensor:
+            f.value()
+            rcodes, rscales = codec.split(rows, c)
+            flat = out.view(n, m)
+            st = None
+            for j in range(n):
+                part = codec.decode_sum(
+                    rcodes[j : j + 1], None if rscales is None else rscales[j : j + 1], 1.0,
+                    flat[j],
+                )  # fmt: skip
+                st = part if st is None else st + part
+            self.note_decode(st, step)
+            return out
+
+        return work.then(decode), nbytes
