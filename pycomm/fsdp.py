@@ -29,6 +29,10 @@ It is therefore off by default here (``error_feedback=True`` turns it on); ``sta
 ``residual_bytes``. The residual follows the engine's non-finite rule: a block whose input
 holds a NaN or Inf keeps its residual as it was.
 
+HSDP: a model sharded on :func:`node_mesh` (this rank's node) keeps FSDP's own reduce-scatter
+inside the node, and each shard's gradient is all-reduced across the nodes through the hook
+(:class:`NodeAllReduce`, FSDP2's ``set_all_reduce_hook``, see :mod:`pycomm.hsdp`).
+
 Example:
     >>> for block in model.blocks:
     ...     fully_shard(block)
@@ -60,8 +64,9 @@ from pycomm.hooks.allreduce import AllreduceState
 from pycomm.hooks.config import agree, error_field, resolved_config
 from pycomm.hooks.registry import registration
 from pycomm.hooks.state import HookState, accepts_dtype, dtype_names, unbound
+from pycomm.hsdp import NodeAllReduce, cross_group, node_mesh
 
-__all__ = ["FSDPCompression", "ModuleReduceScatter", "compress"]
+__all__ = ["FSDPCompression", "ModuleReduceScatter", "NodeAllReduce", "compress", "node_mesh"]
 
 logger = logging.getLogger(__name__)
 
@@ -134,6 +139,12 @@ class ModuleReduceScatter(ReduceScatter):
     @property
     def stats(self) -> dict[str, int]:
         return {**self.counters, "residual_bytes": self.exchange.residual_bytes(self.name)}
+
+    @property
+    def collectives(self) -> dict[str, dict[str, int]]:
+        """``reduce_scatter``: its ``bytes_sent`` and ``bytes_fp32``."""
+        c = self.counters
+        return {"reduce_scatter": {"bytes_sent": c["bytes_sent"], "bytes_fp32": c["bytes_fp32"]}}
 
     def allocate(self, size: Any, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         return torch.empty(size, dtype=dtype, device=device)
@@ -218,10 +229,12 @@ class FSDPCompression(HookState):
         self,
         hook: str,
         options: dict[str, Any],
-        modules: dict[str, ModuleReduceScatter],
+        modules: dict[str, Any],
         exchange: Exchange,
     ) -> None:
-        super().__init__(exchange.process_group)
+        # the rank that owns the state: in the mesh, or under HSDP in every rank
+        hsdp = any(isinstance(m, NodeAllReduce) for m in modules.values())
+        super().__init__(None if hsdp else exchange.process_group)
         self.hook = hook
         self.hook_options = options
         self.modules = modules
@@ -231,19 +244,36 @@ class FSDPCompression(HookState):
     @property
     def stats(self) -> dict[str, Any]:
         """``calls``, ``bytes_sent``, ``bytes_fp32``, ``residual_bytes`` summed over the
-        modules, and ``compression`` (bytes_fp32 / bytes_sent)."""
-        out = {"calls": 0, "bytes_sent": 0, "bytes_fp32": 0, "residual_bytes": 0}
+        modules and their collectives, ``compression`` (bytes_fp32 / bytes_sent), and one dict
+        per collective with its ``bytes_sent`` and ``bytes_fp32`` (what FSDP2's own fp32
+        collective sends): ``reduce_scatter``, and under HSDP ``all_reduce`` (the cross-node
+        exchange; the reduce-scatter inside the node is FSDP's own)."""
+        out: dict[str, Any] = {"calls": 0, "bytes_sent": 0, "bytes_fp32": 0, "residual_bytes": 0}
+        per: dict[str, dict[str, int]] = {}
         for m in self.modules.values():
             for key, value in m.stats.items():
                 out[key] += value
+            for name, counts in m.collectives.items():
+                mine = per.setdefault(name, {"bytes_sent": 0, "bytes_fp32": 0})
+                for key in mine:
+                    mine[key] += counts[key]
         out["compression"] = out["bytes_fp32"] / out["bytes_sent"] if out["bytes_sent"] else 1.0
+        out.update(per)
         return out
 
     def options(self) -> dict[str, Any]:
         return {"hook": self.hook, **self.hook_options}
 
     def fingerprint(self) -> dict[str, Any]:
-        return {**super().fingerprint(), "modules": sorted(self.modules)}
+        fp = {**super().fingerprint(), "modules": sorted(self.modules)}
+        if self.hsdp:  # the ranks of a node (absent: not HSDP, as before it existed)
+            fp["hsdp ranks per node"] = next(iter(self.modules.values())).local_size
+        return fp
+
+    @property
+    def hsdp(self) -> bool:
+        """Whether the model is sharded inside each node and all-reduced across (HSDP)."""
+        return any(isinstance(m, NodeAllReduce) for m in self.modules.values())
 
     def state_dict(self) -> dict[str, Any]:
         """This rank's state: the Exchange's (every module's residual and warm-up count) and
@@ -311,9 +341,10 @@ def _mesh_group(modules: list[tuple[str, FSDPModule]]) -> tuple[Any, Optional[st
             if mesh.ndim != 1:
                 return None, (
                     f"parameter {pname!r} of module {name or 'root'!r} is sharded on a "
-                    f"{mesh.ndim}-D device mesh (HSDP): pycomm.fsdp compresses FSDP2's "
-                    "reduce-scatter over a 1-D mesh only; shard on a 1-D mesh, or keep FSDP's "
-                    "own reduction for HSDP"
+                    f"{mesh.ndim}-D device mesh (FSDP2's native HSDP, whose cross-node "
+                    "all-reduce has no hook to replace): expected a 1-D mesh; for HSDP shard "
+                    "on pycomm.fsdp.node_mesh(), and compress() all-reduces each shard across "
+                    "the nodes through the hook"
                 )
             group = mesh.get_group()
             if found is None:
@@ -326,6 +357,14 @@ def _mesh_group(modules: list[tuple[str, FSDPModule]]) -> tuple[Any, Optional[st
                     "expected every module on one mesh"
                 )
     return (None if found is None else found[1]), None
+
+
+def _replicated(modules: list[tuple[str, FSDPModule]]) -> Optional[str]:
+    """The first module ``replicate()``-ed (torch's FSDP2-based DDP), named, or None."""
+    for name, module in modules:
+        if any(c.__name__ == "ReplicateModule" for c in type(module).__mro__):
+            return name or "root"
+    return None
 
 
 def _check(
@@ -346,20 +385,34 @@ def _check(
             f"pycomm.fsdp.compress: hook={hook!r} is not a reduce-scatter: use 'allreduce' or "
             "a compressed hook (bf16, fp16, int8, fp8, int4, onebit, or a registered codec)"
         )
+    replicated = _replicated(modules)
+    if replicated is not None:
+        raise ValueError(
+            f"pycomm.fsdp.compress: module {replicated!r} is replicate()-ed, whose all-reduce "
+            "pycomm cannot reach; expected fully_shard(module, reshard_after_forward=False) on "
+            "one mesh (ZeRO-2: the parameters stay gathered, the gradients reduce-scattered "
+            "through the hook), or pycomm.wrap for DDP"
+        )
+    group, problem = _mesh_group(modules)
+    if problem is not None:
+        raise ValueError(f"pycomm.fsdp.compress: {problem}")
+    hsdp = _is_hsdp(group)
     for key, why in _NOT_HERE.items():
-        if key in options:
+        if key in options and (not hsdp or key == "hierarchy"):
             raise ValueError(f"pycomm.fsdp.compress: option {key}={options[key]!r}: {why}")
     if exact and options:
         raise ValueError(
             f"pycomm.fsdp.compress: hook='allreduce' takes no options, got {sorted(options)}"
         )
-    group, problem = _mesh_group(modules)
-    if problem is not None:
-        raise ValueError(f"pycomm.fsdp.compress: {problem}")
     opts = dict(options)
-    if compressed:
+    if compressed and not hsdp:  # a residual of the whole unsharded gradient: opt-in
         opts.setdefault("error_feedback", False)
     return spec, opts, group
+
+
+def _is_hsdp(group: Optional[dist.ProcessGroup]) -> bool:
+    """Whether the mesh's group holds some ranks only (a node's: HSDP), not every rank."""
+    return group is not None and dist.get_world_size(group) < dist.get_world_size()
 
 
 def compress(
@@ -375,9 +428,14 @@ def compress(
     the options and the sharded modules (names, parameter shapes) are compared across ranks
     first: a difference is a ValueError on every rank.
 
+    On a mesh of some ranks only (a node's, :func:`node_mesh`: HSDP), the reduce-scatter
+    inside the node stays FSDP's own and each module's shard is all-reduced across the nodes
+    through ``hook`` (:class:`NodeAllReduce`), with the hook's own defaults (error feedback on
+    the shard included).
+
     Args:
         model: a model whose modules (the root included, or not) were ``fully_shard``-ed, on
-            one 1-D mesh.
+            one 1-D mesh: every rank, or each node's (HSDP).
         hook: ``"allreduce"`` (the exact reduce-scatter, summed in fp32, or in float64 for
             float64 gradients) or a compressed hook of the
             registry (``"bf16"``, ``"fp16"``, ``"int8"``, ``"onebit"``, a user's codec).
@@ -408,6 +466,7 @@ def compress(
         fields["hook"] = hook
         fields[f"registration of hook {hook!r}"] = registration(hook)
     fields.update(error_field(None))
+    group = None
     try:
         spec, opts, group = _check(hook, options, modules)
         if issubclass(spec.state, CompressedState):
@@ -420,11 +479,18 @@ def compress(
     fields["sharded modules"] = [
         (name, [tuple(p.shape) for p in m.parameters()]) for name, m in modules
     ]
+    fields["ranks of the mesh"] = None if group is None else dist.get_world_size(group)
     agree("pycomm.fsdp.compress", fields)
     compressed = issubclass(spec.state, CompressedState)
     ex_opts = dict(opts)
     start_iter = ex_opts.pop("start_iter", getattr(spec.state, "default_start_iter", 0))
-    ex_opts["hierarchy"] = "flat"  # the reduce-scatter within the mesh, whatever the nodes
+    ex_opts["hierarchy"] = "flat"  # the mesh decides the nodes
+    if _is_hsdp(group):
+        # FSDP's own reduce-scatter inside the node, the hook's all-reduce across the nodes
+        exchange = Exchange(hook, cross_group(group), start_iter=start_iter, **ex_opts)
+        nodes = _install_node_all_reduce(modules, exchange, dist.get_world_size(group))
+        logger.info("pycomm.fsdp: HSDP, %s across nodes on %d FSDP modules", hook, len(nodes))
+        return FSDPCompression(hook, opts, nodes, exchange)
     if compressed:
         ex_opts["local_feedback"] = True  # error feedback is on the reduce-scatter's input
     exchange = Exchange(hook, group, start_iter=start_iter, **ex_opts)
@@ -447,3 +513,18 @@ def compress(
         opts,
     )
     return FSDPCompression(hook, opts, installed, exchange)
+
+
+def _install_node_all_reduce(
+    modules: list[tuple[str, FSDPModule]], exchange: Exchange, local_size: int
+) -> dict[str, NodeAllReduce]:
+    """A :class:`NodeAllReduce` on every module (``set_all_reduce_hook``), on a stream of its
+    own on a GPU, so that the cross-node exchange overlaps the next module's backward."""
+    installed: dict[str, NodeAllReduce] = {}
+    for name, module in modules:
+        hook = NodeAllReduce(name, exchange, local_size)
+        device = next((p.device for p in module.parameters()), torch.device("cpu"))
+        stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        module.set_all_reduce_hook(hook, stream=stream)
+        installed[name] = hook
+    return installed

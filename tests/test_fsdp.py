@@ -6,6 +6,12 @@ import copy
 import pytest
 import torch
 import torch.distributed as dist
+from fsdp_harness import data as _data
+from fsdp_harness import full as _full
+from fsdp_harness import grads as _grads
+from fsdp_harness import model as _model
+from fsdp_harness import shard as _shard
+from fsdp_harness import straight_and_resumed, train
 from harness import run_ranks
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -23,38 +29,6 @@ def _reference(nprocs, *args):
     return _REFERENCES[key]
 
 
-def _model(seed=0):
-    torch.manual_seed(seed)
-    return torch.nn.Sequential(
-        torch.nn.Linear(30, 64),
-        torch.nn.Tanh(),
-        torch.nn.Linear(64, 63),  # 63 * 64 elements: chunks that are not whole blocks
-        torch.nn.Tanh(),
-        torch.nn.Linear(63, 5),
-    )
-
-
-def _shard(m, per_block=True, **kw):
-    if per_block:
-        for i in (0, 2, 4):
-            fully_shard(m[i], **kw)
-    fully_shard(m, **kw)
-    return m
-
-
-def _data(n, seed=0):
-    g = torch.Generator().manual_seed(100 * seed + dist.get_rank())
-    return [(torch.randn(8, 30, generator=g), torch.randn(8, 5, generator=g)) for _ in range(n)]
-
-
-def _full(m):
-    return torch.cat([p.full_tensor().detach().reshape(-1) for p in m.parameters()])
-
-
-def _grads(m):
-    return torch.cat([p.grad.full_tensor().reshape(-1) for p in m.parameters()])
-
-
 def _rank_train(hook, per_block, steps, options, divide=None, k=1):
     """``steps`` optimizer steps of ``k`` micro-batches each (FSDP's own
     set_requires_gradient_sync for accumulation); the gradients of every step, the params."""
@@ -62,18 +36,7 @@ def _rank_train(hook, per_block, steps, options, divide=None, k=1):
     if divide is not None:
         m.set_gradient_divide_factor(divide)
     comm = pycomm.fsdp.compress(m, hook=hook, hook_options=options) if hook != "fsdp" else None
-    opt = torch.optim.SGD(m.parameters(), lr=0.1)
-    grads, stats = [], []
-    for i, (x, y) in enumerate(_data(steps * k)):
-        final = (i + 1) % k == 0
-        m.set_requires_gradient_sync(final)
-        (torch.nn.functional.mse_loss(m(x), y) / k).backward()
-        if final:
-            grads.append(_grads(m))
-            opt.step()
-            opt.zero_grad()
-            stats.append(comm.stats if comm else None)
-    return _full(m), grads, stats
+    return train(m, comm, steps, k)
 
 
 @pytest.mark.parametrize("nprocs", [2, 4])
@@ -130,8 +93,6 @@ def test_accumulation_through_fsdp_no_sync_equals_one_large_batch():
 
 
 def _rank_resume(options, folder=None):
-    data = _data(6, seed=3)
-
     def build():
         m = _shard(_model())
         return (
@@ -140,34 +101,8 @@ def _rank_resume(options, folder=None):
             torch.optim.Adam(m.parameters(), lr=1e-2),
         )
 
-    def step(m, opt, x, y):
-        torch.nn.functional.mse_loss(m(x), y).backward()
-        opt.step()
-        opt.zero_grad()
-
-    m, comm, opt = build()
-    for x, y in data:
-        step(m, opt, x, y)
-    straight = _full(m)
-
-    m, comm, opt = build()
-    for x, y in data[:3]:
-        step(m, opt, x, y)
-    saved = copy.deepcopy(
-        {"model": m.state_dict(), "opt": opt.state_dict(), "comm": comm.state_dict()}
-    )
-    if folder is not None:  # each rank its own file, through pycomm.checkpoint
-        pycomm.checkpoint.save_rank_state(comm, folder)
-    m, comm, opt = build()
-    m.load_state_dict(saved["model"])
-    opt.load_state_dict(saved["opt"])
-    if folder is not None:
-        assert pycomm.checkpoint.load_rank_state(comm, folder)
-    else:
-        comm.load_state_dict(saved["comm"])
-    for x, y in data[3:]:
-        step(m, opt, x, y)
-    return straight, _full(m), comm.stats
+    straight, resumed, comm, _ = straight_and_resumed(build, _data(6, seed=3), 3, folder)
+    return straight, resumed, comm.stats
 
 
 @pytest.mark.parametrize(
@@ -293,7 +228,8 @@ def test_refusals_are_clear_and_the_same_on_every_rank(nprocs):
     assert "'bloc'" in e["bad option"]
     assert "block" in e["bad value"]
     if nprocs == 4:
-        assert "2-D device mesh (HSDP)" in e["hsdp"]
+        assert "2-D device mesh (FSDP2's native HSDP" in e["hsdp"]
+        assert "shard on pycomm.fsdp.node_mesh()" in e["hsdp"]
 
 
 def test_bench_fsdp_measures_the_reduce_scatter_on_the_wire(tmp_path, capfd):
