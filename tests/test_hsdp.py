@@ -147,3 +147,27 @@ def test_a_replicated_module_is_refused():
     for text in run_ranks(_rank_replicate, 2, timeout=60):
         assert "is replicate()-ed" in text
         assert "fully_shard(module, reshard_after_forward=False)" in text
+
+
+def test_bench_fsdp_on_simulated_nodes_counts_each_uplink(tmp_path, capfd):
+    """python -m pycomm.bench --fsdp --nodes 2: 4 ranks in 2 network namespaces joined by
+    shaped veths; the bytes each node sends across its uplink: HSDP's all-reduce of the shards
+    against FSDP2 over every rank, and int8's against the exact one."""
+    import json
+
+    from pycomm.bench import link
+    from pycomm.bench.__main__ import main
+
+    path = tmp_path / "hsdp.json"
+    args = ["--nodes", "2", "--nprocs", "4", "--link", "10gbit", "--steps", "3", "--warmup", "2"]
+    args += ["--layers", "2", "--width", "256", "--batch", "8", "--json", str(path)]
+    args += ["--hooks", "fsdp,allreduce,int8"]
+    if link.cannot_shape() is not None:  # the refusal then, naming what is missing
+        with pytest.raises(SystemExit):
+            main(["--fsdp", *args])
+        assert "--link 10gbit" in capfd.readouterr().err
+        return
+    assert main(["--fsdp", *args]) == 0, capfd.readouterr().err
+    rows = json.loads(path.read_text())["hooks"]
+    assert rows["allreduce"]["uplink_vs_fsdp"] < 0.5
+    assert rows["int8"]["uplink_bytes_per_step"] < 0.3 * rows["allreduce"]["uplink_bytes_per_step"]

@@ -8,8 +8,15 @@ machine at the same moments. Per hook: the median step time, its ratio to FSDP2'
 ``--link``, else the hook's own count) and against FSDP2's, and the memory per rank (sharded
 parameters and gradients, and the error-feedback residuals).
 
+``--nodes M --link RATE``: the ranks split into M simulated nodes (:mod:`pycomm.bench.nodes`),
+each node's uplink shaped to RATE. ``fsdp`` is then FSDP2 sharded over every rank, ``hsdp``
+FSDP2's native HSDP (a 2-D mesh: sharded inside the node, its own all-reduce across), and every
+hook HSDP through pycomm (:func:`pycomm.fsdp.node_mesh`, the shards all-reduced across the
+nodes through the hook); the table adds the bytes a node sends across its uplink a step.
+
 Example:
     python -m pycomm.bench --fsdp --link 1gbit --hooks fsdp,allreduce,bf16,int8
+    python -m pycomm.bench --fsdp --nodes 2 --nprocs 4 --link 1gbit --hooks fsdp,hsdp,allreduce,int8
 """
 
 from __future__ import annotations
@@ -30,21 +37,37 @@ from torch.distributed.fsdp import FSDPModule, fully_shard
 import pycomm
 import pycomm.fsdp
 from pycomm.bench import link as _link
+from pycomm.bench.link import tx_bytes
 from pycomm.bench.models import MODELS, ModelSpec, batches, build, count_params, loss_fn
+from pycomm.bench.nodes import Nodes, uplink
 
 NATIVE = "fsdp"  # FSDP2's own reduce-scatter
+NATIVE_HSDP = "hsdp"  # FSDP2's own HSDP (a 2-D mesh), with --nodes
 NO_RS = "no-rs"  # no reduce-scatter at all (NoReduceScatter): the rest of a step's bytes
 _NETNS_FLAG = "--_in-netns"
 
 
-def shard(model: torch.nn.Module) -> torch.nn.Module:
-    """``fully_shard`` each block (the GPT's blocks, the MLP's layers) and the root."""
+def shard(model: torch.nn.Module, mesh: Any = None) -> torch.nn.Module:
+    """``fully_shard`` each block (the GPT's blocks, the MLP's layers) and the root, on
+    ``mesh`` (None: every rank)."""
     blocks = getattr(model, "blocks", model)
     for child in blocks.children():
         if any(True for _ in child.parameters()):
-            fully_shard(child)
-    fully_shard(model)
+            fully_shard(child, mesh=mesh)
+    fully_shard(model, mesh=mesh)
     return model
+
+
+def _mesh(hook: str, nodes: int) -> Any:
+    """The mesh ``hook`` shards on: every rank's (None), FSDP2's 2-D HSDP mesh, or the node's."""
+    if nodes == 1 or hook == NATIVE:
+        return None
+    if hook == NATIVE_HSDP:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        shape = (nodes, dist.get_world_size() // nodes)  # ranks node-major (NodeSetup)
+        return init_device_mesh("cpu", shape, mesh_dim_names=("replicate", "shard"))
+    return pycomm.fsdp.node_mesh()
 
 
 class NoReduceScatter:
@@ -65,18 +88,22 @@ def _sharded_bytes(model: torch.nn.Module) -> int:
     return 2 * sum(p.to_local().numel() * 4 for p in model.parameters())
 
 
-def run_rank(spec: ModelSpec, hooks: list[str], steps: int, warmup: int, measure_lo: bool) -> dict:
-    """One rank: every hook's model, trained in turns; per hook its step times and bytes."""
+def run_rank(
+    spec: ModelSpec, hooks: list[str], steps: int, warmup: int, measure_lo: bool, nodes: int = 1
+) -> dict:
+    """One rank: every hook's model, trained in turns; per hook its step times and bytes (and,
+    on a simulated node's first rank, its uplink's)."""
     rank, world = dist.get_rank(), dist.get_world_size()
+    up = uplink() if nodes > 1 else None
     runs: dict[str, dict[str, Any]] = {}
     for hook in hooks:
-        model = shard(build(spec))
+        model = shard(build(spec), _mesh(hook, nodes))
         comm = None
         if hook == NO_RS:
             for m in model.modules():
                 if isinstance(m, FSDPModule):
                     m.set_custom_reduce_scatter(NoReduceScatter())
-        elif hook != NATIVE:
+        elif hook not in (NATIVE, NATIVE_HSDP):
             comm = pycomm.fsdp.compress(model, hook=hook)
         runs[hook] = {
             "model": model,
@@ -84,6 +111,7 @@ def run_rank(spec: ModelSpec, hooks: list[str], steps: int, warmup: int, measure
             "opt": torch.optim.SGD(model.parameters(), lr=1e-3),
             "times": [],
             "lo": [],
+            "uplink": [],
         }
     data = batches(spec, warmup + steps, torch.Generator().manual_seed(rank))
     for i, batch in enumerate(data):
@@ -97,6 +125,7 @@ def run_rank(spec: ModelSpec, hooks: list[str], steps: int, warmup: int, measure
                 # that left the first barrier early would send its shard before this rank
                 # reads its counter (what is missed then is a barrier's message, not a shard)
                 dist.barrier()
+            up0 = tx_bytes(up) if up else 0
             t0 = time.perf_counter()
             loss_fn(spec, r["model"], batch).backward()
             r["opt"].step()
@@ -109,6 +138,8 @@ def run_rank(spec: ModelSpec, hooks: list[str], steps: int, warmup: int, measure
                 r["times"].append(elapsed)
                 # the namespace's lo carries every rank's bytes: this rank's share
                 r["lo"].append((_link.lo_tx_bytes() - lo0) / world if measure_lo else -1)
+                if up:
+                    r["uplink"].append(tx_bytes(up) - up0)
     out = {}
     for hook, r in runs.items():
         stats = r["comm"].stats if r["comm"] is not None else {}
@@ -117,6 +148,7 @@ def run_rank(spec: ModelSpec, hooks: list[str], steps: int, warmup: int, measure
         out[hook] = {
             "times": r["times"],
             "lo_bytes": r["lo"],
+            "uplink_bytes": r["uplink"] if up else None,
             "stats": stats,
             "sharded_bytes": _sharded_bytes(r["model"]),
         }
@@ -135,6 +167,12 @@ def _parser() -> argparse.ArgumentParser:
         help="comma-separated: fsdp (FSDP2's own) and registered hooks",
     )
     ap.add_argument("--nprocs", type=int, default=2)
+    ap.add_argument(
+        "--nodes",
+        type=int,
+        default=1,
+        help="simulated nodes (needs --link: each node's uplink); hooks run as HSDP on them",
+    )
     ap.add_argument("--steps", type=int, default=10, help="timed steps per hook")
     ap.add_argument("--warmup", type=int, default=3, help="untimed steps first (>= start_iter)")
     ap.add_argument("--model", choices=MODELS, default="mlp")
@@ -159,8 +197,11 @@ def summarize(results: list[dict], hooks: list[str], params: int) -> dict[str, d
         ]
         lo = [b for b in results[0][hook]["lo_bytes"] if b >= 0]
         stats = results[0][hook]["stats"]
+        ups = [statistics.median(r[hook]["uplink_bytes"]) for r in results if r[hook].get(
+            "uplink_bytes")]  # fmt: skip
         rows[hook] = {
             "median_s": statistics.median(per_step),
+            "uplink_bytes_per_step": statistics.mean(ups) if ups else None,
             "wire_bytes_per_step": min(lo) if lo else None,
             "counted_bytes_per_step": stats.get("bytes_per_step"),
             "residual_bytes": stats.get("residual_bytes", 0),
@@ -174,6 +215,8 @@ def summarize(results: list[dict], hooks: list[str], params: int) -> dict[str, d
     for row in rows.values():
         if base is not None:
             row["time_vs_fsdp"] = row["median_s"] / base["median_s"]
+            if row["uplink_bytes_per_step"] and base["uplink_bytes_per_step"]:
+                row["uplink_vs_fsdp"] = row["uplink_bytes_per_step"] / base["uplink_bytes_per_step"]
             if row["rs_wire_bytes_per_step"] and base["rs_wire_bytes_per_step"]:
                 row["rs_wire_vs_fsdp"] = (
                     row["rs_wire_bytes_per_step"] / base["rs_wire_bytes_per_step"]
@@ -190,8 +233,15 @@ def main(argv: Optional[list[str]] = None) -> int:
         ap.error(f"--nprocs {args.nprocs}: expected at least 2")
     if args.warmup < 2:
         ap.error(f"--warmup {args.warmup}: expected at least 2 (the hooks' exact warm-up)")
+    if args.nodes < 1 or args.nprocs % args.nodes or (args.nodes > 1 and args.link is None):
+        ap.error(
+            f"--nodes {args.nodes}: expected a divisor of --nprocs {args.nprocs}, with --link "
+            "RATE for the nodes' uplinks"
+        )
+    if NATIVE_HSDP in hooks and args.nodes == 1:
+        ap.error(f"--hooks {NATIVE_HSDP}: FSDP2's own HSDP needs --nodes M > 1")
     for h in hooks:
-        if h != NATIVE:
+        if h not in (NATIVE, NATIVE_HSDP):
             try:
                 pycomm.hooks.hook_spec(h, "--hooks")
             except ValueError as e:
@@ -214,12 +264,25 @@ def main(argv: Optional[list[str]] = None) -> int:
             cmd = ["unshare", "-n", "--", sys.executable, "-m", "pycomm.bench", "--fsdp",
                    *argv, _NETNS_FLAG]  # fmt: skip
             return subprocess.call(cmd, env=env)
-        link["qdisc"] = _link.shape_loopback(total)
+        if args.nodes == 1:
+            link["qdisc"] = _link.shape_loopback(total)
         link["shaped"] = True
     spec = ModelSpec(args.model, layers=args.layers, width=args.width, batch=args.batch)
     params = count_params(spec)
-    print(f"pycomm.bench --fsdp: {spec.describe(params)}, {args.nprocs} ranks, link "
+    where = f"{args.nodes} nodes, uplinks" if args.nodes > 1 else "link"
+    print(f"pycomm.bench --fsdp: {spec.describe(params)}, {args.nprocs} ranks, {where} "
           f"{args.link or 'unshaped'}, hooks {', '.join(hooks)}", flush=True)  # fmt: skip
+    if args.nodes > 1:  # each node's uplink counted: no reduce-scatter-free run needed
+        with Nodes(args.nodes, _link.parse_rate(args.link)) as nodes:
+            link["qdisc"] = "; ".join(f"{k}: {v}" for k, v in nodes.qdiscs.items())
+            results = pycomm.launch(
+                run_rank, args.nprocs, spec, hooks, args.steps, args.warmup, False,
+                args.nodes, timeout=1800, setup=nodes.setup(args.nprocs),
+            )  # fmt: skip
+        rows = summarize(results, hooks, params)
+        _print_nodes(rows)
+        _write(args, argv, spec, params, link, rows)
+        return 0
     # with the wire counted, a run without any reduce-scatter gives the rest of a step's bytes
     run = [*hooks, NO_RS] if link["shaped"] else hooks
     results = pycomm.launch(
@@ -238,6 +301,28 @@ def main(argv: Optional[list[str]] = None) -> int:
               f"{(wire or nan) / 1e6:>12.3f}{r.get('rs_wire_vs_fsdp', nan):>9.3f}"
               f"{(counted if counted is not None else nan) / 1e6:>12.3f}"
               f"{r['sharded_bytes'] / 1e6:>11.1f}{r['residual_bytes'] / 1e6:>13.1f}")  # fmt: skip
+    _write(args, argv, spec, params, link, rows)
+    return 0
+
+
+def _print_nodes(rows: dict[str, dict]) -> None:
+    """The table of a run on simulated nodes: step time and uplink bytes against FSDP2's."""
+    print("uplink MB: what a node sends across its uplink a step (median over steps, mean over "
+          "nodes); counted MB: the hook's own count, a rank")  # fmt: skip
+    print(f"{'hook':<10}{'step ms':>9}{'vs fsdp':>9}{'uplink MB':>11}{'vs fsdp':>9}"
+          f"{'counted MB':>12}{'residual MB':>13}")  # fmt: skip
+    nan = float("nan")
+    for hook, r in rows.items():
+        up, counted = r["uplink_bytes_per_step"], r["counted_bytes_per_step"]
+        print(f"{hook:<10}{r['median_s'] * 1e3:>9.1f}{r.get('time_vs_fsdp', nan):>9.3f}"
+              f"{(up if up is not None else nan) / 1e6:>11.3f}"
+              f"{r.get('uplink_vs_fsdp', nan):>9.3f}"
+              f"{(counted if counted is not None else nan) / 1e6:>12.3f}"
+              f"{r['residual_bytes'] / 1e6:>13.1f}")  # fmt: skip
+
+
+def _write(args, argv, spec, params, link, rows) -> None:
+    """The run as JSON, under ``--json``."""
     if args.json:
         doc = {
             "command": "python -m pycomm.bench --fsdp "
@@ -245,6 +330,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             "model": spec.config(),
             "params": params,
             "nprocs": args.nprocs,
+            "nodes": args.nodes,
             "link": link,
             "steps": args.steps,
             "hooks": rows,
@@ -255,4 +341,3 @@ def main(argv: Optional[list[str]] = None) -> int:
         with open(args.json, "w") as f:
             json.dump(doc, f, indent=1)
             f.write("\n")
-    return 0
