@@ -111,6 +111,13 @@ def _parser() -> argparse.ArgumentParser:
         help="train under FSDP2 (fully_shard per block): allreduce is FSDP2's own reduction, "
         "the other hooks pycomm.fsdp.compress's",
     )
+    ap.add_argument(
+        "--nodes",
+        type=positive_int,
+        default=1,
+        help="with --fsdp: the ranks as this many nodes, every hook HSDP on them "
+        "(pycomm.fsdp.node_mesh), against FSDP2 over every rank; default 1",
+    )
     ap.add_argument("--no-progress", action="store_true", help="no tqdm bar")
     return ap
 
@@ -256,6 +263,8 @@ def main(argv: Optional[list[str]] = None) -> int:
             args.hooks = [h for h in args.hooks if h not in NOT_FSDP]
         elif bad:
             ap.error(f"--fsdp: {', '.join(bad)}: no FSDP2 reduce-scatter (pycomm.fsdp)")
+    if args.nodes > 1 and (not args.fsdp or args.nprocs % args.nodes):
+        ap.error(f"--nodes {args.nodes}: expected --fsdp and a divisor of --nprocs {args.nprocs}")
     tasks = args.tasks or list(QUICK_TASKS if args.quick else DEFAULT_TASKS)
     hooks = [REFERENCE] + list(dict.fromkeys(h for h in args.hooks if h != REFERENCE))
     if args.tasks is None or any(TASKS[t].kind == "digits" for t in tasks):
@@ -270,6 +279,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         "seeds": list(range(args.seeds)),
         "quick": args.quick,
         "fsdp": args.fsdp,
+        "nodes": args.nodes,
         "threads": args.threads,
         "progress": not args.no_progress,
         "imports": list(dict.fromkeys([*args.imports, *user_modules()])),

@@ -22,6 +22,7 @@ import torch.nn.functional as F
 import pycomm
 from pycomm.bench.models import GPT, ModelSpec
 from pycomm.hooks.registry import import_modules
+from pycomm.topology import set_nodes
 
 DEFAULT_HOOKS = ("allreduce", "fp16", "bf16", "int8", "onebit", "powersgd")
 HOOKS = (
@@ -347,15 +348,17 @@ def evaluate(task: Task, model: torch.nn.Module, data) -> float:
         model.train()
 
 
-def _train_fsdp(task, data, vocab, hook, optimizer, seed, steps, progress, label):
+def _train_fsdp(task, data, vocab, hook, optimizer, seed, steps, progress, label, nodes=1):
     """The same run under FSDP2 (each block and the root ``fully_shard``-ed): ``allreduce``
-    is FSDP2's own reduction (the reference), every other hook
-    :func:`pycomm.fsdp.compress`'s; the loop clips as TrainLoop does."""
+    is FSDP2's own reduction over every rank (the reference), every other hook
+    :func:`pycomm.fsdp.compress`'s, on each node's mesh (HSDP) when ``nodes`` > 1; the loop
+    clips as TrainLoop does."""
     import pycomm.fsdp
     from pycomm.bench.fsdp import shard
 
     torch.manual_seed(seed)
-    model = shard(build_model(task, vocab))
+    mesh = pycomm.fsdp.node_mesh() if nodes > 1 and hook != REFERENCE else None
+    model = shard(build_model(task, vocab), mesh)
     comm = None
     if hook != REFERENCE:
         name, options = VARIANTS.get(hook, (hook, HOOK_OPTIONS.get(hook)))
@@ -428,13 +431,17 @@ def run_rank(plan: dict[str, Any]) -> list[dict[str, Any]]:
     """Train every (task, optimizer, seed, hook) of ``plan`` on this rank; one record each.
 
     ``plan``: ``tasks``, ``optimizers``, ``hooks`` (names), ``seeds`` (ints), ``quick``,
-    ``threads``, ``progress``, ``fsdp`` (train under FSDP2 instead of DDP).
+    ``threads``, ``progress``, ``fsdp`` (train under FSDP2 instead of DDP), ``nodes`` (with
+    ``fsdp``: the ranks as that many nodes, the hooks HSDP on them).
 
     Example:
         >>> pycomm.launch(run_rank, 4, {"tasks": ["digits-small"], "optimizers": ["sgd"],
         ...               "hooks": ["allreduce", "int8"], "seeds": [0], "quick": True})
     """
     torch.set_num_threads(plan.get("threads", 1))
+    nodes = plan.get("nodes", 1)
+    if nodes > 1:
+        set_nodes(nodes)  # pycomm.topology(): the ranks as nodes, for node_mesh()
     import_modules(plan.get("imports", ()))  # the modules registering the caller's hooks
     world = dist.get_world_size()
     tasks = [TASKS[t] for t in plan["tasks"]]
@@ -454,10 +461,15 @@ def run_rank(plan: dict[str, Any]) -> list[dict[str, Any]]:
                 for seed in plan["seeds"]:
                     for hook in plan["hooks"]:
                         label = f"{task.name} {optimizer} seed {seed} {hook}"
-                        train = _train_fsdp if plan.get("fsdp") else _train_one
-                        rec = train(task, data, vocab, hook, optimizer, seed, n, progress, label)
+                        args = (task, data, vocab, hook, optimizer, seed, n, progress, label)
+                        if plan.get("fsdp"):
+                            rec = _train_fsdp(*args, nodes=nodes)
+                        else:
+                            rec = _train_one(*args)
                         rec.update(task=task.name, optimizer=optimizer, seed=seed, hook=hook)
                         records.append(rec)
     finally:
         progress.close()
+        if nodes > 1:
+            set_nodes(None)
     return records
