@@ -150,3 +150,17 @@ def test_ranks_that_end_with_other_parameters_fail_the_run_but_keep_the_table(mo
     assert "| charlm | sgd | int8 |" in out  # every run is still reported
     assert "FAILED: rank 2 ended charlm sgd seed 0 int8 with other parameters" in out
     assert "rank 1 ended" not in out
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--nodes", "2"], "--nodes 2: expected --fsdp and a divisor of --nprocs 4"),
+        (["--fsdp", "--nodes", "3"], "--nodes 3: expected --fsdp and a divisor of --nprocs 4"),
+    ],
+)
+def test_nodes_need_fsdp_and_a_divisor_of_the_ranks(args, message, capsys):
+    with pytest.raises(SystemExit) as info:
+        quality.main(args)
+    assert info.value.code == 2
+    assert message in capsys.readouterr().err
