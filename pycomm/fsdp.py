@@ -1,4 +1,5 @@
-"""Compressed gradient reduce-scatter for FSDP2 (``torch.distributed.fsdp.fully_shard``).
+"""Compressed gradient reduce-scatter, and optionally parameter all-gather, for FSDP2
+(``torch.distributed.fsdp.fully_shard``).
 
 FSDP2 reduces each sharded module's gradients with one reduce-scatter of a flat input of
 ``world_size`` equal chunks, chunk j going to rank j. :func:`compress` builds one
@@ -29,6 +30,20 @@ It is therefore off by default here (``error_feedback=True`` turns it on); ``sta
 ``residual_bytes``. The residual follows the engine's non-finite rule: a block whose input
 holds a NaN or Inf keeps its residual as it was.
 
+The parameter all-gather (ZeRO++'s quantized weights, on FSDP2's public API) is FSDP2's own
+unless ``all_gather=`` names a codec: then a :class:`ModuleAllGather` on every ``FSDPModule``
+(``FSDPModule.set_custom_all_gather``) runs an all-gather of a second :class:`pycomm.Exchange`
+(keyed by the module's name). FSDP hands it this rank's shard (in ``param_dtype``, padded to
+FSDP's equal shards) and its unsharded buffer; the rank encodes its shard once, the codes are
+gathered, and every rank decodes every rank's chunk, its own too, into the buffer. Every rank
+therefore computes with the same bits, and a shard gathered again in backward (after a reshard
+after forward) decodes to the same weights as in forward. The sharded master parameters, which
+the optimizer updates, are never written: the codec's error is in what forward and backward
+compute with, never accumulated from step to step, and there is no residual and no warm-up.
+A codec is accepted for weights when its round trip of a fixed normal vector
+(:func:`weight_error`) stays within :data:`WEIGHT_ERROR_LIMIT`, a test that applies to a user's
+codec as to the built-in ones (onebit and int4 fail it). ``stats`` reports both collectives.
+
 Example:
     >>> for block in model.blocks:
     ...     fully_shard(block)
@@ -36,6 +51,8 @@ Example:
     >>> comm = pycomm.fsdp.compress(model, hook="int8")
     >>> loss = model(x).sum(); loss.backward()   # every module's gradients sent as int8
     >>> comm.stats["compression"]
+    >>> comm = pycomm.fsdp.compress(model, hook="int8", all_gather="int8")  # weights too
+    >>> comm.stats["all_gather"]["bytes_sent"]
 """
 
 from __future__ import annotations
