@@ -108,7 +108,7 @@ _COUNTERS = ("calls", "bytes_sent", "bytes_fp32")
 # decoded weights, with no error feedback to average the error out over steps.
 WEIGHT_ERROR_LIMIT = 0.05
 
-# the probe weight_error() rounds trips through a codec: a fixed normal vector, on the CPU
+# the probe weight_error() sends through a codec and back: a fixed normal vector, on the CPU
 _PROBE_ELEMENTS, _PROBE_SEED = 4096, 0
 
 # the engine's options that mean nothing for an all-gather (no residual, no warm-up, no node
