@@ -1,4 +1,5 @@
-"""Compressed gradient reduce-scatter for FSDP2 (``torch.distributed.fsdp.fully_shard``).
+"""Compressed gradient reduce-scatter, and optionally parameter all-gather, for FSDP2
+(``torch.distributed.fsdp.fully_shard``).
 
 FSDP2 reduces each sharded module's gradients with one reduce-scatter of a flat input of
 ``world_size`` equal chunks, chunk j going to rank j. :func:`compress` builds one
@@ -29,6 +30,20 @@ It is therefore off by default here (``error_feedback=True`` turns it on); ``sta
 ``residual_bytes``. The residual follows the engine's non-finite rule: a block whose input
 holds a NaN or Inf keeps its residual as it was.
 
+The parameter all-gather (ZeRO++'s quantized weights, on FSDP2's public API) is FSDP2's own
+unless ``all_gather=`` names a codec: then a :class:`ModuleAllGather` on every ``FSDPModule``
+(``FSDPModule.set_custom_all_gather``) runs an all-gather of a second :class:`pycomm.Exchange`
+(keyed by the module's name). FSDP hands it this rank's shard (in ``param_dtype``, padded to
+FSDP's equal shards) and its unsharded buffer; the rank encodes its shard once, the codes are
+gathered, and every rank decodes every rank's chunk, its own too, into the buffer. Every rank
+therefore computes with the same bits, and a shard gathered again in backward (after a reshard
+after forward) decodes to the same weights as in forward. The sharded master parameters, which
+the optimizer updates, are never written: the codec's error is in what forward and backward
+compute with, never accumulated from step to step, and there is no residual and no warm-up.
+A codec is accepted for weights when its round trip of a fixed normal vector
+(:func:`weight_error`) stays within :data:`WEIGHT_ERROR_LIMIT`, a test that applies to a user's
+codec as to the built-in ones (onebit and int4 fail it). ``stats`` reports both collectives.
+
 HSDP: a model sharded on :func:`node_mesh` (this rank's node) keeps FSDP's own reduce-scatter
 inside the node, and each shard's gradient is all-reduced across the nodes through the hook
 (:class:`NodeAllReduce`, FSDP2's ``set_all_reduce_hook``, see :mod:`pycomm.hsdp`).
@@ -40,33 +55,45 @@ Example:
     >>> comm = pycomm.fsdp.compress(model, hook="int8")
     >>> loss = model(x).sum(); loss.backward()   # every module's gradients sent as int8
     >>> comm.stats["compression"]
+    >>> comm = pycomm.fsdp.compress(model, hook="int8", all_gather="int8")  # weights too
+    >>> comm.stats["all_gather"]["bytes_sent"]
 """
 
 from __future__ import annotations
 
 import copy
 import logging
+import math
 from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 
-try:  # the interface set_custom_reduce_scatter documents (not exported by torch 2.13)
-    from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
+try:  # the interfaces set_custom_reduce_scatter/all_gather document (not exported by torch 2.13)
+    from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
 except ImportError:  # FSDP calls allocate() and __call__(), nothing else
-    ReduceScatter = object  # type: ignore[misc,assignment]
+    AllGather = ReduceScatter = object  # type: ignore[misc,assignment]
 
 from pycomm._validate import hook_options_of
 from pycomm.exchange import Exchange
 from pycomm.hooks import CompressedState, hook_spec
 from pycomm.hooks.allreduce import AllreduceState
 from pycomm.hooks.config import agree, error_field, resolved_config
-from pycomm.hooks.registry import registration
+from pycomm.hooks.registry import hook_names, registration
 from pycomm.hooks.state import HookState, accepts_dtype, dtype_names, unbound
 from pycomm.hsdp import NodeAllReduce, cross_group, node_mesh
 
-__all__ = ["FSDPCompression", "ModuleReduceScatter", "NodeAllReduce", "compress", "node_mesh"]
+__all__ = [
+    "WEIGHT_ERROR_LIMIT",
+    "FSDPCompression",
+    "ModuleAllGather",
+    "ModuleReduceScatter",
+    "compress",
+    "weight_error",
+    "NodeAllReduce",
+    "node_mesh",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -82,6 +109,26 @@ _NOT_HERE = {
 }
 
 _COUNTERS = ("calls", "bytes_sent", "bytes_fp32")
+
+# The largest relative L2 error a codec may have on weights (:func:`weight_error` of its probe
+# vector) to carry FSDP's parameter all-gather: every forward and backward computes with the
+# decoded weights, with no error feedback to average the error out over steps.
+WEIGHT_ERROR_LIMIT = 0.05
+
+# the probe weight_error() sends through a codec and back: a fixed normal vector, on the CPU
+_PROBE_ELEMENTS, _PROBE_SEED = 4096, 0
+
+# the engine's options that mean nothing for an all-gather (no residual, no warm-up, no node
+# hierarchy); any other engine option of a codec's state is refused as well
+_NOT_FOR_ALL_GATHER = {
+    "error_feedback": "an all-gather of weights keeps no residual (the master shards stay exact)",
+    "local_feedback": "an all-gather of weights keeps no residual",
+    "residual_dtype": "an all-gather of weights keeps no residual",
+    "strict_skip": "an all-gather of weights keeps no residual",
+    "hierarchy": "FSDP2 all-gathers within its 1-D mesh",
+    "start_iter": "an exact warm-up has no reason for weights (the codec is used from the "
+    "first all-gather); for exact all-gathers use all_gather=None",
+}
 
 
 def _reduction(op: Any) -> dict[str, Any]:
@@ -99,6 +146,19 @@ def _reduction(op: Any) -> dict[str, Any]:
 
 def _ranks(group: Optional[dist.ProcessGroup]) -> list[int]:
     return dist.get_process_group_ranks(dist.group.WORLD if group is None else group)
+
+
+def _check_group(where: str, verb: str, exchange: Exchange, group: dist.ProcessGroup) -> None:
+    """A ValueError naming both unless ``group`` (what FSDP passed) has the ranks of the
+    group ``exchange`` runs on."""
+    ours, theirs = _ranks(exchange.process_group), _ranks(group)
+    if theirs != ours:
+        raise ValueError(
+            f"{where}: FSDP {verb} on the process group of ranks {theirs}, "
+            f"expected the group of ranks {ours} that compress() built its Exchange "
+            "on (the sharded parameters' mesh); call pycomm.fsdp.compress after "
+            "fully_shard, with every module on that mesh"
+        )
 
 
 class ModuleReduceScatter(ReduceScatter):
@@ -142,9 +202,8 @@ class ModuleReduceScatter(ReduceScatter):
 
     @property
     def collectives(self) -> dict[str, dict[str, int]]:
-        """``reduce_scatter``: its ``bytes_sent`` and ``bytes_fp32``."""
-        c = self.counters
-        return {"reduce_scatter": {"bytes_sent": c["bytes_sent"], "bytes_fp32": c["bytes_fp32"]}}
+        """``reduce_scatter``: its ``calls``, ``bytes_sent`` and ``bytes_fp32``."""
+        return {"reduce_scatter": dict(self.counters)}
 
     def allocate(self, size: Any, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         return torch.empty(size, dtype=dtype, device=device)
@@ -169,14 +228,7 @@ class ModuleReduceScatter(ReduceScatter):
                 f"{n} ranks, expected {n * s}"
             )
         if group is not self._group:
-            ours, theirs = _ranks(self.exchange.process_group), _ranks(group)
-            if theirs != ours:
-                raise ValueError(
-                    f"{where}: FSDP reduce-scatters on the process group of ranks {theirs}, "
-                    f"expected the group of ranks {ours} that compress() built its Exchange "
-                    "on (the sharded parameters' mesh); call pycomm.fsdp.compress after "
-                    "fully_shard, with every module on that mesh"
-                )
+            _check_group(where, "reduce-scatters", self.exchange, group)
             self._group = group
         reduction = _reduction(op)
         if self.grad_dtypes is not None and not accepts_dtype(self, input_tensor.dtype):
@@ -210,11 +262,105 @@ class ModuleReduceScatter(ReduceScatter):
         self.counters.update({key: int(state["stats"][key]) for key in _COUNTERS})
 
 
+class ModuleAllGather(AllGather):
+    """The parameter ``AllGather`` of one ``FSDPModule`` (installed by :func:`compress` with
+    ``all_gather=`` a codec): the all-gathers' :class:`pycomm.Exchange` (one for the model,
+    apart from the reduce-scatter's), called with the module's name as key, and the module's
+    counters.
+
+    Each call encodes this rank's shard once (FSDP's all-gather input, in its ``param_dtype``),
+    gathers every rank's codes and decodes them all, this rank's own too, into FSDP's unsharded
+    buffer: every rank computes with the same bits, and the same shard gives the same weights
+    in forward and in backward (a reshard after forward all-gathers it again). The sharded
+    master parameters are not written, and nothing is kept from one call to the next.
+
+    Attributes:
+        name: the module's name in the model ("" for the root).
+        exchange: the all-gathers' :class:`pycomm.Exchange` (one for every module).
+        stats: ``calls``, ``bytes_sent`` and ``bytes_fp32`` (what FSDP2's own all-gather of
+            fp32 shards sends: (N-1) x the shard's elements x 4).
+
+    Example:
+        >>> ag = pycomm.fsdp.compress(model, all_gather="int8").all_gathers["layers.0"]
+        >>> ag.stats["bytes_sent"]
+    """
+
+    def __init__(
+        self, name: str, codec: str, exchange: Exchange, dtypes: tuple[torch.dtype, ...]
+    ) -> None:
+        self.name = name
+        self.codec = codec
+        self.exchange = exchange
+        self.grad_dtypes = dtypes  # what the codec encodes (accepts_dtype reads it)
+        self.counters = {key: 0 for key in _COUNTERS}
+        self._group: Any = exchange.process_group
+
+    @property
+    def stats(self) -> dict[str, int]:
+        return dict(self.counters)
+
+    def allocate(self, size: Any, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return torch.empty(size, dtype=dtype, device=device)
+
+    def __call__(
+        self,
+        output_tensor: torch.Tensor,
+        input_tensor: torch.Tensor,
+        group: dist.ProcessGroup,
+        async_op: bool = False,
+    ) -> Optional[dist.Work]:
+        """All-gather ``input_tensor`` (this rank's shard; FSDP passes a view of its chunk of
+        ``output_tensor``) into ``output_tensor`` (N chunks) on ``group``, through the codec;
+        synchronous (FSDP runs it in its all-gather stream and waits on its event)."""
+        where = f"pycomm.fsdp ({self.name or 'root'})"
+        n = dist.get_world_size(group)
+        m = input_tensor.numel()
+        if output_tensor.numel() != n * m:
+            raise ValueError(
+                f"{where}: all-gather output of {output_tensor.numel()} elements for an input "
+                f"of {m} on {n} ranks, expected {n * m}"
+            )
+        if group is not self._group:
+            _check_group(where, "all-gathers", self.exchange, group)
+            self._group = group
+        if not accepts_dtype(self, input_tensor.dtype):
+            # every rank gathers the same dtype: each raises here, none waits in a collective
+            raise TypeError(
+                f"{where}: all_gather={self.codec!r} encodes {dtype_names(self.grad_dtypes)} "
+                f"weights, and FSDP all-gathers this module's in "
+                f"{str(input_tensor.dtype).replace('torch.', '')}; expected a model (or "
+                "MixedPrecisionPolicy(param_dtype=...)) of those dtypes, or all_gather=None"
+            )
+        out = output_tensor
+        if not out.is_contiguous():
+            out = torch.empty_like(output_tensor, memory_format=torch.contiguous_format)
+        # the input is encoded before any chunk of the output is written: FSDP's input may
+        # be a view of this rank's chunk of the output
+        work = self.exchange.all_gather(out, input_tensor.contiguous(), key=self.name)
+        work.wait()
+        if out is not output_tensor:
+            output_tensor.copy_(out)
+        c = self.counters
+        c["calls"] += 1
+        c["bytes_sent"] += work.bytes_sent
+        c["bytes_fp32"] += work.bytes_fp32
+        return None
+
+    def state_dict(self) -> dict[str, Any]:
+        """The module's counters (an all-gather keeps no other state)."""
+        return {"stats": dict(self.counters)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.counters.update({key: int(state["stats"][key]) for key in _COUNTERS})
+
+
 class FSDPCompression(HookState):
     """What :func:`compress` returns for a model: the :class:`pycomm.Exchange` that reduces
     its gradients (``exchange``), one :class:`ModuleReduceScatter` per ``FSDPModule``
-    (``modules``, by name), their summed ``stats`` and one checkpointable state per rank. A
-    :class:`~pycomm.hooks.HookState`, so ``pycomm.checkpoint``'s
+    (``modules``, by name), with ``all_gather=`` a codec the all-gathers' Exchange
+    (``all_gather_exchange``, else None) and one :class:`ModuleAllGather` per ``FSDPModule``
+    (``all_gathers``, by name; empty without), their summed ``stats`` and one checkpointable
+    state per rank. A :class:`~pycomm.hooks.HookState`, so ``pycomm.checkpoint``'s
     ``save_rank_state``/``load_rank_state`` take it as they take a DDP hook's state.
 
     Example:
@@ -231,6 +377,10 @@ class FSDPCompression(HookState):
         options: dict[str, Any],
         modules: dict[str, Any],
         exchange: Exchange,
+        all_gather: Optional[str] = None,
+        all_gather_options: Optional[dict[str, Any]] = None,
+        all_gathers: Optional[dict[str, ModuleAllGather]] = None,
+        all_gather_exchange: Optional[Exchange] = None,
     ) -> None:
         # the rank that owns the state: in the mesh, or under HSDP in every rank
         hsdp = any(isinstance(m, NodeAllReduce) for m in modules.values())
@@ -239,33 +389,56 @@ class FSDPCompression(HookState):
         self.hook_options = options
         self.modules = modules
         self.exchange = exchange
+        self.all_gather = all_gather
+        self.all_gather_options = dict(all_gather_options or {})  # the codec's, resolved
+        self.all_gathers = dict(all_gathers or {})
+        self.all_gather_exchange = all_gather_exchange
         self._fresh = copy.deepcopy(exchange.state_dict())  # what a format 1 loads into
 
     @property
     def stats(self) -> dict[str, Any]:
-        """``calls``, ``bytes_sent``, ``bytes_fp32``, ``residual_bytes`` summed over the
-        modules and their collectives, ``compression`` (bytes_fp32 / bytes_sent), and one dict
-        per collective with its ``bytes_sent`` and ``bytes_fp32`` (what FSDP2's own fp32
-        collective sends): ``reduce_scatter``, and under HSDP ``all_reduce`` (the cross-node
-        exchange; the reduce-scatter inside the node is FSDP's own)."""
-        out: dict[str, Any] = {"calls": 0, "bytes_sent": 0, "bytes_fp32": 0, "residual_bytes": 0}
-        per: dict[str, dict[str, int]] = {}
+        """``bytes_sent`` and ``bytes_fp32`` of every collective together and ``compression``
+        (bytes_fp32 / bytes_sent); ``calls`` (each module's reduce-scatters, or under HSDP its
+        cross-node all-reduces) and ``residual_bytes`` summed over the modules; and one dict per
+        collective, each with its ``calls``, ``bytes_sent`` and ``bytes_fp32`` (what FSDP2's own
+        fp32 collective sends): ``reduce_scatter``, ``all_gather`` (zeros for FSDP's own
+        all-gather, which pycomm does not count) and under HSDP ``all_reduce`` (the cross-node
+        exchange; the reduce-scatter inside the node is then FSDP's own, counted by its size)."""
+        per: dict[str, dict[str, int]] = {
+            "reduce_scatter": {key: 0 for key in _COUNTERS},
+            "all_gather": {key: 0 for key in _COUNTERS},
+        }
+        calls = residual = 0
         for m in self.modules.values():
-            for key, value in m.stats.items():
-                out[key] += value
+            stats = m.stats
+            calls += stats["calls"]
+            residual += stats["residual_bytes"]
             for name, counts in m.collectives.items():
-                mine = per.setdefault(name, {"bytes_sent": 0, "bytes_fp32": 0})
-                for key in mine:
+                mine = per.setdefault(name, {key: 0 for key in _COUNTERS})
+                for key in _COUNTERS:
                     mine[key] += counts[key]
-        out["compression"] = out["bytes_fp32"] / out["bytes_sent"] if out["bytes_sent"] else 1.0
-        out.update(per)
-        return out
+        for g in self.all_gathers.values():
+            for key in _COUNTERS:
+                per["all_gather"][key] += g.counters[key]
+        sent = sum(c["bytes_sent"] for c in per.values())
+        fp32 = sum(c["bytes_fp32"] for c in per.values())
+        return {
+            "calls": calls,
+            "bytes_sent": sent,
+            "bytes_fp32": fp32,
+            "residual_bytes": residual,
+            "compression": fp32 / sent if sent else 1.0,
+            **per,
+        }
 
     def options(self) -> dict[str, Any]:
         return {"hook": self.hook, **self.hook_options}
 
     def fingerprint(self) -> dict[str, Any]:
-        fp = {**super().fingerprint(), "modules": sorted(self.modules)}
+        gather = None
+        if self.all_gather is not None:
+            gather = {"codec": self.all_gather, "options": dict(self.all_gather_options)}
+        fp = {**super().fingerprint(), "modules": sorted(self.modules), "all_gather": gather}
         if self.hsdp:  # the ranks of a node (absent: not HSDP, as before it existed)
             fp["hsdp ranks per node"] = next(iter(self.modules.values())).local_size
         return fp
@@ -276,9 +449,10 @@ class FSDPCompression(HookState):
         return any(isinstance(m, NodeAllReduce) for m in self.modules.values())
 
     def state_dict(self) -> dict[str, Any]:
-        """This rank's state: the Exchange's (every module's residual and warm-up count) and
-        every module's counters."""
-        return {
+        """This rank's state: the Exchange's (every module's residual and warm-up count),
+        every module's counters and, with ``all_gather=`` a codec, the all-gathers' Exchange
+        (its counters) and every module's all-gather counters."""
+        out = {
             "format": FORMAT,
             "fingerprint": self.fingerprint(),
             "rank": self.rank,
@@ -286,17 +460,28 @@ class FSDPCompression(HookState):
             "exchange": self.exchange.state_dict(),
             "modules": {name: m.state_dict() for name, m in self.modules.items()},
         }
+        if self.all_gather_exchange is not None:
+            out["all_gather"] = {
+                "exchange": self.all_gather_exchange.state_dict(),
+                "modules": {name: g.state_dict() for name, g in self.all_gathers.items()},
+            }
+        return out
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict` of this rank; another hook, option or model (or another
-        rank's state) is a ValueError naming it. A state of format 1 (before the Exchange:
-        per module its warm-up count, residual and counters) is converted."""
+        """Restore :meth:`state_dict` of this rank; another hook, option, ``all_gather`` or
+        model (or another rank's state) is a ValueError naming it. A state of format 1
+        (before the Exchange: per module its warm-up count, residual and counters) is
+        converted; a state without an ``all_gather`` in its fingerprint (format 1, or 2 before
+        the all-gather) was written with FSDP's own all-gather (``all_gather=None``)."""
         version = state.get("format", 1) if isinstance(state, dict) else None
         if version not in (1, FORMAT):
             raise ValueError(
                 f"pycomm.fsdp: cannot load a state of format {version!r}; this pycomm reads "
                 f"formats 1 and {FORMAT} (a newer pycomm wrote it? load it with that version)"
             )
+        fingerprint = state.get("fingerprint")
+        if isinstance(fingerprint, dict) and "all_gather" not in fingerprint:
+            state = {**state, "fingerprint": {**fingerprint, "all_gather": None}}
         self.check_fingerprint(state)
         if version == 1:
             self._load_format_1(state)
@@ -304,6 +489,10 @@ class FSDPCompression(HookState):
         self.exchange.load_state_dict(state["exchange"])
         for name, m in self.modules.items():
             m.load_state_dict(state["modules"][name])
+        if self.all_gather_exchange is not None:
+            self.all_gather_exchange.load_state_dict(state["all_gather"]["exchange"])
+            for name, g in self.all_gathers.items():
+                g.load_state_dict(state["all_gather"]["modules"][name])
 
     def _load_format_1(self, state: dict[str, Any]) -> None:
         """Per module ``{"iter", "residual", "stats"}``: its calls and residual go to a fresh
@@ -415,18 +604,178 @@ def _is_hsdp(group: Optional[dist.ProcessGroup]) -> bool:
     return group is not None and dist.get_world_size(group) < dist.get_world_size()
 
 
+def _weight_codecs() -> str:
+    """The registered codecs that carry weights at their defaults (their probe's error within
+    :data:`WEIGHT_ERROR_LIMIT`), for an error message: ``'bf16', 'fp16', ...``."""
+    fit = []
+    for name in Exchange.codecs():
+        if name == "allreduce":
+            continue
+        try:
+            with unbound():
+                state = hook_spec(name).state(None)
+            if _error_of(state.codec) <= WEIGHT_ERROR_LIMIT:
+                fit.append(name)
+        except Exception:  # noqa: BLE001 - a codec that fails here is not listed
+            continue
+    return ", ".join(map(repr, fit))
+
+
+def _round_trip(codec: Any, x: torch.Tensor) -> torch.Tensor:
+    """``x`` (flat) encoded by ``codec`` and decoded, as :meth:`pycomm.Exchange.all_gather`
+    sends one rank's chunk: padded to whole blocks, packed, split, decoded."""
+    m = x.numel()
+    c = -(-m // codec.block) * codec.block
+    codes, scales = codec.encode(x, None, 1.0, c)
+    rcodes, rscales = codec.split(codec.pack(codes, scales, 1), c)
+    out = torch.empty_like(x)
+    codec.decode_sum(rcodes, rscales, 1.0, out)
+    return out
+
+
+def _gather_codec(
+    all_gather: Any, options: Any, where: str = "pycomm.fsdp.compress"
+) -> tuple[Any, dict[str, Any]]:
+    """The unbound state of codec ``all_gather`` with ``options`` and its codec's own options
+    resolved, or the ValueError/TypeError naming the argument, its value and what was
+    expected."""
+    what = f"{where}: all_gather={all_gather!r}"
+    names = _weight_codecs()
+    if not isinstance(all_gather, str):
+        raise TypeError(
+            f"{what}, expected None (FSDP's own all-gather) or a codec's name ({names})"
+        )
+    if all_gather == "allreduce":
+        raise ValueError(
+            f"{what}: the exact exchange is FSDP's own all-gather, expected all_gather=None "
+            f"for it (or a codec: {names})"
+        )
+    if all_gather not in hook_names():
+        raise ValueError(
+            f"{what}: not a registered hook, expected None (FSDP's own all-gather) or a codec "
+            f"({names}; pycomm.hooks.register_hook adds one)"
+        )
+    spec = hook_spec(all_gather, where)
+    if spec.codec is None or not (
+        isinstance(spec.state, type) and issubclass(spec.state, CompressedState)
+    ):
+        raise ValueError(
+            f"{what}: a hook without a codec (DDP's alone) cannot encode weights, expected "
+            f"None (FSDP's own all-gather) or a codec ({names})"
+        )
+    if options is not None and not isinstance(options, dict):
+        raise TypeError(
+            f"{where}: all_gather_options={options!r}, expected a dict of the codec's options "
+            "or None"
+        )
+    options = dict(options or {})
+    with unbound():
+        base = spec.state(None)
+    own = tuple(getattr(base, "codec_option_names", ()))
+    for key in options:
+        if key not in base.options():
+            raise ValueError(
+                f"{where}: all_gather_options option {key!r}: not an option of codec "
+                f"{all_gather!r}, expected its own options ({', '.join(own) or 'none'})"
+            )
+        if key in _NOT_FOR_ALL_GATHER or key not in own:
+            why = _NOT_FOR_ALL_GATHER.get(key, "an option of the engine, not of the codec")
+            raise ValueError(
+                f"{where}: all_gather_options option {key}={options[key]!r}: {why}; expected "
+                f"the codec's own options ({', '.join(own) or 'none'})"
+            )
+    try:
+        with unbound():
+            state = spec.state(None, **options)
+    except (ValueError, TypeError) as e:
+        raise type(e)(f"{where}: all_gather_options={options!r} for {all_gather!r}: {e}") from e
+    resolved = state.options()
+    return state, {key: resolved[key] for key in own if key in resolved}
+
+
+def weight_error(
+    all_gather: str,
+    all_gather_options: Optional[dict[str, Any]] = None,
+    tensor: Optional[torch.Tensor] = None,
+) -> float:
+    """The relative L2 error ``||decode(encode(x)) - x|| / ||x||`` of codec ``all_gather``
+    (with ``all_gather_options``) on ``x``: ``tensor`` (flattened, one chunk as
+    :meth:`pycomm.Exchange.all_gather` sends it), or by default a fixed normal vector on the
+    CPU, the probe :func:`compress` refuses a codec with: above :data:`WEIGHT_ERROR_LIMIT`, the
+    codec cannot carry weights. A user's codec is probed as the built-in ones.
+
+    Example:
+        >>> pycomm.fsdp.weight_error("int8") <= pycomm.fsdp.WEIGHT_ERROR_LIMIT
+        True
+        >>> pycomm.fsdp.weight_error("onebit") > pycomm.fsdp.WEIGHT_ERROR_LIMIT
+        True
+    """
+    state, _ = _gather_codec(all_gather, all_gather_options, "pycomm.fsdp.weight_error")
+    return _error_of(state.codec, tensor)
+
+
+def _error_of(codec: Any, tensor: Optional[torch.Tensor] = None) -> float:
+    if tensor is None:
+        gen = torch.Generator().manual_seed(_PROBE_SEED)
+        x = torch.randn(_PROBE_ELEMENTS, generator=gen)
+    else:
+        x = tensor.detach().reshape(-1)
+    with torch.no_grad():
+        y = _round_trip(codec, x).double()
+    err = float((y - x.double()).norm() / x.double().norm())
+    return err if math.isfinite(err) else math.inf
+
+
+def _check_all_gather(
+    all_gather: Any, options: Any
+) -> Optional[tuple[Any, dict[str, Any], tuple[torch.dtype, ...]]]:
+    """None for FSDP's own all-gather, else the fields the ranks compare for ``all_gather``,
+    its codec's resolved options and the dtypes it encodes; or the error naming the
+    argument."""
+    if all_gather is None:
+        if options:
+            raise ValueError(
+                f"pycomm.fsdp.compress: all_gather_options={options!r} with all_gather=None "
+                "(FSDP's own all-gather takes no options), expected all_gather set to a codec "
+                "(e.g. 'int8') with them, or no all_gather_options"
+            )
+        return None
+    state, own = _gather_codec(all_gather, options)
+    err = _error_of(state.codec)
+    if not err <= WEIGHT_ERROR_LIMIT:
+        raise ValueError(
+            f"pycomm.fsdp.compress: all_gather={all_gather!r}: the codec cannot carry weights: "
+            f"its round trip of a fixed normal vector has a relative L2 error of {err:.3g}, "
+            f"above WEIGHT_ERROR_LIMIT={WEIGHT_ERROR_LIMIT} (pycomm.fsdp.weight_error); "
+            f"expected a codec within it ({_weight_codecs()}), or all_gather=None "
+            "(FSDP's own all-gather)"
+        )
+    # what the codec is, its own options, then its format (a difference in both named as the
+    # option); the engine's options mean nothing here
+    config = resolved_config(state)
+    late = {k: config.pop(k) for k in ("codec format",) if k in config}
+    fields = {f"all_gather {k}": v for k, v in config.items() if not k.startswith("hook option ")}
+    fields.update({f"all_gather option {key!r}": value for key, value in own.items()})
+    fields.update({f"all_gather {k}": v for k, v in late.items()})
+    return fields, own, tuple(state.grad_dtypes)
+
+
 def compress(
     model: torch.nn.Module,
     hook: str = "int8",
     hook_options: Optional[dict[str, Any]] = None,
+    *,
+    all_gather: Optional[str] = None,
+    all_gather_options: Optional[dict[str, Any]] = None,
     **legacy: Any,
 ) -> FSDPCompression:
     """Send the gradients of every ``fully_shard``-ed module of ``model`` with ``hook``,
-    through one :class:`pycomm.Exchange` on the FSDP mesh's process group.
+    through one :class:`pycomm.Exchange` on the FSDP mesh's process group, and, with
+    ``all_gather`` a codec, its parameters' all-gathers through another.
 
-    Call it on every rank, after ``fully_shard`` and before the first backward. The hook,
-    the options and the sharded modules (names, parameter shapes) are compared across ranks
-    first: a difference is a ValueError on every rank.
+    Call it on every rank, after ``fully_shard`` and before the first forward. The hook,
+    the options, ``all_gather`` and its options and the sharded modules (names, parameter
+    shapes) are compared across ranks first: a difference is a ValueError on every rank.
 
     On a mesh of some ranks only (a node's, :func:`node_mesh`: HSDP), the reduce-scatter
     inside the node stays FSDP's own and each module's shard is all-reduced across the nodes
@@ -443,6 +792,18 @@ def compress(
             ``start_iter`` (per module: its first reduce-scatters run exact; default the
             hook's own), ``error_feedback`` (default False here), ``residual_dtype``, a user
             codec's own); as keyword arguments, the older spelling, with a FutureWarning.
+        all_gather: None (default): FSDP2's own parameter all-gather, untouched. A codec's
+            name (``"bf16"``, ``"fp16"``, ``"fp8"``, ``"int8"``, a user's codec): every
+            ``FSDPModule`` all-gathers its parameters through it (a :class:`ModuleAllGather`,
+            ``FSDPModule.set_custom_all_gather``): each rank encodes its shard once, every
+            rank decodes every shard into FSDP's unsharded buffer, so all ranks, and forward
+            and backward, compute with the same decoded weights, while the sharded master
+            parameters stay exact (no error feedback, nothing carried between steps). A codec
+            whose :func:`weight_error` exceeds :data:`WEIGHT_ERROR_LIMIT` (``"onebit"``;
+            ``"int4"``) is refused, as is ``"allreduce"`` (FSDP's own is exact: use None).
+        all_gather_options: the codec's own options (e.g. ``{"block": 128}``); the engine's
+            (``error_feedback``, ``local_feedback``, ``residual_dtype``, ``strict_skip``,
+            ``hierarchy``, ``start_iter``) mean nothing for an all-gather and are refused.
 
     Returns:
         An :class:`FSDPCompression`: ``stats``, ``state_dict()``, ``load_state_dict()``.
@@ -450,6 +811,7 @@ def compress(
     Example:
         >>> fully_shard(model)
         >>> comm = pycomm.fsdp.compress(model, hook="int8", hook_options={"block": 128})
+        >>> comm = pycomm.fsdp.compress(model, hook="int8", all_gather="int8")  # ZeRO++ qwZ
     """
     options = hook_options_of("pycomm.fsdp.compress", hook_options, legacy)
     if not (dist.is_available() and dist.is_initialized()):
@@ -465,8 +827,13 @@ def compress(
     if isinstance(hook, str):  # a name registered on some ranks only: named on every rank
         fields["hook"] = hook
         fields[f"registration of hook {hook!r}"] = registration(hook)
+    fields["all_gather"] = (
+        all_gather if all_gather is None or isinstance(all_gather, str) else repr(all_gather)
+    )
+    if isinstance(all_gather, str):
+        fields[f"registration of all_gather {all_gather!r}"] = registration(all_gather)
     fields.update(error_field(None))
-    group = None
+    group, gather = None, None
     try:
         spec, opts, group = _check(hook, options, modules)
         if issubclass(spec.state, CompressedState):
@@ -474,6 +841,9 @@ def compress(
                 fields.update(resolved_config(spec.state(None, **opts)))
         else:
             fields["hook"] = hook
+        gather = _check_all_gather(all_gather, all_gather_options)
+        if gather is not None:
+            fields.update(gather[0])
     except (ValueError, TypeError) as e:
         fields.update(error_field(e))
     fields["sharded modules"] = [
@@ -485,34 +855,61 @@ def compress(
     ex_opts = dict(opts)
     start_iter = ex_opts.pop("start_iter", getattr(spec.state, "default_start_iter", 0))
     ex_opts["hierarchy"] = "flat"  # the mesh decides the nodes
+    gather_exchange, gather_options = None, None
+    if gather is not None:
+        _, gather_options, gather_dtypes = gather
+        # the codec from the first call, no residual: the same codes for the same shard
+        gather_exchange = Exchange(
+            all_gather,
+            group,
+            start_iter=0,
+            error_feedback=False,
+            hierarchy="flat",
+            **gather_options,
+        )
+    installed: dict[str, Any]
     if _is_hsdp(group):
         # FSDP's own reduce-scatter inside the node, the hook's all-reduce across the nodes
         exchange = Exchange(hook, cross_group(group), start_iter=start_iter, **ex_opts)
-        nodes = _install_node_all_reduce(modules, exchange, dist.get_world_size(group))
-        logger.info("pycomm.fsdp: HSDP, %s across nodes on %d FSDP modules", hook, len(nodes))
-        return FSDPCompression(hook, opts, nodes, exchange)
-    if compressed:
-        ex_opts["local_feedback"] = True  # error feedback is on the reduce-scatter's input
-    exchange = Exchange(hook, group, start_iter=start_iter, **ex_opts)
-    grad_dtypes = spec.state.grad_dtypes if compressed else None
-    installed: dict[str, ModuleReduceScatter] = {}
-    for name, module in modules:
-        rs = ModuleReduceScatter(name, hook, exchange, grad_dtypes)
-        try:
-            module.set_custom_reduce_scatter(rs)
-        except ValueError as e:
-            raise ValueError(
-                f"pycomm.fsdp.compress: module {name or 'root'!r}: {e} (parameters placed on "
-                "several meshes by shard_placement_fn are not supported)"
-            ) from e
-        installed[name] = rs
+        installed = _install_node_all_reduce(modules, exchange, dist.get_world_size(group))
+    else:
+        if compressed:
+            ex_opts["local_feedback"] = True  # error feedback is on the reduce-scatter's input
+        exchange = Exchange(hook, group, start_iter=start_iter, **ex_opts)
+        grad_dtypes = spec.state.grad_dtypes if compressed else None
+        installed = {}
+        for name, module in modules:
+            rs = ModuleReduceScatter(name, hook, exchange, grad_dtypes)
+            _install(name, module.set_custom_reduce_scatter, rs)
+            installed[name] = rs
+    gathers: dict[str, ModuleAllGather] = {}
+    if gather_exchange is not None:
+        for name, module in modules:
+            ag = ModuleAllGather(name, all_gather, gather_exchange, gather_dtypes)
+            _install(name, module.set_custom_all_gather, ag)
+            gathers[name] = ag
     logger.info(
-        "pycomm.fsdp: %s reduce-scatter on %d FSDP modules with options %s",
+        "pycomm.fsdp: %s %s and %s all-gather on %d FSDP modules with options %s",
         hook,
+        "across nodes (HSDP)" if _is_hsdp(group) else "reduce-scatter",
+        all_gather or "FSDP's own",
         len(installed),
         opts,
     )
-    return FSDPCompression(hook, opts, installed, exchange)
+    return FSDPCompression(
+        hook, opts, installed, exchange, all_gather, gather_options, gathers, gather_exchange
+    )
+
+
+def _install(name: str, setter: Any, comm: Any) -> None:
+    """``setter(comm)``, FSDP's refusal of it named with the module."""
+    try:
+        setter(comm)
+    except ValueError as e:
+        raise ValueError(
+            f"pycomm.fsdp.compress: module {name or 'root'!r}: {e} (parameters placed on "
+            "several meshes by shard_placement_fn are not supported)"
+        ) from e
 
 
 def _install_node_all_reduce(

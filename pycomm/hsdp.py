@@ -131,8 +131,9 @@ class NodeAllReduce:
         name: the module's name in the model ("" for the root).
         exchange: the :class:`pycomm.Exchange` across the nodes (one for every module).
         iter: all-reduces run (one per synchronized backward).
-        collectives: per collective, ``bytes_sent`` and ``bytes_fp32``: ``all_reduce``, the
-            cross-node exchange (and an fp32 ring all-reduce of the shard across the nodes);
+        collectives: per collective, ``calls``, ``bytes_sent`` and ``bytes_fp32``:
+            ``all_reduce``, the cross-node exchange (and an fp32 ring all-reduce of the shard
+            across the nodes);
             ``reduce_scatter``, FSDP's own inside the node ((L-1) shards of the reduce dtype,
             and of fp32).
         stats: ``calls``, ``bytes_sent``, ``bytes_fp32`` (both collectives) and
@@ -146,8 +147,8 @@ class NodeAllReduce:
         self.name, self.exchange, self.local_size = name, exchange, local_size
         self.calls = 0
         self.collectives: dict[str, dict[str, int]] = {
-            "reduce_scatter": {"bytes_sent": 0, "bytes_fp32": 0},
-            "all_reduce": {"bytes_sent": 0, "bytes_fp32": 0},
+            "reduce_scatter": {"calls": 0, "bytes_sent": 0, "bytes_fp32": 0},
+            "all_reduce": {"calls": 0, "bytes_sent": 0, "bytes_fp32": 0},
         }
 
     @property
@@ -156,7 +157,7 @@ class NodeAllReduce:
 
     @property
     def stats(self) -> dict[str, int]:
-        sent = sum(c["bytes_sent"] for c in self.collectives.values())
+        sent = sum(c["bytes_sent"] for c in self.collectives.values())  # both collectives
         fp32 = sum(c["bytes_fp32"] for c in self.collectives.values())
         return {
             "calls": self.calls,
@@ -170,6 +171,8 @@ class NodeAllReduce:
         work.wait()
         self.calls += 1
         ar, rs = self.collectives["all_reduce"], self.collectives["reduce_scatter"]
+        ar["calls"] += 1
+        rs["calls"] += 1
         ar["bytes_sent"] += work.bytes_sent
         ar["bytes_fp32"] += work.bytes_fp32
         n = output.numel()

@@ -46,7 +46,8 @@ def straight_and_resumed(build, batches: list, cut: int, folder=None) -> tuple:
     """Train ``build()``'s (model, comm, optimizer) on ``batches`` straight; then again, saving
     the model, the optimizer and ``comm`` after ``cut`` batches (``folder``: each rank its own
     file, through pycomm.checkpoint), loading them into a fresh ``build()`` and going on.
-    Returns (the parameters of both runs, the resumed comm, what it saved)."""
+    Returns (the parameters of both runs, the resumed comm, what it saved, the straight run's
+    comm's stats)."""
     import copy
 
     import pycomm.checkpoint
@@ -59,7 +60,7 @@ def straight_and_resumed(build, batches: list, cut: int, folder=None) -> tuple:
     m, comm, opt = build()
     for x, y in batches:
         step(m, opt, x, y)
-    straight = full(m)
+    straight, straight_stats = full(m), comm.stats
     m, comm, opt = build()
     for x, y in batches[:cut]:
         step(m, opt, x, y)
@@ -77,7 +78,7 @@ def straight_and_resumed(build, batches: list, cut: int, folder=None) -> tuple:
         comm.load_state_dict(saved["comm"])
     for x, y in batches[cut:]:
         step(m, opt, x, y)
-    return straight, full(m), comm, saved["comm"]
+    return straight, full(m), comm, saved["comm"], straight_stats
 
 
 def train(m: torch.nn.Module, comm, steps: int, k: int = 1, seed: int = 0) -> tuple:

@@ -514,6 +514,74 @@ def _rank_exchange_on(device, codec):
     return out
 
 
+def _rank_fsdp_all_gather_on(device, codec):
+    """pycomm.fsdp.compress(all_gather=codec) on the device's FSDP2 (its all-gather and copy
+    streams): what every all-gather wrote, per module (forward, then backward's again), for
+    two steps of int8 gradients, on the device and on the CPU."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    import pycomm.fsdp
+
+    out = []
+    for dev in (torch.device(device, 0) if device == "cuda" else torch.device(device), "cpu"):
+        dev = torch.device(dev)
+        mesh = init_device_mesh(dev.type, (dist.get_world_size(),))
+        torch.manual_seed(0)
+        m = torch.nn.Sequential(
+            torch.nn.Linear(30, 64), torch.nn.Tanh(), torch.nn.Linear(64, 63)
+        ).to(dev)
+        for i in (0, 2):
+            fully_shard(m[i], mesh=mesh)
+        fully_shard(m, mesh=mesh)
+        comm = pycomm.fsdp.compress(m, hook="int8", all_gather=codec)
+        written = {}
+
+        class Recording:
+            def __init__(self, name, inner, written):
+                self.name, self.inner, self.written = name, inner, written
+
+            def allocate(self, size, *, dtype, device):
+                return self.inner.allocate(size, dtype=dtype, device=device)
+
+            def __call__(self, output_tensor, input_tensor, group, async_op=False):
+                work = self.inner(output_tensor, input_tensor, group, async_op)
+                self.written.setdefault(self.name, []).append(output_tensor.cpu())
+                return work
+
+        for name, module in m.named_modules():
+            if name in comm.all_gathers:
+                module.set_custom_all_gather(Recording(name, comm.all_gathers[name], written))
+        opt = torch.optim.SGD(m.parameters(), lr=0.1)
+        g = torch.Generator().manual_seed(dist.get_rank())
+        for _ in range(2):
+            x, y = torch.randn(8, 30, generator=g), torch.randn(8, 63, generator=g)
+            torch.nn.functional.mse_loss(m(x.to(dev)), y.to(dev)).backward()
+            opt.step()
+            opt.zero_grad()
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+        out.append((written, comm.stats["all_gather"]))
+    return out
+
+
+def test_fsdp_all_gather_on_the_device(gpu):
+    import pycomm
+
+    results = pycomm.launch(
+        _rank_fsdp_all_gather_on, 2, gpu.type, "int8", backend="gloo", timeout=300
+    )
+    (dev0, stats0), (cpu0, _) = results[0]
+    assert stats0["calls"] == 2 * 2 * 2  # two modules, forward and backward, two steps
+    for (on_device, _), (on_cpu, _) in results:
+        for name, outs in on_device.items():
+            assert len(outs) == 4
+            assert torch.equal(outs[0], outs[1]) and torch.equal(outs[2], outs[3])
+            assert torch.equal(outs[0], on_cpu[name][0])  # the first: the CPU kernels' bits
+            assert all(torch.equal(a, b) for a, b in zip(outs, dev0[name]))  # every rank
+
+
 @pytest.mark.parametrize("codec", ["allreduce", "int8", "fp8"])
 def test_exchange_on_the_device(gpu, codec):
     import pycomm

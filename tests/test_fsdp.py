@@ -92,17 +92,18 @@ def test_accumulation_through_fsdp_no_sync_equals_one_large_batch():
     assert torch.equal(int8[0][0], int8[1][0])
 
 
-def _rank_resume(options, folder=None):
+def _rank_resume(options, folder=None, all_gather=None):
     def build():
         m = _shard(_model())
         return (
             m,
-            pycomm.fsdp.compress(m, hook="int8", hook_options=options),
+            pycomm.fsdp.compress(m, hook="int8", hook_options=options, all_gather=all_gather),
             torch.optim.Adam(m.parameters(), lr=1e-2),
         )
 
-    straight, resumed, comm, _ = straight_and_resumed(build, _data(6, seed=3), 3, folder)
-    return straight, resumed, comm.stats
+    run = straight_and_resumed(build, _data(6, seed=3), 3, folder)
+    straight, resumed, comm, _, straight_stats = run
+    return straight, resumed, comm.stats, straight_stats
 
 
 @pytest.mark.parametrize(
@@ -110,7 +111,7 @@ def _rank_resume(options, folder=None):
 )
 def test_resume_is_bitwise(options, tmp_path):
     folder = str(tmp_path) if "residual_dtype" in options else None
-    for straight, resumed, stats in run_ranks(_rank_resume, 2, options, folder, timeout=120):
+    for straight, resumed, stats, _ in run_ranks(_rank_resume, 2, options, folder, timeout=120):
         assert torch.equal(straight, resumed)
         assert stats["residual_bytes"] > 0
 
@@ -412,3 +413,378 @@ def test_the_group_is_checked_and_the_residual_is_one_copy():
             "sharded parameters' mesh); call pycomm.fsdp.compress after fully_shard, with every "
             "module on that mesh"
         )
+
+
+# --- the parameter all-gather through a codec (all_gather=) ----------------------------------
+
+
+class _Recording:
+    """An FSDP ``AllGather`` around pycomm's: every output it wrote, in call order."""
+
+    def __init__(self, inner):
+        self.inner, self.outputs = inner, []
+
+    def allocate(self, size, *, dtype, device):
+        return self.inner.allocate(size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor, input_tensor, group, async_op=False):
+        work = self.inner(output_tensor, input_tensor, group, async_op)
+        self.outputs.append(output_tensor.clone())
+        return work
+
+
+def _loss(m, x, y):
+    return torch.nn.functional.mse_loss(m(x), y)
+
+
+def _mean_grads(model, x, y):
+    """The gradient FSDP reduces (the mean over the ranks of each rank's), of a plain model."""
+    model.zero_grad()
+    _loss(model, x, y).backward()
+    g = torch.cat([p.grad.reshape(-1) for p in model.parameters()])
+    dist.all_reduce(g)
+    return g / dist.get_world_size()
+
+
+def _set_flat(model, flat):
+    with torch.no_grad():
+        torch.nn.utils.vector_to_parameters(flat.float(), model.parameters())
+
+
+def _rank_gather(codec, steps, mp=False, hook="allreduce", options=None, hook_options=None):
+    """``steps`` SGD steps with ``all_gather=codec`` (the reduce-scatter ``hook``): what every
+    all-gather wrote, the weights each forward computed with, whether the master shards were
+    untouched by forward and backward, the parameters after the first step and at the end, the
+    gradients (of a plain model, reduced exactly) at the first forward's weights and at the
+    master weights, and the stats."""
+    mp_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16) if mp else None
+    m = _shard(_model(), **({"mp_policy": mp_policy} if mp else {}))
+    n = dist.get_world_size()
+    uneven = [tuple(p.shape) for p in m.parameters() if p.shape[0] % n]
+    comm = pycomm.fsdp.compress(
+        m, hook=hook, hook_options=hook_options, all_gather=codec, all_gather_options=options
+    )
+    recorders = {}
+    for name, module in m.named_modules():
+        if name in comm.all_gathers:
+            recorders[name] = _Recording(comm.all_gathers[name])
+            module.set_custom_all_gather(recorders[name])
+    seen = []  # the unsharded weights of each forward (FSDP's pre-forward hook runs first)
+    for i in (0, 2, 4):
+        m[i].register_forward_pre_hook(
+            lambda mod, args: seen.extend([mod.weight.detach().clone(), mod.bias.detach().clone()])
+        )
+    p0 = _full(m)
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    untouched, first, forward_weights, per_step = True, None, [], []
+    for x, y in _data(steps):
+        master = [p.to_local().clone() for p in m.parameters()]
+        seen.clear()
+        loss = _loss(m, x, y)
+        untouched &= all(torch.equal(a, p.to_local()) for a, p in zip(master, m.parameters()))
+        loss.backward()
+        untouched &= all(torch.equal(a, p.to_local()) for a, p in zip(master, m.parameters()))
+        forward_weights.append(torch.cat([w.reshape(-1) for w in seen]))
+        opt.step()
+        opt.zero_grad()
+        if first is None:
+            first = _full(m)
+        per_step.append(copy.deepcopy(comm.stats))
+    # the first step's gradients at the weights the forward used, and at the master weights
+    plain = _model()
+    x, y = _data(1)[0]
+    _set_flat(plain, forward_weights[0])
+    g_used = _mean_grads(plain, x, y)
+    _set_flat(plain, p0)
+    g_master = _mean_grads(plain, x, y)
+    outputs = {name: r.outputs for name, r in recorders.items()}
+    return {
+        "uneven": uneven,
+        "outputs": outputs,
+        "p0": p0,
+        "forward_weights": forward_weights,
+        "untouched": untouched,
+        "first": first,
+        "final": _full(m),
+        "g_used": g_used,
+        "g_master": g_master,
+        "stats": comm.stats,
+        "per_step": per_step,
+        "module_stats": {name: dict(ag.stats) for name, ag in comm.all_gathers.items()},
+        "padded": {
+            name: sum(-(-p.shape[0] // n) * p[0].numel() for p in module.parameters())
+            for name, module in m.named_modules()
+            if name in comm.all_gathers
+        },
+    }
+
+
+@pytest.mark.parametrize("codec,nprocs", [("bf16", 2), ("int8", 2), ("fp8", 2), ("int8", 4)])
+def test_all_gather_through_a_codec(codec, nprocs):
+    ranks = run_ranks(_rank_gather, nprocs, codec, 3, timeout=120)
+    ref = _reference(nprocs, True, 1, {})  # FSDP2's own, one SGD step
+    r0 = ranks[0]
+    assert r0["uneven"]  # shards of unequal sizes (63 and 5 rows) among the parameters
+    for other in ranks[1:]:  # every rank computes with the same bits and ends on them
+        assert torch.equal(other["final"], r0["final"])
+        assert all(
+            torch.equal(a, b) for a, b in zip(other["forward_weights"], r0["forward_weights"])
+        )
+        for name, outs in r0["outputs"].items():
+            assert all(torch.equal(a, b) for a, b in zip(other["outputs"][name], outs))
+    for r in ranks:
+        assert r["untouched"]  # the sharded master parameters are never quantized
+        for name, outs in r["outputs"].items():  # forward, then backward's all-gather again
+            assert len(outs) == (0 if name == "" else 2 * 3)  # the root holds no parameter
+            for step in range(len(outs) // 2):
+                assert torch.equal(outs[2 * step], outs[2 * step + 1]), (name, step)
+    # the weights computed with: the codec's rounding of the master weights, no more
+    used, master = r0["forward_weights"][0], r0["p0"]
+    err = float((used - master).norm() / master.norm())
+    assert 0 < err <= pycomm.fsdp.WEIGHT_ERROR_LIMIT
+    # after one step, FSDP2's own parameters plus what that rounding changes in the gradient:
+    # lr x ||g(weights used) - g(master)||, with the fp32 rounding of the reduction on top
+    deviation = 0.1 * float((r0["g_used"] - r0["g_master"]).norm())
+    ref_first = ref[0][0]
+    assert 0 < deviation
+    assert float((r0["first"] - ref_first).norm()) <= deviation * (1 + 1e-3) + 1e-6 * float(
+        ref_first.norm()
+    )
+    assert not torch.equal(r0["first"], ref_first)
+    # bytes: per call (N-1) x the padded shard x 4 for FSDP's fp32 all-gather
+    for name, s in r0["module_stats"].items():
+        if name == "":
+            assert s == {"calls": 0, "bytes_sent": 0, "bytes_fp32": 0}
+            continue
+        assert s["calls"] == 6
+        assert s["bytes_fp32"] == 6 * (nprocs - 1) * r0["padded"][name] * 4
+        assert s["bytes_sent"] < s["bytes_fp32"] * (0.3 if codec != "bf16" else 0.51)
+    st = r0["stats"]
+    assert st["all_gather"]["bytes_sent"] == sum(
+        s["bytes_sent"] for s in r0["module_stats"].values()
+    )
+    assert st["bytes_sent"] == st["reduce_scatter"]["bytes_sent"] + st["all_gather"]["bytes_sent"]
+    assert st["bytes_fp32"] == st["reduce_scatter"]["bytes_fp32"] + st["all_gather"]["bytes_fp32"]
+    assert st["calls"] == st["reduce_scatter"]["calls"] == 3 * 3
+
+
+def test_all_gather_with_mixed_precision():
+    # param_dtype=bfloat16: the all-gather carries bf16 weights; the bf16 codec is then
+    # lossless (the weights computed with are FSDP2's own bf16 cast), int8 rounds them
+    bf16 = run_ranks(_rank_gather, 2, "bf16", 2, True, timeout=120)
+    int8 = run_ranks(_rank_gather, 2, "int8", 2, True, "int8", {"block": 32}, timeout=120)
+    for ranks, lossless in ((bf16, True), (int8, False)):
+        r0 = ranks[0]
+        assert torch.equal(ranks[1]["final"], r0["final"])
+        assert torch.isfinite(r0["final"]).all()
+        used = r0["forward_weights"][0]
+        assert used.dtype == torch.bfloat16
+        cast = r0["p0"].to(torch.bfloat16)
+        assert torch.equal(used, cast) == lossless
+        assert float((used.float() - cast.float()).norm() / cast.float().norm()) <= (
+            pycomm.fsdp.WEIGHT_ERROR_LIMIT
+        )
+        for r in ranks:
+            assert r["untouched"]
+            assert r["final"].dtype == torch.float32
+            for name, outs in r["outputs"].items():
+                assert len(outs) == (0 if name == "" else 2 * 2)
+                assert all(o.dtype == torch.bfloat16 for o in outs)
+                assert all(torch.equal(outs[i], outs[i + 1]) for i in range(0, len(outs), 2))
+
+
+def test_int8_both_ways_sends_under_a_third_of_fsdp2s_fp32_bytes():
+    # int8 reduce-scatter (past its exact warm-up of 2 calls a module) and int8 all-gather,
+    # against FSDP2's fp32 reduce-scatter and all-gather of the same shards
+    ranks = run_ranks(_rank_gather, 2, "int8", 4, False, "int8", timeout=120)
+    before, after = ranks[0]["per_step"][1], ranks[0]["per_step"][-1]
+
+    def sent(st, key):
+        return after[st][key] - before[st][key]
+
+    both = sent("reduce_scatter", "bytes_sent") + sent("all_gather", "bytes_sent")
+    fp32 = sent("reduce_scatter", "bytes_fp32") + sent("all_gather", "bytes_fp32")
+    assert both == after["bytes_sent"] - before["bytes_sent"]
+    assert fp32 == after["bytes_fp32"] - before["bytes_fp32"]
+    assert both / fp32 <= 0.3, both / fp32
+    assert after["compression"] == after["bytes_fp32"] / after["bytes_sent"]
+
+
+def test_resume_with_all_gather_is_bitwise(tmp_path):
+    for folder in (None, str(tmp_path)):
+        ranks = run_ranks(_rank_resume, 2, {"error_feedback": True}, folder, "int8", timeout=120)
+        for straight, resumed, stats, straight_stats in ranks:
+            assert torch.equal(straight, resumed)
+            assert stats == straight_stats
+            assert stats["all_gather"]["calls"] > 0
+
+
+def _rank_checkpoint_fingerprints():
+    """Which states a comm of each all_gather setting loads, and the errors of the others."""
+
+    def build(all_gather, options=None):
+        m = _shard(_model())
+        return pycomm.fsdp.compress(
+            m, hook="int8", all_gather=all_gather, all_gather_options=options
+        )
+
+    comms = {
+        "none": build(None),
+        "int8": build("int8"),
+        "int8-32": build("int8", {"block": 32}),
+        "bf16": build("bf16"),
+    }
+    states = {k: copy.deepcopy(c.state_dict()) for k, c in comms.items()}
+    old = copy.deepcopy(states["none"])  # format 2 before the all-gather: no field
+    del old["fingerprint"]["all_gather"]
+    states["old"] = old
+    states["format 1"] = _format_1(comms["none"])
+    del states["format 1"]["fingerprint"]["all_gather"]
+    out = {}
+    for target, comm in comms.items():
+        for source, state in states.items():
+            try:
+                comm.load_state_dict(state)
+                out[(target, source)] = None
+            except ValueError as e:
+                out[(target, source)] = str(e)
+    return out
+
+
+def test_checkpoints_record_the_all_gather():
+    out = run_ranks(_rank_checkpoint_fingerprints, 2, timeout=120)[0]
+    for target in ("none", "int8", "int8-32", "bf16"):
+        assert out[(target, target)] is None
+    assert out[("none", "old")] is None and out[("none", "format 1")] is None
+    assert out[("int8", "none")] == (
+        "pycomm: cannot load hook state: all_gather is None in the checkpoint but "
+        "{'codec': 'int8', 'options': {'block': 64}} here"
+    )
+    assert out[("none", "int8")].startswith(
+        "pycomm: cannot load hook state: all_gather is {'codec': 'int8'"
+    )
+    assert (
+        "all_gather['options']['block'] is 32 in the checkpoint but 64 here"
+        in (out[("int8", "int8-32")])
+    )
+    assert (
+        "all_gather['codec'] is 'int8' in the checkpoint but 'bf16' here" in (out[("bf16", "int8")])
+    )
+    for source in ("old", "format 1"):
+        assert "all_gather is None in the checkpoint" in out[("int8", source)]
+
+
+class _CoarseCodec(pycomm.hooks.OneBitCodec):
+    """A user's codec too coarse for weights (signs and one scale a block)."""
+
+
+class _UserInt8(pycomm.hooks.Int8Codec):
+    """A user's codec that carries weights."""
+
+
+def _rank_gather_refusals():
+    from pycomm.hooks import register_hook, unregister_hook
+
+    errors = {}
+    rank = dist.get_rank()
+
+    def attempt(key, all_gather, options=None, hook="int8"):
+        try:
+            pycomm.fsdp.compress(
+                _shard(_model()), hook=hook, all_gather=all_gather, all_gather_options=options
+            )
+            errors[key] = None
+        except (ValueError, TypeError) as e:
+            errors[key] = f"{type(e).__name__}: {e}"
+
+    register_hook("coarse_user", codec=_CoarseCodec)
+    register_hook("int8_user", codec=_UserInt8)
+    try:
+        attempt("unknown", "int3")
+        attempt("allreduce", "allreduce")
+        attempt("onebit", "onebit")
+        attempt("int4", "int4")
+        attempt("powersgd", "powersgd")
+        attempt("not a name", 8)
+        attempt("coarse user codec", "coarse_user")
+        attempt("user codec", "int8_user")
+        for key in ("error_feedback", "start_iter", "residual_dtype", "hierarchy"):
+            value = {"hierarchy": "node", "residual_dtype": "bfloat16"}.get(key, 1)
+            attempt(key, "int8", {key: value})
+        attempt("unknown option", "int8", {"bloc": 32})
+        attempt("bad value", "int8", {"block": 0})
+        attempt("options alone", None, {"block": 32})
+        attempt("options not a dict", "int8", [("block", 32)])
+        attempt("codec differs", "int8" if rank == 0 else "bf16")
+        attempt("one rank none", "int8" if rank == 0 else None)
+        attempt("block differs", "int8", {"block": 64 if rank == 0 else 32})
+        attempt("bad on one rank", "int8", {"block": 64 if rank == 0 else 0})
+    finally:
+        unregister_hook("coarse_user")
+        unregister_hook("int8_user")
+    return errors
+
+
+@pytest.mark.parametrize("nprocs", [2, 4])
+def test_all_gather_refusals_are_the_same_on_every_rank(nprocs):
+    ranks = run_ranks(_rank_gather_refusals, nprocs, timeout=120)
+    for other in ranks[1:]:
+        assert other == ranks[0]
+    e = ranks[0]
+    p = "ValueError: pycomm.fsdp.compress: "
+    assert e["unknown"].startswith(f"{p}all_gather='int3': not a registered hook, expected None")
+    assert e["allreduce"].startswith(
+        f"{p}all_gather='allreduce': the exact exchange is FSDP's own all-gather, expected "
+        "all_gather=None"
+    )
+    for name in ("onebit", "int4", "coarse user codec"):
+        codec = {"coarse user codec": "coarse_user"}.get(name, name)
+        assert e[name].startswith(
+            f"{p}all_gather={codec!r}: the codec cannot carry weights: its round trip of a "
+            "fixed normal vector has a relative L2 error of "
+        ), e[name]
+        assert "expected a codec within it ('bf16', 'fp16', 'int8', 'fp8', 'int8_user')" in e[name]
+    assert e["user codec"] is None
+    assert e["powersgd"].startswith(f"{p}all_gather='powersgd': a hook without a codec")
+    assert e["not a name"].startswith("TypeError: pycomm.fsdp.compress: all_gather=8, expected")
+    for key in ("error_feedback", "start_iter", "residual_dtype", "hierarchy"):
+        assert e[key].startswith(f"{p}all_gather_options option {key}="), e[key]
+        assert "expected the codec's own options (block)" in e[key]
+    assert e["unknown option"] == (
+        f"{p}all_gather_options option 'bloc': not an option of codec 'int8', expected its "
+        "own options (block)"
+    )
+    assert "block" in e["bad value"] and "all_gather_options" in e["bad value"]
+    assert e["options alone"].startswith(
+        f"{p}all_gather_options={{'block': 32}} with all_gather=None"
+    )
+    assert e["options not a dict"].startswith(
+        "TypeError: pycomm.fsdp.compress: all_gather_options="
+    )
+    assert (
+        "ranks disagree on all_gather: rank 0 has 'int8', rank 1 has 'bf16'" in e["codec differs"]
+    )
+    assert "ranks disagree on all_gather: rank 0 has 'int8', rank 1 has None" in e["one rank none"]
+    assert (
+        "ranks disagree on all_gather option 'block': rank 0 has 64, rank 1 has 32"
+        in e["block differs"]
+    )
+    assert e["bad on one rank"].startswith(
+        f"{p}on rank 1: pycomm.fsdp.compress: all_gather_options={{'block': 0}} for 'int8': "
+    )
+
+
+def test_weight_error_is_the_documented_probe():
+    assert pycomm.fsdp.weight_error("int8") <= pycomm.fsdp.WEIGHT_ERROR_LIMIT
+    assert pycomm.fsdp.weight_error("fp8") <= pycomm.fsdp.WEIGHT_ERROR_LIMIT
+    assert pycomm.fsdp.weight_error("bf16") <= pycomm.fsdp.WEIGHT_ERROR_LIMIT
+    assert pycomm.fsdp.weight_error("fp16") <= pycomm.fsdp.WEIGHT_ERROR_LIMIT
+    assert pycomm.fsdp.weight_error("int4") > pycomm.fsdp.WEIGHT_ERROR_LIMIT
+    assert pycomm.fsdp.weight_error("onebit") > pycomm.fsdp.WEIGHT_ERROR_LIMIT
+    w = torch.randn(1000, generator=torch.Generator().manual_seed(1))
+    assert pycomm.fsdp.weight_error("bf16", tensor=w.to(torch.bfloat16)) == 0.0
+    assert (
+        0
+        < pycomm.fsdp.weight_error("int8", {"block": 32}, w)
+        < pycomm.fsdp.weight_error("int8", {"block": 256}, w)
+    )

@@ -22,14 +22,14 @@ def _shard(m, mesh=None):
     return shard(m, mesh=mesh)
 
 
-def _rank_hsdp(hook, steps, k=1, options=None):
+def _rank_hsdp(hook, steps, k=1, options=None, all_gather=None):
     """FSDP2 over every rank, and HSDP on 2 nodes with ``hook`` across them: each run's
     parameters, gradients of every step, and pycomm's stats."""
     set_nodes(2)
     try:
         ref = train(_shard(_model()), None, steps, k)
         m = _shard(_model(), pycomm.fsdp.node_mesh())
-        comm = pycomm.fsdp.compress(m, hook=hook, hook_options=options)
+        comm = pycomm.fsdp.compress(m, hook=hook, hook_options=options, all_gather=all_gather)
         assert comm.hsdp
         return ref, train(m, comm, steps, k)
     finally:
@@ -64,6 +64,18 @@ def test_int8_across_nodes_ranks_agree_and_sends_under_a_third():
     assert stats[-1]["residual_bytes"] > 0  # error feedback on by default across nodes
 
 
+def test_int8_weights_inside_the_node_and_gradients_across():
+    ranks = run_ranks(_rank_hsdp, 4, "int8", 3, 1, None, "int8", timeout=120)
+    for r in range(1, 4):
+        assert torch.equal(ranks[0][1][0], ranks[r][1][0])
+    ref, (p, _, stats) = ranks[0]
+    assert (p - ref[0]).norm() / ref[0].norm() < 0.02  # int8 weights and gradients: close
+    last = stats[-1]
+    assert last["all_gather"]["calls"] > 0 and last["all_reduce"]["calls"] == 3 * 3
+    ag = last["all_gather"]
+    assert ag["bytes_sent"] < 0.3 * ag["bytes_fp32"]
+
+
 def test_accumulation_with_fsdp_no_sync():
     for ref, (p, _, stats) in run_ranks(_rank_hsdp, 4, "allreduce", 2, 3, timeout=120):
         assert stats[-1]["calls"] == 2 * 3  # one all-reduce per block per window
@@ -82,7 +94,7 @@ def _rank_resume():
             comm = pycomm.fsdp.compress(m, hook="int8")
             return m, comm, torch.optim.Adam(m.parameters(), lr=1e-2)
 
-        straight, resumed, comm, saved = straight_and_resumed(build, _data(6, seed=3), 3)
+        straight, resumed, comm, saved, _ = straight_and_resumed(build, _data(6, seed=3), 3)
         other = copy.deepcopy(saved)
         other["fingerprint"]["options"]["hook"] = "fp8"
         refused = error_text(lambda: comm.load_state_dict(other))
