@@ -259,6 +259,31 @@ def test_bench_fsdp_measures_the_reduce_scatter_on_the_wire(tmp_path, capfd):
         assert doc["hooks"]["int8"]["rs_wire_vs_fsdp"] < 0.3
 
 
+def test_bench_fsdp_all_gather_counts_both_collectives(tmp_path, capfd):
+    """python -m pycomm.bench --fsdp --all-gather int8: int8 both ways against FSDP2's own
+    traffic, every collective on the wire; a codec that cannot carry weights refused."""
+    import json
+
+    from pycomm.bench import link
+    from pycomm.bench.__main__ import main
+
+    with pytest.raises(SystemExit):
+        main(["--fsdp", "--all-gather", "onebit"])
+    assert "--all-gather onebit: a relative error of" in capfd.readouterr().err
+    path = tmp_path / "ag.json"
+    args = ["--steps", "3", "--warmup", "2", "--layers", "2", "--width", "256", "--batch", "8"]
+    args += ["--hooks", "fsdp,int8", "--all-gather", "int8", "--json", str(path)]
+    if link.cannot_shape() is None:
+        args += ["--link", "10gbit"]
+    assert main(["--fsdp", *args]) == 0, capfd.readouterr().err
+    doc = json.loads(path.read_text())
+    int8 = doc["hooks"]["int8"]
+    assert doc["all_gather"] == "int8" and int8["counted_bytes_per_step"] > 0
+    if doc["link"]["shaped"]:
+        assert int8["wire_vs_fsdp"] < 0.3
+        assert int8["rs_wire_bytes_per_step"] is None  # not separable from the all-gather's
+
+
 def _rank_placement(hook):
     from torch.distributed.tensor import Shard
 

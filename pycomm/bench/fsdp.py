@@ -89,7 +89,13 @@ def _sharded_bytes(model: torch.nn.Module) -> int:
 
 
 def run_rank(
-    spec: ModelSpec, hooks: list[str], steps: int, warmup: int, measure_lo: bool, nodes: int = 1
+    spec: ModelSpec,
+    hooks: list[str],
+    steps: int,
+    warmup: int,
+    measure_lo: bool,
+    nodes: int = 1,
+    all_gather: Optional[str] = None,
 ) -> dict:
     """One rank: every hook's model, trained in turns; per hook its step times and bytes (and,
     on a simulated node's first rank, its uplink's)."""
@@ -104,7 +110,7 @@ def run_rank(
                 if isinstance(m, FSDPModule):
                     m.set_custom_reduce_scatter(NoReduceScatter())
         elif hook not in (NATIVE, NATIVE_HSDP):
-            comm = pycomm.fsdp.compress(model, hook=hook)
+            comm = pycomm.fsdp.compress(model, hook=hook, all_gather=all_gather)
         runs[hook] = {
             "model": model,
             "comm": comm,
@@ -168,6 +174,13 @@ def _parser() -> argparse.ArgumentParser:
     )
     ap.add_argument("--nprocs", type=int, default=2)
     ap.add_argument(
+        "--all-gather",
+        default=None,
+        metavar="CODEC",
+        help="the parameter all-gather of every pycomm hook through CODEC (int8, fp8, bf16, "
+        "...); default FSDP2's own",
+    )
+    ap.add_argument(
         "--nodes",
         type=int,
         default=1,
@@ -185,7 +198,9 @@ def _parser() -> argparse.ArgumentParser:
     return ap  # fmt: skip
 
 
-def summarize(results: list[dict], hooks: list[str], params: int) -> dict[str, dict]:
+def summarize(
+    results: list[dict], hooks: list[str], params: int, all_gather: Optional[str] = None
+) -> dict[str, dict]:
     """Per hook over ranks: median step time (the slowest rank's each step), wire bytes a rank
     per step, ratios to FSDP2's own, memory per rank. A step's wire bytes are the fewest of its
     timed steps: they differ only by what some steps add (about 32 KB in one step of six on a
@@ -208,15 +223,19 @@ def summarize(results: list[dict], hooks: list[str], params: int) -> dict[str, d
             "sharded_bytes": results[0][hook]["sharded_bytes"],
         }
     rest = rows.pop(NO_RS, {}).get("wire_bytes_per_step")
-    for row in rows.values():  # the reduce-scatter's own bytes on the wire
+    for hook, row in rows.items():  # the reduce-scatter's own bytes on the wire
         wire = row["wire_bytes_per_step"]
         row["rs_wire_bytes_per_step"] = wire - rest if wire is not None and rest else None
+        if all_gather is not None and hook not in (NATIVE, NATIVE_HSDP):
+            row["rs_wire_bytes_per_step"] = None  # the rest was measured with FSDP2's all-gather
     base = rows.get(NATIVE)
     for row in rows.values():
         if base is not None:
             row["time_vs_fsdp"] = row["median_s"] / base["median_s"]
             if row["uplink_bytes_per_step"] and base["uplink_bytes_per_step"]:
                 row["uplink_vs_fsdp"] = row["uplink_bytes_per_step"] / base["uplink_bytes_per_step"]
+            if row["wire_bytes_per_step"] and base["wire_bytes_per_step"]:
+                row["wire_vs_fsdp"] = row["wire_bytes_per_step"] / base["wire_bytes_per_step"]
             if row["rs_wire_bytes_per_step"] and base["rs_wire_bytes_per_step"]:
                 row["rs_wire_vs_fsdp"] = (
                     row["rs_wire_bytes_per_step"] / base["rs_wire_bytes_per_step"]
@@ -240,6 +259,16 @@ def main(argv: Optional[list[str]] = None) -> int:
         )
     if NATIVE_HSDP in hooks and args.nodes == 1:
         ap.error(f"--hooks {NATIVE_HSDP}: FSDP2's own HSDP needs --nodes M > 1")
+    if args.all_gather is not None:
+        try:
+            error = pycomm.fsdp.weight_error(args.all_gather)
+        except (ValueError, TypeError) as e:
+            ap.error(f"--all-gather {args.all_gather}: {e}")
+        if error > pycomm.fsdp.WEIGHT_ERROR_LIMIT:
+            ap.error(
+                f"--all-gather {args.all_gather}: a relative error of {error:.3g} on weights, "
+                f"expected a codec within {pycomm.fsdp.WEIGHT_ERROR_LIMIT} (bf16, fp8, int8)"
+            )
     for h in hooks:
         if h not in (NATIVE, NATIVE_HSDP):
             try:
@@ -270,16 +299,17 @@ def main(argv: Optional[list[str]] = None) -> int:
     spec = ModelSpec(args.model, layers=args.layers, width=args.width, batch=args.batch)
     params = count_params(spec)
     where = f"{args.nodes} nodes, uplinks" if args.nodes > 1 else "link"
+    gathers = f", all-gather {args.all_gather or 'FSDP2 own'} for pycomm's hooks"
     print(f"pycomm.bench --fsdp: {spec.describe(params)}, {args.nprocs} ranks, {where} "
-          f"{args.link or 'unshaped'}, hooks {', '.join(hooks)}", flush=True)  # fmt: skip
+          f"{args.link or 'unshaped'}, hooks {', '.join(hooks)}{gathers}", flush=True)  # fmt: skip
     if args.nodes > 1:  # each node's uplink counted: no reduce-scatter-free run needed
         with Nodes(args.nodes, _link.parse_rate(args.link)) as nodes:
             link["qdisc"] = "; ".join(f"{k}: {v}" for k, v in nodes.qdiscs.items())
             results = pycomm.launch(
                 run_rank, args.nprocs, spec, hooks, args.steps, args.warmup, False,
-                args.nodes, timeout=1800, setup=nodes.setup(args.nprocs),
+                args.nodes, args.all_gather, timeout=1800, setup=nodes.setup(args.nprocs),
             )  # fmt: skip
-        rows = summarize(results, hooks, params)
+        rows = summarize(results, hooks, params, args.all_gather)
         _print_nodes(rows)
         _write(args, argv, spec, params, link, rows)
         return 0
@@ -287,17 +317,21 @@ def main(argv: Optional[list[str]] = None) -> int:
     run = [*hooks, NO_RS] if link["shaped"] else hooks
     results = pycomm.launch(
         run_rank, args.nprocs, spec, run, args.steps, args.warmup,
-        link["shaped"] and _link.in_private_netns(), timeout=1800,
+        link["shaped"] and _link.in_private_netns(), 1, args.all_gather, timeout=1800,
     )  # fmt: skip
-    rows = summarize(results, run, params)
-    print("reduce-scatter MB a rank a step: on the shaped wire (a step's fewest bytes less "
-          "those of a step without any reduce-scatter), else as counted by the hook")  # fmt: skip
-    print(f"{'hook':<10}{'step ms':>9}{'vs fsdp':>9}{'RS MB/step':>12}{'vs fsdp':>9}"
+    rows = summarize(results, run, params, args.all_gather)
+    print("MB a rank a step on the shaped wire: every collective (a step's fewest bytes), and "
+          "the reduce-scatter's (less those of a step without any reduce-scatter); counted MB: "
+          "the hook's own count")  # fmt: skip
+    print(f"{'hook':<10}{'step ms':>9}{'vs fsdp':>9}{'MB/step':>9}{'vs fsdp':>9}"
+          f"{'RS MB/step':>12}{'vs fsdp':>9}"
           f"{'counted MB':>12}{'shards MB':>11}{'residual MB':>13}")  # fmt: skip
     nan = float("nan")
     for hook, r in rows.items():
         wire, counted = r["rs_wire_bytes_per_step"], r["counted_bytes_per_step"]
+        total = r["wire_bytes_per_step"]
         print(f"{hook:<10}{r['median_s'] * 1e3:>9.1f}{r.get('time_vs_fsdp', nan):>9.3f}"
+              f"{(total or nan) / 1e6:>9.3f}{r.get('wire_vs_fsdp', nan):>9.3f}"
               f"{(wire or nan) / 1e6:>12.3f}{r.get('rs_wire_vs_fsdp', nan):>9.3f}"
               f"{(counted if counted is not None else nan) / 1e6:>12.3f}"
               f"{r['sharded_bytes'] / 1e6:>11.1f}{r['residual_bytes'] / 1e6:>13.1f}")  # fmt: skip
@@ -331,6 +365,7 @@ def _write(args, argv, spec, params, link, rows) -> None:
             "params": params,
             "nprocs": args.nprocs,
             "nodes": args.nodes,
+            "all_gather": args.all_gather,
             "link": link,
             "steps": args.steps,
             "hooks": rows,
