@@ -40,6 +40,7 @@ from pycomm.bench.quality_tasks import (
     DEFAULT_HOOKS,
     DEFAULT_OPTIMIZERS,
     DEFAULT_TASKS,
+    FSDP_ONLY,
     HOOK_OPTIONS,
     HOOKS,
     LIMITS,
@@ -257,6 +258,9 @@ def main(argv: Optional[list[str]] = None) -> int:
         check_names("hook", args.hooks, all_hooks())
     except ValueError as exc:
         ap.error(f"--hooks: {exc}" if "--import" not in str(exc) else str(exc))
+    only = [h for h in args.hooks if h in FSDP_ONLY]
+    if only and not args.fsdp:
+        ap.error(f"--hooks {', '.join(only)}: FSDP2's all-gather, expected --fsdp")
     if args.fsdp:
         bad = [h for h in args.hooks if h in NOT_FSDP]
         if bad and list(args.hooks) == list(DEFAULT_HOOKS):

@@ -41,6 +41,9 @@ HOOKS = (
     "int4-b128-bf16",
     "int8-ef",  # under --fsdp
     "int8-ef-bf16",
+    "ag-int8",  # under --fsdp: the parameter all-gather through a codec
+    "ag-fp8",
+    "int8-ag-int8",
 )
 REFERENCE = "allreduce"
 
@@ -87,9 +90,15 @@ VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     # under --fsdp, where error feedback is off by default (pycomm.fsdp)
     "int8-ef": ("int8", {"error_feedback": True}),
     "int8-ef-bf16": ("int8", {"error_feedback": True, "residual_dtype": "bfloat16"}),
+    # under --fsdp: the all-gather's codec (pycomm.fsdp.compress(all_gather=...)), with the
+    # exact reduce-scatter (its effect alone) or int8's (int8 both ways)
+    "ag-int8": ("allreduce", {"all_gather": "int8"}),
+    "ag-fp8": ("allreduce", {"all_gather": "fp8"}),
+    "int8-ag-int8": ("int8", {"all_gather": "int8"}),
 }
-# hooks that have no FSDP2 reduce-scatter (--fsdp refuses them)
+# hooks that have no FSDP2 reduce-scatter (--fsdp refuses them), and variants of FSDP2 alone
 NOT_FSDP = ("powersgd", "onebit-local", "int8-nolocal")
+FSDP_ONLY = ("ag-int8", "ag-fp8", "int8-ag-int8")
 
 # How far a hook's mean may fall behind the exact all-reduce's, at its defaults: accuracy
 # points (tasks measured in accuracy) and a relative loss (tasks measured in loss).
@@ -112,6 +121,9 @@ LIMITS: dict[str, tuple[float, float]] = {
     "int4-b128-bf16": (0.5, 0.01),
     "int8-ef": (0.5, 0.01),
     "int8-ef-bf16": (0.5, 0.01),
+    "ag-int8": (0.5, 0.01),
+    "ag-fp8": (0.5, 0.01),
+    "int8-ag-int8": (0.5, 0.01),
 }
 
 
@@ -362,7 +374,9 @@ def _train_fsdp(task, data, vocab, hook, optimizer, seed, steps, progress, label
     comm = None
     if hook != REFERENCE:
         name, options = VARIANTS.get(hook, (hook, HOOK_OPTIONS.get(hook)))
-        comm = pycomm.fsdp.compress(model, hook=name, hook_options=options)
+        options = dict(options or {})
+        gather = options.pop("all_gather", None)
+        comm = pycomm.fsdp.compress(model, hook=name, hook_options=options, all_gather=gather)
     opt = make_optimizer(optimizer, model.parameters(), task.lr)
     losses = []
     for batch in _batches(task, data, steps, seed):
