@@ -821,8 +821,44 @@ def compress(
             f"pycomm.fsdp.compress: model is a {type(model).__name__}, expected an nn.Module"
         )
     modules = _fsdp_modules(model)
-    # every check this rank can make, then every rank's resolved configuration compared
-    # (the same error on every rank); the Exchange is built, creating groups, only afterwards
+    spec, opts, group, gather = _agreed(hook, options, all_gather, all_gather_options, modules)
+    gather_exchange, gather_options, gathers = None, None, {}
+    if gather is not None:
+        _, gather_options, gather_dtypes = gather
+        # the codec from the first call, no residual: the same codes for the same shard
+        gather_exchange = Exchange(
+            all_gather, group, start_iter=0, error_feedback=False, hierarchy="flat",
+            **gather_options,
+        )  # fmt: skip
+    exchange, installed = _reduction_comms(hook, spec, opts, group, modules)
+    if gather_exchange is not None:
+        for name, module in modules:
+            gathers[name] = ModuleAllGather(name, all_gather, gather_exchange, gather_dtypes)
+            _install(name, module.set_custom_all_gather, gathers[name])
+    logger.info(
+        "pycomm.fsdp: %s %s and %s all-gather on %d FSDP modules with options %s",
+        hook,
+        "across nodes (HSDP)" if _is_hsdp(group) else "reduce-scatter",
+        all_gather or "FSDP's own",
+        len(installed),
+        opts,
+    )
+    return FSDPCompression(
+        hook, opts, installed, exchange, all_gather, gather_options, gathers, gather_exchange
+    )
+
+
+def _agreed(
+    hook: Any,
+    options: dict[str, Any],
+    all_gather: Any,
+    all_gather_options: Any,
+    modules: list[tuple[str, FSDPModule]],
+) -> tuple[Any, dict[str, Any], Any, Any]:
+    """Every check this rank can make, then every rank's resolved configuration compared
+    (the same error on every rank): the hook's spec, its options, the mesh's group and the
+    all-gather's checked codec (None: FSDP's own). Nothing is built, and no group created,
+    before the ranks agree."""
     fields: dict[str, Any] = {}
     if isinstance(hook, str):  # a name registered on some ranks only: named on every rank
         fields["hook"] = hook
@@ -833,7 +869,7 @@ def compress(
     if isinstance(all_gather, str):
         fields[f"registration of all_gather {all_gather!r}"] = registration(all_gather)
     fields.update(error_field(None))
-    group, gather = None, None
+    spec, opts, group, gather = None, {}, None, None
     try:
         spec, opts, group = _check(hook, options, modules)
         if issubclass(spec.state, CompressedState):
@@ -851,54 +887,36 @@ def compress(
     ]
     fields["ranks of the mesh"] = None if group is None else dist.get_world_size(group)
     agree("pycomm.fsdp.compress", fields)
+    return spec, opts, group, gather
+
+
+def _reduction_comms(
+    hook: str,
+    spec: Any,
+    opts: dict[str, Any],
+    group: Optional[dist.ProcessGroup],
+    modules: list[tuple[str, FSDPModule]],
+) -> tuple[Exchange, dict[str, Any]]:
+    """The gradients' Exchange and what runs it on every module: a
+    :class:`ModuleReduceScatter` each (``set_custom_reduce_scatter``), or under HSDP a
+    :class:`NodeAllReduce` each (FSDP's own reduce-scatter inside the node, the hook's
+    all-reduce across the nodes)."""
     compressed = issubclass(spec.state, CompressedState)
     ex_opts = dict(opts)
     start_iter = ex_opts.pop("start_iter", getattr(spec.state, "default_start_iter", 0))
     ex_opts["hierarchy"] = "flat"  # the mesh decides the nodes
-    gather_exchange, gather_options = None, None
-    if gather is not None:
-        _, gather_options, gather_dtypes = gather
-        # the codec from the first call, no residual: the same codes for the same shard
-        gather_exchange = Exchange(
-            all_gather,
-            group,
-            start_iter=0,
-            error_feedback=False,
-            hierarchy="flat",
-            **gather_options,
-        )
-    installed: dict[str, Any]
     if _is_hsdp(group):
-        # FSDP's own reduce-scatter inside the node, the hook's all-reduce across the nodes
         exchange = Exchange(hook, cross_group(group), start_iter=start_iter, **ex_opts)
-        installed = _install_node_all_reduce(modules, exchange, dist.get_world_size(group))
-    else:
-        if compressed:
-            ex_opts["local_feedback"] = True  # error feedback is on the reduce-scatter's input
-        exchange = Exchange(hook, group, start_iter=start_iter, **ex_opts)
-        grad_dtypes = spec.state.grad_dtypes if compressed else None
-        installed = {}
-        for name, module in modules:
-            rs = ModuleReduceScatter(name, hook, exchange, grad_dtypes)
-            _install(name, module.set_custom_reduce_scatter, rs)
-            installed[name] = rs
-    gathers: dict[str, ModuleAllGather] = {}
-    if gather_exchange is not None:
-        for name, module in modules:
-            ag = ModuleAllGather(name, all_gather, gather_exchange, gather_dtypes)
-            _install(name, module.set_custom_all_gather, ag)
-            gathers[name] = ag
-    logger.info(
-        "pycomm.fsdp: %s %s and %s all-gather on %d FSDP modules with options %s",
-        hook,
-        "across nodes (HSDP)" if _is_hsdp(group) else "reduce-scatter",
-        all_gather or "FSDP's own",
-        len(installed),
-        opts,
-    )
-    return FSDPCompression(
-        hook, opts, installed, exchange, all_gather, gather_options, gathers, gather_exchange
-    )
+        return exchange, _install_node_all_reduce(modules, exchange, dist.get_world_size(group))
+    if compressed:
+        ex_opts["local_feedback"] = True  # error feedback is on the reduce-scatter's input
+    exchange = Exchange(hook, group, start_iter=start_iter, **ex_opts)
+    grad_dtypes = spec.state.grad_dtypes if compressed else None
+    installed: dict[str, Any] = {}
+    for name, module in modules:
+        installed[name] = ModuleReduceScatter(name, hook, exchange, grad_dtypes)
+        _install(name, module.set_custom_reduce_scatter, installed[name])
+    return exchange, installed
 
 
 def _install(name: str, setter: Any, comm: Any) -> None:
