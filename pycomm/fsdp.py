@@ -82,7 +82,7 @@ from pycomm.hooks.allreduce import AllreduceState
 from pycomm.hooks.config import agree, error_field, resolved_config
 from pycomm.hooks.registry import hook_names, registration
 from pycomm.hooks.state import HookState, accepts_dtype, dtype_names, unbound
-from pycomm.hsdp import NodeAllReduce, cross_group, node_mesh
+from pycomm.hsdp import NodeAllReduce, cross_group, is_node_group, node_mesh
 
 __all__ = [
     "WEIGHT_ERROR_LIMIT",
@@ -600,8 +600,9 @@ def _check(
 
 
 def _is_hsdp(group: Optional[dist.ProcessGroup]) -> bool:
-    """Whether the mesh's group holds some ranks only (a node's: HSDP), not every rank."""
-    return group is not None and dist.get_world_size(group) < dist.get_world_size()
+    """Whether the mesh is a node's, made by :func:`node_mesh` (HSDP); any other mesh, of
+    every rank or of some, is reduced within its ranks as FSDP2 does."""
+    return is_node_group(group)
 
 
 def _weight_codecs() -> str:
@@ -886,6 +887,7 @@ def _agreed(
         (name, [tuple(p.shape) for p in m.parameters()]) for name, m in modules
     ]
     fields["ranks of the mesh"] = None if group is None else dist.get_world_size(group)
+    fields["HSDP (a mesh of pycomm.fsdp.node_mesh())"] = _is_hsdp(group)
     agree("pycomm.fsdp.compress", fields)
     return spec, opts, group, gather
 

@@ -32,11 +32,13 @@ from pycomm.exchange import Exchange
 from pycomm.hooks.groups import group_timeout
 from pycomm.topology import Topology, topology
 
-__all__ = ["NodeAllReduce", "cross_group", "node_mesh"]
+__all__ = ["NodeAllReduce", "cross_group", "is_node_group", "node_mesh"]
 
 _WHERE = "pycomm.fsdp.node_mesh"
 # shard group -> (the group, the cross group of this rank): created once, collectively
 _CROSS: dict[int, tuple[dist.ProcessGroup, dist.ProcessGroup]] = {}
+# the groups node_mesh() made (held, so that their ids are not reused)
+_NODE_GROUPS: dict[int, dist.ProcessGroup] = {}
 
 
 def _new_group(ranks: list[int]) -> dist.ProcessGroup:
@@ -86,7 +88,20 @@ def node_mesh(device_type: Optional[str] = None) -> DeviceMesh:
     if device_type is None:
         device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
     group = _new_group(sorted(nodes[everyone[dist.get_rank()].node_rank]))
+    _NODE_GROUPS[id(group)] = group
     return DeviceMesh.from_group(group, device_type)
+
+
+def is_node_group(group: Optional[dist.ProcessGroup]) -> bool:
+    """Whether ``group`` is the group of a mesh :func:`node_mesh` made: what makes a model
+    sharded on it HSDP for :func:`pycomm.fsdp.compress` (a mesh of some ranks made otherwise,
+    a pipeline stage's say, keeps FSDP2's meaning: sharded and reduced within those ranks).
+
+    Example:
+        >>> is_node_group(pycomm.fsdp.node_mesh().get_group())
+        True
+    """
+    return group is not None and _NODE_GROUPS.get(id(group)) is group
 
 
 def cross_group(shard_group: dist.ProcessGroup) -> dist.ProcessGroup:

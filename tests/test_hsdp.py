@@ -183,3 +183,21 @@ def test_bench_fsdp_on_simulated_nodes_counts_each_uplink(tmp_path, capfd):
     rows = json.loads(path.read_text())["hooks"]
     assert rows["allreduce"]["uplink_vs_fsdp"] < 0.5
     assert rows["int8"]["uplink_bytes_per_step"] < 0.3 * rows["allreduce"]["uplink_bytes_per_step"]
+
+
+def _rank_sub_mesh():
+    """A 1-D mesh of 2 of the 4 ranks made by init_device_mesh (not node_mesh): sharded and
+    reduced within those ranks, as FSDP2 does, against FSDP2's own on the same mesh."""
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))["shard"]
+    ref = train(_shard(_model(), mesh), None, 2, 1)
+    m = _shard(_model(), mesh)
+    comm = pycomm.fsdp.compress(m, hook="allreduce")
+    return ref, train(m, comm, 2, 1), comm.hsdp
+
+
+def test_a_mesh_of_some_ranks_not_from_node_mesh_is_reduced_within_them():
+    for ref, (p, grads, stats), hsdp in run_ranks(_rank_sub_mesh, 4, timeout=120):
+        assert not hsdp and "all_reduce" not in stats[-1]
+        for a, b in zip(grads, ref[1]):
+            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+        torch.testing.assert_close(p, ref[0], rtol=1e-6, atol=1e-7)
