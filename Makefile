@@ -44,7 +44,8 @@ deps-frameworks: $(VENV)/.deps-frameworks
 frameworks: install $(VENV)/.deps-frameworks
 	$(PY) -c "import transformers, ray.train.torch"
 	HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 RAY_USAGE_STATS_ENABLED=0 $(PY) -m pytest -q \
-		-m frameworks tests/test_transformers.py tests/test_ray.py tests/test_optional_clients.py
+		-m frameworks tests/test_transformers.py tests/test_ray.py tests/test_optional_clients.py \
+		tests/test_docs.py
 
 lint: $(VENV)/.deps
 	$(PY) -m ruff check .

@@ -1,6 +1,8 @@
 """What the code and the docs cite is in the repository: every ``*.md`` file a source, script,
-test or doc names exists, and every README section a docstring or comment names is a heading
-of README.md."""
+test or doc names exists; every README section a docstring or comment names is a heading of
+README.md; and every section of a page cited as ``docs/<page>.md, "Section"`` (or
+``docs/<page>.md#<section>``) is a heading of that page (or a bold list item's lead:
+``- **Section.**``)."""
 
 import os
 import re
@@ -48,4 +50,48 @@ def test_cited_readme_sections_exist():
         for section in re.findall(r"README(?:'s|,) \"([^\"]+)\"", text):
             if section not in headings:
                 missing.append(f"{os.path.relpath(path, ROOT)} cites README section {section!r}")
+    assert not missing, "\n".join(missing)
+
+
+def _headings(page: str) -> set[str]:
+    """A page's headings, and the leads of its bold list items."""
+    text = _read(os.path.join(ROOT, page))
+    leads = re.findall(r"^\s*- \*\*(.+?)[.:]?\*\*", text, re.M)
+    return set(re.findall(r"^#+ (.+?)\s*$", text, re.M)) | set(leads)
+
+
+def _has_section(page: str, section: str) -> bool:
+    """``section`` is a heading of ``page``, or one less its parenthesis (``Training quality``
+    for ``Training quality (`python -m pycomm.bench.quality`)``)."""
+    return any(h == section or h.startswith(section + " (") for h in _headings(page))
+
+
+def _anchor(heading: str) -> str:
+    """GitHub's anchor of a heading."""
+    return re.sub(r"[^\w\- ]", "", heading.lower()).replace(" ", "-")
+
+
+# ``docs/<page>.md``, "Section" (backticks optional, the section possibly on the next line)
+_CITED_SECTION = re.compile(r"`?((?:[\w.-]+/)*[\w.-]+\.md)`?,\s+\"([^\"]+)\"")
+_CITED_ANCHOR = re.compile(r"((?:[\w.-]+/)*[\w.-]+\.md)#([\w-]+)")
+
+
+def test_cited_page_sections_exist():
+    missing, cited = [], 0
+    for path in _files():
+        text = _read(path)
+        if path.endswith(".py"):
+            text = re.sub(r"\s*\n\s*(#\s*)?", " ", text)  # sections cited across lines
+        for page, section in _CITED_SECTION.findall(text):
+            if not os.path.isfile(os.path.join(ROOT, page)):
+                continue  # a page named by a relative path: test_cited_markdown_files_exist
+            cited += 1
+            if not _has_section(page, section):
+                missing.append(f"{os.path.relpath(path, ROOT)} cites {page}, {section!r}")
+        for page, anchor in _CITED_ANCHOR.findall(text):
+            cited += 1
+            page_path = os.path.join(ROOT, page)
+            if not os.path.isfile(page_path) or anchor not in map(_anchor, _headings(page)):
+                missing.append(f"{os.path.relpath(path, ROOT)} cites {page}#{anchor}")
+    assert cited, "no page section is cited: the pattern no longer matches the citations"
     assert not missing, "\n".join(missing)

@@ -12,45 +12,17 @@ import re
 import subprocess
 import sys
 
+import doc_blocks
 import pytest
 from harness import run_ranks
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PAGE = os.path.join(ROOT, "docs", "custom_hooks.md")
-FENCE = re.compile(r"^```(\w+)([^\n]*)\n(.*?)^```", re.MULTILINE | re.DOTALL)
 
 
 def blocks(path: str = PAGE) -> list[tuple[str, str, str]]:
     """(language, the rest of the fence line, code) of every fenced block of ``path``."""
-    with open(path, encoding="utf-8") as f:
-        return [(m.group(1), m.group(2).strip(), m.group(3)) for m in FENCE.finditer(f.read())]
-
-
-def _rank_blocks(workdir: str, sources: list[tuple[str, str]], files: list[str]) -> int:
-    """Run ``sources`` ((label, code)) in one namespace, in ``workdir``; then forget the
-    hooks they registered and the modules they imported, so later jobs on these ranks see
-    pycomm as it was."""
-    import pycomm
-    from pycomm.hooks import hook_names, unregister_hook
-    from pycomm.topology import set_nodes
-
-    here, before = os.getcwd(), set(hook_names())
-    os.chdir(workdir)
-    sys.path.insert(0, workdir)
-    namespace = {"__name__": "custom_hooks_page"}
-    try:
-        for label, code in sources:
-            exec(compile(code, label, "exec"), namespace)  # noqa: S102 - the page's own code
-        return len(sources)
-    finally:
-        for name in set(hook_names()) - before:
-            unregister_hook(name)
-        for f in files:
-            sys.modules.pop(os.path.splitext(f)[0], None)
-        sys.path.remove(workdir)
-        os.chdir(here)
-        set_nodes(None)
-        pycomm.hooks  # noqa: B018 - still importable
+    return doc_blocks.blocks(path)
 
 
 @pytest.fixture(scope="module")
@@ -69,7 +41,7 @@ def page(tmp_path_factory):
             (workdir / name).write_text(code)
             files.append(name)
         elif lang == "python":
-            ranks = int(re.search(r"ranks=(\d+)", rest).group(1)) if "ranks=" in rest else 2
+            ranks = doc_blocks.ranks_of(rest)
             runs.setdefault(ranks, []).append((label, code))
         elif lang == "bash":
             shell += [line for line in code.splitlines() if line.strip()]
@@ -89,7 +61,9 @@ def test_the_page_has_what_the_tests_run():
 
 def test_python_blocks_run_on_gloo_ranks(page):
     for ranks, sources in sorted(page["runs"].items()):
-        results = run_ranks(_rank_blocks, ranks, page["dir"], sources, page["files"], timeout=240)
+        results = run_ranks(
+            doc_blocks.rank_blocks, ranks, page["dir"], sources, page["files"], timeout=240
+        )
         assert results == [len(sources)] * ranks
 
 

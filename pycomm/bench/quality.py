@@ -180,7 +180,7 @@ def summarize(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def table(rows: list[dict[str, Any]]) -> str:
-    """The summary as a Markdown table (the README's)."""
+    """The summary as a Markdown table (benchmarks/README.md's)."""
     lines = [
         "| task | optimizer | hook | metric, mean ± sd (min-max) | vs allreduce | limit | holds |"
         " bytes 1/x |",

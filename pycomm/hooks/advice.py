@@ -122,7 +122,7 @@ def _caller_level() -> int:
 
 def onebit_advice(state: Any, optimizer: Any) -> Optional[str]:
     """The ``onebit`` hook's advice: with an Adam-family optimizer or SGD with momentum,
-    onebit fell behind the exact all-reduce in the quality suite (README, "Choosing a hook");
+    onebit fell behind the exact all-reduce in the quality suite (docs/choosing-a-hook.md);
     None for plain SGD.
 
     Example:

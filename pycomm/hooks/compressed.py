@@ -43,7 +43,7 @@ class CompressedState(HookState):
     the exact fp32 all-reduce, because DDP rebuilds its buckets after the first one),
     ``error_feedback``, ``local_feedback`` (default True, onebit False; two-phase exchange
     only: False keeps no residual for the encoding of each rank's own gradient in phase 1, only
-    for the re-encoded reduced chunk of phase 2; see the README's "Choosing a hook"),
+    for the re-encoded reduced chunk of phase 2; see docs/choosing-a-hook.md),
     ``residual_dtype``: ``"float32"`` (default) or ``"bfloat16"``, the error-feedback
     residuals' storage. bf16 halves their memory (4 bytes a parameter for the local residual
     and 4/N for the reduced chunk's in fp32) and the memory traffic of encoding; y is still
