@@ -7,7 +7,7 @@ TORCH ?= torch==2.13.0
 SOURCES := setup.py pyproject.toml $(wildcard csrc/*.cpp csrc/*.h csrc/*/*.cpp csrc/*/*.h csrc/*/*.cu \
 	csrc/*/*.cuh csrc/cuda/emu/*)
 
-.PHONY: install test lint bench bench-kernels clean deps-frameworks frameworks
+.PHONY: install test lint bench bench-kernels report clean deps-frameworks frameworks
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -54,6 +54,11 @@ lint: $(VENV)/.deps
 # BENCH_ARGS: more flags, e.g. BENCH_ARGS="--json out.json --plot out.png" (see --help)
 bench: install
 	$(PY) -m pycomm.bench --link 2.5gbit $(BENCH_ARGS)
+
+# the docs' tables of measured figures, from benchmarks/results/*.json (tests/test_report.py
+# fails when a table and its JSON disagree)
+report: install
+	$(PY) -m pycomm.bench.report
 
 bench-kernels: install
 	$(PY) benchmarks/bench_fusion.py --json benchmarks/results/fusion.json

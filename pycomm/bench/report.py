@@ -140,7 +140,7 @@ def table(doc: dict[str, Any]) -> str:
         if ok and h.get("measured") == "alone":
             status = "ok (alone)"
         if ok and h.get("auto"):
-            status += f", chose {_choice(h['auto'])}"
+            status += f", chose {choice(h['auto'])}"
         lines.append(f"{row}  {status}")
     for f in doc["failures"]:
         who = f["hook"] or f"({f.get('phase') or 'interleaved'} run)"
@@ -190,7 +190,7 @@ def table(doc: dict[str, Any]) -> str:
             each = ", ".join(f"{k} {v * 1e3:.1f}" for k, v in predicted.items())
             cap = h["auto"].get("bucket_cap_mb_best")
             lines.append(
-                f"{name}: chose {_choice(h['auto'])} at iteration {h['auto']['decided_at']}; "
+                f"{name}: chose {choice(h['auto'])} at iteration {h['auto']['decided_at']}; "
                 f"its predicted step times (ms): {each}"
                 + (f"; predicted best DDP bucket size for it: {cap:g} MB" if cap else "")
             )
@@ -205,7 +205,7 @@ def table(doc: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def _choice(decision: dict[str, Any]) -> str:
+def choice(decision: dict[str, Any]) -> str:
     """An auto decision in a few characters: the hook, and the hierarchy when not flat."""
     h = decision.get("hierarchy", "flat")
     return decision["choice"] + ("" if h == "flat" else f"-{h}")
@@ -287,3 +287,9 @@ def plot(doc: dict[str, Any], path: str) -> None:
         ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.1), ncol=2, fontsize=8, frameon=False)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
+
+
+if __name__ == "__main__":  # python -m pycomm.bench.report: the docs' tables (tables.py)
+    from pycomm.bench.tables import main
+
+    raise SystemExit(main())

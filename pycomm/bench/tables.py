@@ -1,0 +1,477 @@
+"""The docs' tables of measured figures, generated from the results' JSON files.
+
+A measured figure lives in one place: the JSON file a benchmark wrote
+(``benchmarks/results/*.json``). A Markdown page shows it through a generated block:
+
+.. code-block:: markdown
+
+    <!-- report: steps bench_2.5gbit.json hooks=ddp,bf16,int8 -->
+    (the table, written by the generator)
+    <!-- /report -->
+
+The first word after ``report:`` names a renderer (:data:`RENDERERS`), the next words the JSON
+files (relative to the results folder; a ``*`` pattern takes every match, in name order), the
+``key=value`` words its options. ``python -m pycomm.bench.report`` rewrites every block of the
+repository's Markdown pages; ``--check`` changes nothing and exits 1 naming each block whose
+text is not what its JSON gives (a test runs it). Each block ends with the JSON it came from
+and the command that wrote it.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import json
+import os
+import re
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+from pycomm.bench.report import choice, header, table
+
+RESULTS = os.path.join("benchmarks", "results")
+
+_BEGIN = re.compile(r"^<!-- report: (?P<spec>.+?) -->$")
+_END = "<!-- /report -->"
+
+
+class ReportError(ValueError):
+    """A report block that cannot be generated: the page and line, and why."""
+
+
+@dataclass
+class Block:
+    """One generated block of a page: where it is, what it asks for and what it holds now."""
+
+    path: str
+    line: int  # 1-based line of the opening comment
+    renderer: str
+    files: list[str]
+    options: dict[str, str]
+    text: str  # the lines between the two comments, as they are in the page
+
+    @property
+    def where(self) -> str:
+        return f"{self.path}:{self.line}"
+
+
+# ---------------------------------------------------------------------------------------------
+# formatting
+
+
+def _ms(seconds: Optional[float]) -> str:
+    return "-" if seconds is None else f"{seconds * 1e3:.1f}"
+
+
+def _mb(count: Optional[float]) -> str:
+    return "-" if count is None else f"{count / 1e6:.2f}"
+
+
+def _x(ratio: Optional[float]) -> str:
+    return "-" if ratio is None else f"{ratio:.2f}x"
+
+
+def _value(v: Any) -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, bool):
+        return "yes" if v else "no"
+    if isinstance(v, float):
+        return f"{v:.4g}"
+    if isinstance(v, list):
+        return ", ".join(_value(x) for x in v)
+    return str(v)
+
+
+def _md(head: list[str], rows: list[list[str]]) -> list[str]:
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    lines += ["| " + " | ".join(r) + " |" for r in rows]
+    return lines
+
+
+def _names(options: dict[str, str], key: str) -> Optional[list[str]]:
+    text = options.get(key)
+    return None if text is None else [n for n in text.split(",") if n]
+
+
+def _pick(block: Block, available: list[str], key: str) -> list[str]:
+    """The names option ``key`` lists (in its order), each checked against ``available``."""
+    wanted = _names(block.options, key)
+    if wanted is None:
+        return list(available)
+    unknown = [n for n in wanted if n not in available]
+    if unknown:
+        raise ReportError(
+            f"{block.where}: {key}={','.join(unknown)} not in {block.files[0]}; "
+            f"it has {', '.join(available)}"
+        )
+    return wanted
+
+
+def _one(block: Block, docs: list[dict[str, Any]]) -> dict[str, Any]:
+    if len(docs) != 1:
+        raise ReportError(
+            f"{block.where}: renderer {block.renderer!r} takes one JSON file, got {len(docs)}"
+        )
+    return docs[0]
+
+
+# ---------------------------------------------------------------------------------------------
+# renderers: (block, documents) -> lines
+
+
+def _printed(block: Block, docs: list[dict[str, Any]]) -> list[str]:
+    """What ``python -m pycomm.bench`` printed for this run: its header and table."""
+    doc = _one(block, docs)
+    text = table(doc)
+    if block.options.get("notes", "yes") == "no":  # the table alone, without what follows it
+        keep = len(header(doc)) + 1 + len(doc["hooks"])
+        text = "\n".join(text.splitlines()[:keep])
+    return ["```text", *text.splitlines(), "```"]
+
+
+def _steps(block: Block, docs: list[dict[str, Any]]) -> list[str]:
+    """A step-time run as Markdown: each hook's median, its ratio to a reference hook
+    (``vs=``, default ddp: the reference's time / the hook's, so above 1x is faster) and the
+    bytes a rank sends per step (and the bytes a node sends across its uplink, when measured)."""
+    doc = _one(block, docs)
+    hooks = doc["hooks"]
+    vs = block.options.get("vs", "ddp")
+    names = _pick(block, list(hooks), "hooks")
+    if vs not in hooks:
+        raise ReportError(f"{block.where}: vs={vs} not in {block.files[0]}")
+    ref = hooks[vs].get("median_s") if hooks[vs]["status"] == "ok" else None
+    uplink = any(hooks[n].get("uplink_bytes_per_step") is not None for n in names)
+    head = ["hook", "median ms", f"speed vs {vs}", "MB sent per rank and step"]
+    head += ["uplink MB per node and step"] if uplink else []
+    rows = []
+    for n in names:
+        h = hooks[n]
+        ok = h["status"] == "ok"
+        m = h.get("median_s") if ok else None
+        row = [f"`{n}`", _ms(m) if ok else "failed", _x(ref / m if ref and m else None)]
+        row.append(_mb(h.get("bytes_per_step") if ok else None))
+        if uplink:
+            row.append(_mb(h.get("uplink_bytes_per_step") if ok else None))
+        if ok and h.get("auto"):
+            row[0] += f" (chose {choice(h['auto'])})"
+        rows.append(row)
+    return _md(head, rows)
+
+
+def _label(doc: dict[str, Any], path: str) -> str:
+    link = doc.get("link") or {}
+    rate = link.get("requested") or link.get("rate")
+    if rate and not link.get("shaped", True):
+        rate = f"{rate} (unshaped)"
+    return rate or ("unshaped" if link else os.path.basename(path))
+
+
+def _rate_bits(doc: dict[str, Any]) -> float:
+    link = doc.get("link") or {}
+    bits = link.get("per_rank_bits") if link.get("shaped", True) else None
+    return float(bits) if bits else float("inf")
+
+
+def _sweep(block: Block, docs: list[dict[str, Any]]) -> list[str]:
+    """Several step-time runs (one per link rate, say): a row per run, a column per hook, each
+    cell the hook's speed against ``vs=`` (default ddp) in that run, or its median ms with
+    ``value=ms``."""
+    vs = block.options.get("vs", "ddp")
+    value = block.options.get("value", "speed")
+    if value not in ("speed", "ms"):
+        raise ReportError(f"{block.where}: value={value}; expected speed or ms")
+    common = [n for n in docs[0]["hooks"] if all(n in d["hooks"] for d in docs)]
+    names = _pick(block, common, "hooks")
+    head = ["run", *(f"`{n}`" for n in names)]
+    rows = []
+    for path, doc in sorted(zip(block.files, docs), key=lambda pd: _rate_bits(pd[1])):
+        hooks = doc["hooks"]
+        ref = hooks.get(vs, {}).get("median_s") if hooks.get(vs, {}).get("status") == "ok" else None
+        row = [_label(doc, path)]
+        for n in names:
+            h = hooks[n]
+            m = h.get("median_s") if h["status"] == "ok" else None
+            cell = _ms(m) if value == "ms" else _x(ref / m if ref and m else None)
+            if h["status"] == "ok" and h.get("auto"):
+                cell += f" ({choice(h['auto'])})"
+            row.append(cell)
+        rows.append(row)
+    return _md(head, rows)
+
+
+def _delta(row: dict[str, Any]) -> str:
+    if row["delta"] is None:
+        return "reference" if row["hook"] == "allreduce" else "-"
+    if row["metric"] == "accuracy":
+        text = f"{row['delta']:+.2f} pt"
+    else:
+        text = f"{100 * row['delta']:+.2f}%"
+    return text if row["ok"] is not False else f"**{text}**"
+
+
+def _quality(block: Block, docs: list[dict[str, Any]]) -> list[str]:
+    """A quality run: a row per task and optimizer, a column per hook, each cell the hook's
+    mean paired difference from the exact all-reduce over the seeds (accuracy: points, loss:
+    relative; bold where it breaks the hook's limit). ``full=yes``: the whole summary, one row
+    per task, optimizer and hook."""
+    rows: list[dict[str, Any]] = []
+    for doc in docs:
+        rows += doc["summary"]
+    tasks = _pick(block, list(dict.fromkeys(r["task"] for r in rows)), "tasks")
+    optimizers = _pick(block, list(dict.fromkeys(r["optimizer"] for r in rows)), "optimizers")
+    hooks = _pick(block, list(dict.fromkeys(r["hook"] for r in rows)), "hooks")
+    rows = [r for r in rows if r["task"] in tasks and r["optimizer"] in optimizers]
+    if block.options.get("full") == "yes":
+        from pycomm.bench.quality import table as quality_table
+
+        return quality_table([r for r in rows if r["hook"] in hooks]).splitlines()
+    hooks = [h for h in hooks if h != "allreduce"]
+    cells = {(r["task"], r["optimizer"], r["hook"]): r for r in rows}
+    out = []
+    for task in tasks:
+        for opt in optimizers:
+            if not any((task, opt, h) in cells for h in hooks):
+                continue
+            ref = cells.get((task, opt, "allreduce"))
+            metric = ref["metric"] if ref else "?"
+            seeds = ref["seeds"] if ref else "-"
+            line = [task, opt, f"{metric}, {seeds} seeds"]
+            line += [
+                _delta(cells[(task, opt, h)]) if (task, opt, h) in cells else "-" for h in hooks
+            ]
+            out.append(line)
+    return _md(["task", "optimizer", "metric", *(f"`{h}`" for h in hooks)], out)
+
+
+def _kernels(block: Block, docs: list[dict[str, Any]]) -> list[str]:
+    """A kernel benchmark: a row per case with pycomm's time, the pure-PyTorch reference's and
+    the speedup, and the bytes each moves."""
+    doc = _one(block, docs)
+    ref = "eager" if any("eager_ms" in r for r in doc["rows"]) else "torch"
+    head = ["case", "MB moved", "pycomm ms", f"{ref} ms", "pycomm GB/s", f"speedup vs {ref}"]
+    rows = [
+        [
+            r["case"],
+            _mb(r.get("bytes")),
+            f"{r['ours_ms']:.2f}",
+            "-" if r.get(f"{ref}_ms") is None else f"{r[f'{ref}_ms']:.2f}",
+            f"{r['ours_gbs']:.1f}" if r.get("ours_gbs") else "-",
+            _x(r.get(f"speedup_vs_{ref}")),
+        ]
+        for r in doc["rows"]
+    ]
+    return _md(head, rows)
+
+
+def _fsdp(block: Block, docs: list[dict[str, Any]]) -> list[str]:
+    """An FSDP2 run (``python -m pycomm.bench --fsdp``): each hook's median step, its speed
+    against FSDP2's own (``vs=``, default fsdp), the bytes sent per rank and step on the wire
+    (and by the reduce-scatters alone), across a node's uplink, and the residual's memory."""
+    doc = _one(block, docs)
+    hooks = doc["hooks"]
+    names = _pick(block, list(hooks), "hooks")
+    vs = block.options.get("vs", "fsdp")
+    if vs not in hooks:
+        raise ReportError(f"{block.where}: vs={vs} not in {block.files[0]}")
+    ref = hooks[vs]["median_s"]
+    cols = [
+        ("wire_bytes_per_step", "wire MB per rank and step"),
+        ("rs_wire_bytes_per_step", "reduce-scatter wire MB"),
+        ("uplink_bytes_per_step", "uplink MB per node and step"),
+        ("residual_bytes", "residual MB per rank"),
+    ]
+    cols = [(k, t) for k, t in cols if any(hooks[n].get(k) is not None for n in names)]
+    head = ["hook", "median ms", f"speed vs {vs}", *(t for _, t in cols)]
+    rows = [
+        [f"`{n}`", _ms(hooks[n]["median_s"]), _x(ref / hooks[n]["median_s"])]
+        + [_mb(hooks[n].get(k)) for k, _ in cols]
+        for n in names
+    ]
+    return _md(head, rows)
+
+
+def _node(doc: Any, path: str, block: Block) -> Any:
+    for part in [p for p in path.split(".") if p]:
+        if isinstance(doc, list) and part.isdigit() and int(part) < len(doc):
+            doc = doc[int(part)]
+        elif isinstance(doc, dict) and part in doc:
+            doc = doc[part]
+        else:
+            raise ReportError(f"{block.where}: at={path}: no {part!r} in {block.files[0]}")
+    return doc
+
+
+def _values(block: Block, docs: list[dict[str, Any]]) -> list[str]:
+    """Any JSON node as a table (``at=`` a dotted path): a list of records or a mapping of
+    records gives a row per record and a column per field (``cols=`` picks and orders them),
+    a mapping of values gives a row per key."""
+    node = _node(_one(block, docs), block.options.get("at", ""), block)
+    if isinstance(node, dict) and not any(isinstance(v, dict) for v in node.values()):
+        keys = _pick(block, list(node), "cols")
+        return _md(["", "value"], [[k, _value(node[k])] for k in keys])
+    if isinstance(node, dict):
+        records = [({"": k} | v) if isinstance(v, dict) else {"": k, "value": v}
+                   for k, v in node.items()]  # fmt: skip
+    elif isinstance(node, list) and all(isinstance(r, dict) for r in node):
+        records = node
+    else:
+        raise ReportError(f"{block.where}: at={block.options.get('at', '')} is not a table")
+    fields = list(dict.fromkeys(k for r in records for k in r))
+    cols = _pick(block, fields, "cols")
+    return _md(cols, [[_value(r.get(c)) for c in cols] for r in records])
+
+
+Renderer = Callable[[Block, "list[dict[str, Any]]"], "list[str]"]
+
+RENDERERS: dict[str, Renderer] = {
+    "printed": _printed,
+    "steps": _steps,
+    "sweep": _sweep,
+    "quality": _quality,
+    "kernels": _kernels,
+    "fsdp": _fsdp,
+    "values": _values,
+}
+
+
+# ---------------------------------------------------------------------------------------------
+# pages
+
+
+def _parse(spec: str, path: str, line: int, text: str) -> Block:
+    words = spec.split()
+    options = dict(w.split("=", 1) for w in words[1:] if "=" in w)
+    files = [w for w in words[1:] if "=" not in w]
+    if not words or words[0] not in RENDERERS:
+        raise ReportError(
+            f"{path}:{line}: renderer {words[0] if words else ''!r} unknown; "
+            f"expected one of {', '.join(RENDERERS)}"
+        )
+    if not files:
+        raise ReportError(f"{path}:{line}: no JSON file named after {words[0]!r}")
+    return Block(path, line, words[0], files, options, text)
+
+
+def blocks(path: str) -> list[Block]:
+    """The report blocks of the Markdown page at ``path``, in order."""
+    with open(path, encoding="utf-8") as f:
+        lines = f.read().splitlines()
+    found, start = [], None
+    for i, line in enumerate(lines):
+        m = _BEGIN.match(line)
+        if m and start is not None:
+            raise ReportError(f"{path}:{i + 1}: a report block opens inside the one at line "
+                              f"{start + 1}")  # fmt: skip
+        if m:
+            start, spec = i, m.group("spec")
+        elif line == _END and start is None:
+            raise ReportError(f"{path}:{i + 1}: {_END} without an opening report comment")
+        elif line == _END:
+            found.append(_parse(spec, path, start + 1, "\n".join(lines[start + 1 : i])))
+            start = None
+    if start is not None:
+        raise ReportError(f"{path}:{start + 1}: report block not closed by {_END}")
+    return found
+
+
+def _expand(block: Block, results: str) -> list[str]:
+    paths = []
+    for name in block.files:
+        if any(c in name for c in "*?["):
+            matches = sorted(f for f in os.listdir(results) if fnmatch.fnmatch(f, name))
+            if not matches:
+                raise ReportError(f"{block.where}: no file in {results} matches {name!r}")
+            paths += [os.path.join(results, f) for f in matches]
+        else:
+            path = os.path.join(results, name)
+            if not os.path.isfile(path):
+                raise ReportError(f"{block.where}: {path} does not exist")
+            paths.append(path)
+    return paths
+
+
+def render(block: Block, root: str) -> str:
+    """The text ``block`` should hold: the renderer's lines over its JSON files, then where
+    they come from (the files, linked from the page, and the command that wrote each)."""
+    results = os.path.join(root, RESULTS)
+    paths = _expand(block, results)
+    docs = []
+    for p in paths:
+        with open(p, encoding="utf-8") as f:
+            docs.append(json.load(f))
+    expanded = Block(block.path, block.line, block.renderer,
+                     [os.path.basename(p) for p in paths], block.options, block.text)  # fmt: skip
+    try:
+        lines = RENDERERS[block.renderer](expanded, docs)
+    except (KeyError, TypeError) as e:
+        raise ReportError(
+            f"{block.where}: {', '.join(expanded.files)} is not what renderer "
+            f"{block.renderer!r} reads ({type(e).__name__}: {e})"
+        ) from None
+    page_dir = os.path.dirname(os.path.abspath(block.path))
+    sources = []
+    for p, doc in zip(paths, docs):
+        rel = os.path.relpath(os.path.abspath(p), page_dir).replace(os.sep, "/")
+        command = doc.get("command") if isinstance(doc, dict) else None
+        sources.append(f"[`{os.path.basename(p)}`]({rel})" + (f": `{command}`" if command else ""))
+    return "\n".join([*lines, "", "<sub>From " + "; ".join(sources) + ".</sub>"])
+
+
+def pages(root: str) -> list[str]:
+    """The repository's Markdown pages: README.md, docs/ and benchmarks/ (recursively)."""
+    found = [os.path.join(root, "README.md")]
+    for folder in ("docs", "benchmarks"):
+        for here, dirs, files in os.walk(os.path.join(root, folder)):
+            dirs.sort()
+            found += [os.path.join(here, f) for f in sorted(files) if f.endswith(".md")]
+    return [p for p in found if os.path.isfile(p)]
+
+
+def update(paths: list[str], root: str, check: bool = False) -> list[Block]:
+    """Regenerate every block of ``paths``; returns the blocks whose text changed (with
+    ``check=True`` nothing is written: they are the stale ones)."""
+    stale = []
+    for path in paths:
+        found = blocks(path)
+        with open(path, encoding="utf-8") as f:
+            lines = f.read().split("\n")
+        changed = []
+        for b in reversed(found):
+            new = render(b, root)
+            if new != b.text:
+                changed.insert(0, b)
+                end = b.line + len(b.text.split("\n")) if b.text else b.line
+                lines[b.line : end] = new.split("\n")
+        stale += changed
+        if changed and not check:
+            with open(path, "w", encoding="utf-8") as f:
+                f.write("\n".join(lines))
+    return stale
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    import argparse
+
+    ap = argparse.ArgumentParser(
+        prog="python -m pycomm.bench.report",
+        description="Regenerate the docs' tables of measured figures from "
+        "benchmarks/results/*.json (the blocks between '<!-- report: ... -->' and "
+        f"'{_END}').",
+    )
+    ap.add_argument(
+        "pages", nargs="*", help="Markdown pages; default: README.md, docs/, benchmarks/"
+    )
+    ap.add_argument("--root", default=".", help="the repository's root; default: .")
+    ap.add_argument(
+        "--check", action="store_true", help="change nothing; exit 1 if a block is stale"
+    )
+    args = ap.parse_args(argv)
+    try:
+        changed = update(args.pages or pages(args.root), args.root, check=args.check)
+    except ReportError as e:
+        print(f"error: {e}")
+        return 2
+    for b in changed:
+        what = "stale" if args.check else "rewritten"
+        print(f"{b.where}: {what} ({b.renderer} {' '.join(b.files)})")
+    return 1 if args.check and changed else 0

@@ -1,0 +1,151 @@
+"""The docs' tables of measured figures against the JSON files they are generated from."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+
+import pytest
+
+from pycomm.bench import tables
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_every_table_in_the_docs_is_what_its_json_gives():
+    stale = tables.update(tables.pages(ROOT), ROOT, check=True)
+    assert not stale, (
+        "tables that differ from their JSON (run python -m pycomm.bench.report): "
+        + ", ".join(f"{b.where} ({b.renderer} {' '.join(b.files)})" for b in stale)
+    )
+
+
+def test_the_docs_have_generated_tables():
+    found = [b for p in tables.pages(ROOT) for b in tables.blocks(p)]
+    assert len(found) >= 10
+    assert {b.renderer for b in found} >= {"printed", "steps", "quality", "fsdp", "kernels"}
+
+
+# A row of a Markdown table with a measured figure in it: a time, a ratio, a share or a size.
+_FIGURE = re.compile(r"\b\d+(\.\d+)?\s?(ms|x|%|MB|GB/s|GB|pt)\b")
+
+
+def _hand_tables(path: str) -> list[str]:
+    inside, found = False, []
+    with open(path, encoding="utf-8") as f:
+        for n, line in enumerate(f, 1):
+            if line.startswith("<!-- report:"):
+                inside = True
+            elif line.startswith("<!-- /report -->"):
+                inside = False
+            elif not inside and line.startswith("|") and _FIGURE.search(line):
+                found.append(f"{os.path.relpath(path, ROOT)}:{n}: {line.strip()[:80]}")
+    return found
+
+
+def test_no_table_of_figures_is_written_by_hand():
+    found = [row for p in tables.pages(ROOT) for row in _hand_tables(p)]
+    assert not found, "tables of figures outside a report block:\n" + "\n".join(found)
+
+
+# --- the generator itself, on a page and results of its own ------------------------------------
+
+
+def _bench(ms: dict[str, float]) -> dict:
+    hooks = {
+        name: {"status": "ok", "median_s": v / 1e3, "bytes_per_step": 1e6 * (i + 1)}
+        for i, (name, v) in enumerate(ms.items())
+    }
+    return {
+        "command": "python -m pycomm.bench --link 1gbit",
+        "link": {"requested": "1gbit", "per_rank_bits": 10**9, "shaped": True},
+        "hooks": hooks,
+    }
+
+
+@pytest.fixture
+def repo(tmp_path):
+    results = tmp_path / "benchmarks" / "results"
+    results.mkdir(parents=True)
+    (results / "run.json").write_text(json.dumps(_bench({"ddp": 200.0, "int8": 100.0})))
+    (tmp_path / "docs").mkdir()
+    page = tmp_path / "docs" / "page.md"
+    page.write_text(
+        "# Page\n\ntext\n<!-- report: steps run.json -->\n<!-- /report -->\nmore text\n"
+        "<!-- report: steps run.json hooks=int8 vs=int8 -->\nold\n<!-- /report -->\n"
+    )
+    return tmp_path
+
+
+def test_update_writes_the_tables_and_check_then_passes(repo):
+    page = repo / "docs" / "page.md"
+    changed = tables.update([str(page)], str(repo))
+    assert [b.line for b in changed] == [4, 7]
+    text = page.read_text()
+    assert "| `int8` | 100.0 | 2.00x | 2.00 |" in text  # ddp's 200 ms / int8's 100 ms
+    assert "| `int8` | 100.0 | 1.00x | 2.00 |" in text
+    assert "[`run.json`](../benchmarks/results/run.json): `python -m pycomm.bench" in text
+    assert text.startswith("# Page\n\ntext\n") and "more text\n" in text and "old" not in text
+    assert tables.update([str(page)], str(repo), check=True) == []
+    assert tables.main(["--check", "--root", str(repo), str(page)]) == 0
+
+
+def test_a_changed_figure_makes_its_table_stale(repo, capsys):
+    page = repo / "docs" / "page.md"
+    tables.update([str(page)], str(repo))
+    before = page.read_text()
+    (repo / "benchmarks" / "results" / "run.json").write_text(
+        json.dumps(_bench({"ddp": 200.0, "int8": 125.0}))
+    )
+    stale = tables.update([str(page)], str(repo), check=True)
+    assert [b.line for b in stale] == [4, 13]  # both blocks, at their lines once generated
+    assert page.read_text() == before  # --check writes nothing
+    assert tables.main(["--check", "--root", str(repo), str(page)]) == 1
+    assert "page.md:4: stale (steps run.json)" in capsys.readouterr().out
+    tables.update([str(page)], str(repo))
+    assert "| `int8` | 125.0 | 1.60x | 2.00 |" in page.read_text()
+
+
+def test_a_hand_edit_inside_a_block_is_stale(repo):
+    page = repo / "docs" / "page.md"
+    tables.update([str(page)], str(repo))
+    page.write_text(page.read_text().replace("| 100.0 | 2.00x", "| 100.0 | 2.10x"))
+    assert [b.line for b in tables.update([str(page)], str(repo), check=True)] == [4]
+
+
+@pytest.mark.parametrize(
+    "block, message",
+    [
+        ("<!-- report: bars run.json -->\n<!-- /report -->", "renderer 'bars' unknown"),
+        ("<!-- report: steps gone.json -->\n<!-- /report -->", "gone.json does not exist"),
+        ("<!-- report: steps -->\n<!-- /report -->", "no JSON file named after 'steps'"),
+        ("<!-- report: steps run.json -->\n", "not closed by <!-- /report -->"),
+        ("<!-- /report -->\n", "without an opening report comment"),
+        (
+            "<!-- report: steps run.json hooks=int4 -->\n<!-- /report -->",
+            "hooks=int4 not in run.json; it has ddp, int8",
+        ),
+        ("<!-- report: steps run*.json vs=fp8 -->\n<!-- /report -->", "vs=fp8 not in run.json"),
+        ("<!-- report: quality run.json -->\n<!-- /report -->", "is not what renderer 'quality'"),
+    ],
+)
+def test_a_bad_block_names_the_page_line_and_value(repo, block, message):
+    page = repo / "docs" / "bad.md"
+    page.write_text("# Bad\n\n" + block)
+    with pytest.raises(tables.ReportError, match=re.escape(message)) as e:
+        tables.update([str(page)], str(repo))
+    assert str(e.value).startswith(f"{page}:3: ") or "without" in message
+    assert tables.main(["--root", str(repo), str(page)]) == 2
+
+
+def test_sweep_orders_runs_by_link_rate(repo):
+    results = repo / "benchmarks" / "results"
+    slow = _bench({"ddp": 900.0, "int8": 300.0})
+    slow["link"] = {"requested": "100mbit", "per_rank_bits": 10**8, "shaped": True}
+    (results / "run_slow.json").write_text(json.dumps(slow))
+    page = repo / "docs" / "sweep.md"
+    page.write_text("<!-- report: sweep run*.json hooks=int8 -->\n<!-- /report -->\n")
+    tables.update([str(page)], str(repo))
+    rows = [r for r in page.read_text().splitlines() if r.startswith("| 1")]
+    assert rows == ["| 100mbit | 3.00x |", "| 1gbit | 2.00x |"]
