@@ -70,7 +70,7 @@ def repo(tmp_path):
     results.mkdir(parents=True)
     (results / "run.json").write_text(json.dumps(_bench({"ddp": 200.0, "int8": 100.0})))
     (tmp_path / "docs").mkdir()
-    page = tmp_path / "docs" / "page.md"
+    page = tmp_path / "docs" / "page.markdown"
     page.write_text(
         "# Page\n\ntext\n<!-- report: steps run.json -->\n<!-- /report -->\nmore text\n"
         "<!-- report: steps run.json hooks=int8 vs=int8 -->\nold\n<!-- /report -->\n"
@@ -79,7 +79,7 @@ def repo(tmp_path):
 
 
 def test_update_writes_the_tables_and_check_then_passes(repo):
-    page = repo / "docs" / "page.md"
+    page = repo / "docs" / "page.markdown"
     changed = tables.update([str(page)], str(repo))
     assert [b.line for b in changed] == [4, 7]
     text = page.read_text()
@@ -92,7 +92,7 @@ def test_update_writes_the_tables_and_check_then_passes(repo):
 
 
 def test_a_changed_figure_makes_its_table_stale(repo, capsys):
-    page = repo / "docs" / "page.md"
+    page = repo / "docs" / "page.markdown"
     tables.update([str(page)], str(repo))
     before = page.read_text()
     (repo / "benchmarks" / "results" / "run.json").write_text(
@@ -102,13 +102,13 @@ def test_a_changed_figure_makes_its_table_stale(repo, capsys):
     assert [b.line for b in stale] == [4, 13]  # both blocks, at their lines once generated
     assert page.read_text() == before  # --check writes nothing
     assert tables.main(["--check", "--root", str(repo), str(page)]) == 1
-    assert "page.md:4: stale (steps run.json)" in capsys.readouterr().out
+    assert "page.markdown:4: stale (steps run.json)" in capsys.readouterr().out
     tables.update([str(page)], str(repo))
     assert "| `int8` | 125.0 | 1.60x | 2.00 |" in page.read_text()
 
 
 def test_a_hand_edit_inside_a_block_is_stale(repo):
-    page = repo / "docs" / "page.md"
+    page = repo / "docs" / "page.markdown"
     tables.update([str(page)], str(repo))
     page.write_text(page.read_text().replace("| 100.0 | 2.00x", "| 100.0 | 2.10x"))
     assert [b.line for b in tables.update([str(page)], str(repo), check=True)] == [4]
@@ -131,7 +131,7 @@ def test_a_hand_edit_inside_a_block_is_stale(repo):
     ],
 )
 def test_a_bad_block_names_the_page_line_and_value(repo, block, message):
-    page = repo / "docs" / "bad.md"
+    page = repo / "docs" / "bad.markdown"
     page.write_text("# Bad\n\n" + block)
     with pytest.raises(tables.ReportError, match=re.escape(message)) as e:
         tables.update([str(page)], str(repo))
@@ -144,8 +144,35 @@ def test_sweep_orders_runs_by_link_rate(repo):
     slow = _bench({"ddp": 900.0, "int8": 300.0})
     slow["link"] = {"requested": "100mbit", "per_rank_bits": 10**8, "shaped": True}
     (results / "run_slow.json").write_text(json.dumps(slow))
-    page = repo / "docs" / "sweep.md"
+    page = repo / "docs" / "sweep.markdown"
     page.write_text("<!-- report: sweep run*.json hooks=int8 -->\n<!-- /report -->\n")
     tables.update([str(page)], str(repo))
     rows = [r for r in page.read_text().splitlines() if r.startswith("| 1")]
     assert rows == ["| 100mbit | 3.00x |", "| 1gbit | 2.00x |"]
+
+
+def test_quality_takes_each_files_hooks_and_refuses_a_hook_twice(repo):
+    results = repo / "benchmarks" / "results"
+
+    def run(hooks: dict[str, float]) -> dict:
+        summary = [
+            {"task": "charlm", "optimizer": "sgd", "hook": h, "metric": "loss", "seeds": 3,
+             "delta": d, "ok": None if d is None else d <= 0.01}
+            for h, d in hooks.items()
+        ]  # fmt: skip
+        return {"summary": summary}
+
+    (results / "q1.json").write_text(json.dumps(run({"allreduce": None, "int8": 0.004})))
+    (results / "q2.json").write_text(
+        json.dumps(run({"allreduce": None, "int8": 0.002, "int4": 0.02}))
+    )
+    page = repo / "docs" / "q.markdown"
+    page.write_text("<!-- report: quality q1.json q2.json:int4 -->\n<!-- /report -->\n")
+    tables.update([str(page)], str(repo))
+    assert "| charlm | sgd | loss, 3 seeds | +0.40% | **+2.00%** |" in page.read_text()
+    page.write_text("<!-- report: quality q1.json q2.json -->\n<!-- /report -->\n")
+    with pytest.raises(tables.ReportError, match="charlm/sgd/int8 is in q1.json and in q2.json"):
+        tables.update([str(page)], str(repo))
+    page.write_text("<!-- report: steps q1.json:int8 -->\n<!-- /report -->\n")
+    with pytest.raises(tables.ReportError, match="only the quality renderer takes FILE:HOOKS"):
+        tables.update([str(page)], str(repo))

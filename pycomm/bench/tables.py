@@ -26,6 +26,7 @@ import re
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
+from pycomm.bench.quality import table as quality_table
 from pycomm.bench.report import choice, header, table
 
 RESULTS = os.path.join("benchmarks", "results")
@@ -213,17 +214,31 @@ def _quality(block: Block, docs: list[dict[str, Any]]) -> list[str]:
     """A quality run: a row per task and optimizer, a column per hook, each cell the hook's
     mean paired difference from the exact all-reduce over the seeds (accuracy: points, loss:
     relative; bold where it breaks the hook's limit). ``full=yes``: the whole summary, one row
-    per task, optimizer and hook."""
+    per task, optimizer and hook. Several files are read together: ``FILE:HOOKS`` takes only
+    those hooks of a file (and its exact all-reduce, the reference of its rows); a hook that
+    two files hold for the same task and optimizer is an error."""
     rows: list[dict[str, Any]] = []
-    for doc in docs:
-        rows += doc["summary"]
+    seen: dict[tuple[str, str, str], str] = {}
+    for name, doc in zip(block.files, docs):
+        pick = name.partition(":")[2]
+        keep = None if not pick else {"allreduce", *pick.split(",")}
+        for r in doc["summary"]:
+            if keep is not None and r["hook"] not in keep:
+                continue
+            key = (r["task"], r["optimizer"], r["hook"])
+            if key in seen and r["hook"] != "allreduce":
+                raise ReportError(
+                    f"{block.where}: {'/'.join(key)} is in {seen[key]} and in {name}: "
+                    "pick the hooks of each file with FILE:HOOKS"
+                )
+            seen.setdefault(key, name)
+            if key not in seen or seen[key] == name:
+                rows.append(r)
     tasks = _pick(block, list(dict.fromkeys(r["task"] for r in rows)), "tasks")
     optimizers = _pick(block, list(dict.fromkeys(r["optimizer"] for r in rows)), "optimizers")
     hooks = _pick(block, list(dict.fromkeys(r["hook"] for r in rows)), "hooks")
     rows = [r for r in rows if r["task"] in tasks and r["optimizer"] in optimizers]
     if block.options.get("full") == "yes":
-        from pycomm.bench.quality import table as quality_table
-
         return quality_table([r for r in rows if r["hook"] in hooks]).splitlines()
     hooks = [h for h in hooks if h != "allreduce"]
     cells = {(r["task"], r["optimizer"], r["hook"]): r for r in rows}
@@ -374,43 +389,46 @@ def blocks(path: str) -> list[Block]:
     return found
 
 
-def _expand(block: Block, results: str) -> list[str]:
+def _expand(block: Block, results: str) -> list[tuple[str, str]]:
+    """Each file's path and what follows its ``:`` (the quality renderer's hooks of it)."""
     paths = []
-    for name in block.files:
+    for word in block.files:
+        name, _, pick = word.partition(":")
+        if pick and block.renderer != "quality":
+            raise ReportError(f"{block.where}: {word}: only the quality renderer takes FILE:HOOKS")
         if any(c in name for c in "*?["):
             matches = sorted(f for f in os.listdir(results) if fnmatch.fnmatch(f, name))
             if not matches:
                 raise ReportError(f"{block.where}: no file in {results} matches {name!r}")
-            paths += [os.path.join(results, f) for f in matches]
+            paths += [(os.path.join(results, f), pick) for f in matches]
         else:
             path = os.path.join(results, name)
             if not os.path.isfile(path):
                 raise ReportError(f"{block.where}: {path} does not exist")
-            paths.append(path)
+            paths.append((path, pick))
     return paths
 
 
 def render(block: Block, root: str) -> str:
     """The text ``block`` should hold: the renderer's lines over its JSON files, then where
     they come from (the files, linked from the page, and the command that wrote each)."""
-    results = os.path.join(root, RESULTS)
-    paths = _expand(block, results)
+    paths = _expand(block, os.path.join(root, RESULTS))
     docs = []
-    for p in paths:
+    for p, _ in paths:
         with open(p, encoding="utf-8") as f:
             docs.append(json.load(f))
-    expanded = Block(block.path, block.line, block.renderer,
-                     [os.path.basename(p) for p in paths], block.options, block.text)  # fmt: skip
+    names = [os.path.basename(p) + (f":{pick}" if pick else "") for p, pick in paths]
+    expanded = Block(block.path, block.line, block.renderer, names, block.options, block.text)
     try:
         lines = RENDERERS[block.renderer](expanded, docs)
-    except (KeyError, TypeError) as e:
+    except (KeyError, TypeError, AttributeError) as e:
         raise ReportError(
-            f"{block.where}: {', '.join(expanded.files)} is not what renderer "
+            f"{block.where}: {', '.join(names)} is not what renderer "
             f"{block.renderer!r} reads ({type(e).__name__}: {e})"
         ) from None
     page_dir = os.path.dirname(os.path.abspath(block.path))
     sources = []
-    for p, doc in zip(paths, docs):
+    for (p, _), doc in zip(paths, docs):
         rel = os.path.relpath(os.path.abspath(p), page_dir).replace(os.sep, "/")
         command = doc.get("command") if isinstance(doc, dict) else None
         sources.append(f"[`{os.path.basename(p)}`]({rel})" + (f": `{command}`" if command else ""))
