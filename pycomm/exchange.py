@@ -5,8 +5,8 @@ optimizer: each averages a tensor across ranks and may send it compressed. An ``
 runs pycomm's engine on a tensor of the caller's: any registered codec, a user's too
 (:meth:`Exchange.codecs` lists them), or the exact ``"allreduce"``; error feedback kept per
 ``key``; the two-phase exchange, the node hierarchy (``hierarchy="node"``, all_reduce), the
-non-finite rule (a call whose decode holds a NaN or Inf drops the residuals it wrote) and the
-byte counts are the engine's, as under DDP.
+non-finite rule, per call (docs/failures.md, "A non-finite gradient skips the step
+everywhere") and the byte counts are the engine's, as under DDP.
 ``pycomm.fsdp.compress`` is an adapter over it: FSDP2's reduce-scatter of each module is a
 ``reduce_scatter`` of an ``Exchange``, keyed by the module's name. The guide, with code that
 runs: docs/exchange.md.
