@@ -65,10 +65,10 @@ TORCH_LIBRARY(pycomm, m) {
   m.def("quantize_onebit(Tensor x, Tensor(a!)? residual, float scale, int block, int numel, "
         "Tensor(b!)? residual_out=None) -> (Tensor, Tensor)");
   // The decoders: R >= 1 rows of m elements each, contiguous. out (Float, Half or BFloat16,
-  // contiguous, numel <= m, the rows' device) = scale * the fp32 sum over rows, in row order,
-  // of each row's first out.numel() decoded elements, rounded once to out's dtype. Each
-  // returns a new Double [2] on out's device: (sum of out^2 over finite out, count of
-  // non-finite out).
+  // contiguous, numel <= m, the rows' device) = scale * the sum over rows of each row's first
+  // out.numel() decoded elements. Each returns a new Double [2] on out's device, (squared
+  // norm, non-finite count); the sum's order and rounding, and the statistics: the decode
+  // contract (docs/custom_hooks.md, "The decode contract").
   //
   // chunks: [R, m] Half or BFloat16.
   m.def("decode16_sum(Tensor chunks, float scale, Tensor(a!) out) -> Tensor");

@@ -2,13 +2,14 @@
 
 Model averaging every k steps, an outer optimizer's sync (local SGD, DiLoCo), a user's own
 optimizer: each averages a tensor across ranks and may send it compressed. An ``Exchange``
-runs pycomm's engine on a tensor of the caller's: the codec of a registered hook (``"int8"``,
-``"fp8"``, ``"int4"``, ``"onebit"``, ``"bf16"``, ``"fp16"``, a user's codec), or the exact
-``"allreduce"``; error feedback kept per ``key``; the two-phase exchange, the node hierarchy
-(``hierarchy="node"``, all_reduce), the non-finite rule (a call whose decode holds a NaN or Inf
-drops the residuals it wrote) and the byte counts are the engine's, as under DDP.
+runs pycomm's engine on a tensor of the caller's: any registered codec, a user's too
+(:meth:`Exchange.codecs` lists them), or the exact ``"allreduce"``; error feedback kept per
+``key``; the two-phase exchange, the node hierarchy (``hierarchy="node"``, all_reduce), the
+non-finite rule, per call (docs/failures.md, "A non-finite gradient skips the step
+everywhere") and the byte counts are the engine's, as under DDP.
 ``pycomm.fsdp.compress`` is an adapter over it: FSDP2's reduce-scatter of each module is a
-``reduce_scatter`` of an ``Exchange``, keyed by the module's name.
+``reduce_scatter`` of an ``Exchange``, keyed by the module's name. The guide, with code that
+runs: docs/exchange.md.
 
 Example:
     >>> ex = pycomm.Exchange("int8")                    # collective: every rank, same options
@@ -155,8 +156,8 @@ class Exchange:
     """A compressed collective over ``process_group`` (default: the default group).
 
     Args:
-        codec: a registered hook with a codec (``pycomm.hooks.hook_names()``, e.g. ``"int8"``
-            or a user's), or ``"allreduce"`` for the exact exchange (fp32 sums; float64
+        codec: a registered hook with a codec (:meth:`codecs` lists them: ``"int8"``, a
+            user's...), or ``"allreduce"`` for the exact exchange (fp32 sums; float64
             tensors too, summed in float64).
         process_group: the ranks that exchange; every one of them builds the ``Exchange``.
         start_iter: the warm-up, per key: the first ``start_iter`` calls of each ``key`` (and

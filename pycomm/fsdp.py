@@ -6,8 +6,8 @@ FSDP2 reduces each sharded module's gradients with one reduce-scatter of a flat 
 :class:`pycomm.Exchange` on the process group of the FSDP mesh and installs a
 :class:`ModuleReduceScatter` on every ``FSDPModule`` of a model through torch's own extension
 point (``FSDPModule.set_custom_reduce_scatter``): a module's reduce-scatter is the Exchange's
-``reduce_scatter``, keyed by the module's name. The codec (int8, bf16, fp16, onebit, or a
-user's, see :func:`pycomm.hooks.register_hook`), the padding of each chunk to whole blocks,
+``reduce_scatter``, keyed by the module's name. The codec (any registered one, a user's too:
+``pycomm.Exchange.codecs()`` lists them), the padding of each chunk to whole blocks,
 the error-feedback residual and the byte counts are therefore the engine's: each rank encodes
 its whole input, exchanges the codes all-to-all, and decodes and sums its chunk in fp32 into
 its output shard (the bytes a rank sends are (N-1)/N of the compressed input).
@@ -27,8 +27,8 @@ Error feedback keeps, on every rank, a residual of each module's whole unsharded
 the memory FSDP exists to save (4 bytes a parameter in fp32, 2 with
 ``residual_dtype="bfloat16"``, on every rank, against FSDP's 4/N for the sharded gradient).
 It is therefore off by default here (``error_feedback=True`` turns it on); ``stats`` reports
-``residual_bytes``. The residual follows the engine's non-finite rule: a block whose input
-holds a NaN or Inf keeps its residual as it was.
+``residual_bytes``. The residual follows the engine's non-finite rule (docs/failures.md, "A
+non-finite gradient skips the step everywhere").
 
 The parameter all-gather (ZeRO++'s quantized weights, on FSDP2's public API) is FSDP2's own
 unless ``all_gather=`` names a codec: then a :class:`ModuleAllGather` on every ``FSDPModule``
@@ -572,7 +572,7 @@ def _check(
     if not (compressed or exact):
         raise ValueError(
             f"pycomm.fsdp.compress: hook={hook!r} is not a reduce-scatter: use 'allreduce' or "
-            "a compressed hook (bf16, fp16, int8, fp8, int4, onebit, or a registered codec)"
+            f"a compressed hook ({', '.join(n for n in Exchange.codecs() if n != 'allreduce')})"
         )
     replicated = _replicated(modules)
     if replicated is not None:
@@ -787,8 +787,8 @@ def compress(
         model: a model whose modules (the root included, or not) were ``fully_shard``-ed, on
             one 1-D mesh: every rank, or each node's (HSDP).
         hook: ``"allreduce"`` (the exact reduce-scatter, summed in fp32, or in float64 for
-            float64 gradients) or a compressed hook of the
-            registry (``"bf16"``, ``"fp16"``, ``"int8"``, ``"onebit"``, a user's codec).
+            float64 gradients) or any compressed hook of the registry, a user's codec too
+            (``pycomm.Exchange.codecs()`` lists them).
         hook_options: the hook's options, one dict as in ``pycomm.wrap`` (``block``,
             ``start_iter`` (per module: its first reduce-scatters run exact; default the
             hook's own), ``error_feedback`` (default False here), ``residual_dtype``, a user

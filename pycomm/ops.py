@@ -236,9 +236,9 @@ def quantize_onebit(
 
 
 def decode16_sum(chunks: torch.Tensor, scale: float, out: torch.Tensor) -> torch.Tensor:
-    """``out = scale * chunks.sum(0)`` over the rows of ``chunks`` ([R, m] fp16/bf16), summed
-    in fp32 in row order, for the first ``out.numel()`` columns. Returns fp64 ``[sum of out**2
-    over finite out, count of non-finite out]``.
+    """``out = scale * chunks.sum(0)`` over the rows of ``chunks`` ([R, m] fp16/bf16), for the
+    first ``out.numel()`` columns. Returns fp64 ``[squared norm, non-finite count]``; the sum's
+    order and the statistics: docs/custom_hooks.md, "The decode contract".
 
     Example:
         >>> stats = pycomm.ops.decode16_sum(received.view(world_size, -1), 1.0, bucket_chunk)
@@ -250,8 +250,8 @@ def dequantize_int8_sum(
     codes: torch.Tensor, scales: torch.Tensor, block: int, scale: float, out: torch.Tensor
 ) -> torch.Tensor:
     """``out = scale * sum_r codes[r] * scales[r]`` (per block) over the rows of ``codes``
-    ([R, m] int8; ``scales`` [R, m / block] fp32), in fp32 in row order. Returns fp64
-    ``[sum of out**2 over finite out, count of non-finite out]``.
+    ([R, m] int8; ``scales`` [R, m / block] fp32). Returns fp64 ``[squared norm, non-finite
+    count]``; the sum's order and the statistics: docs/custom_hooks.md, "The decode contract".
 
     Example:
         >>> stats = pycomm.ops.dequantize_int8_sum(codes, scales, 64, 1 / world_size, chunk)
@@ -263,8 +263,9 @@ def dequantize_int4_sum(
     codes: torch.Tensor, scales: torch.Tensor, block: int, scale: float, out: torch.Tensor
 ) -> torch.Tensor:
     """``out = scale * sum_r q[r] * scales[r]`` (per block) over the rows of ``codes`` ([R,
-    m / 2] uint8, two int4 codes a byte; ``scales`` [R, m / block] fp32 or bf16), in fp32 in
-    row order. Returns fp64 ``[sum of out**2 over finite out, count of non-finite out]``.
+    m / 2] uint8, two int4 codes a byte; ``scales`` [R, m / block] fp32 or bf16). Returns fp64
+    ``[squared norm, non-finite count]``; the sum's order and the statistics:
+    docs/custom_hooks.md, "The decode contract".
 
     Example:
         >>> stats = pycomm.ops.dequantize_int4_sum(codes, scales, 64, 1 / world_size, chunk)
@@ -276,8 +277,9 @@ def dequantize_fp8_sum(
     codes: torch.Tensor, scales: torch.Tensor, block: int, scale: float, out: torch.Tensor
 ) -> torch.Tensor:
     """``out = scale * sum_r codes[r] * scales[r]`` (per block) over the rows of ``codes``
-    ([R, m] float8_e4m3fn; ``scales`` [R, m / block] fp32), in fp32 in row order. Returns fp64
-    ``[sum of out**2 over finite out, count of non-finite out]``.
+    ([R, m] float8_e4m3fn; ``scales`` [R, m / block] fp32). Returns fp64 ``[squared norm,
+    non-finite count]``; the sum's order and the statistics: docs/custom_hooks.md, "The decode
+    contract".
 
     Example:
         >>> stats = pycomm.ops.dequantize_fp8_sum(codes, scales, 64, 1 / world_size, chunk)
@@ -289,8 +291,9 @@ def dequantize_onebit_sum(
     bits: torch.Tensor, scales: torch.Tensor, block: int, scale: float, out: torch.Tensor
 ) -> torch.Tensor:
     """``out = scale * sum_r (+scales[r] where the bit is set, else -scales[r])`` over the rows
-    of ``bits`` ([R, m / 8] uint8; ``scales`` [R, m / block] bf16), in fp32 in row order.
-    Returns fp64 ``[sum of out**2 over finite out, count of non-finite out]``.
+    of ``bits`` ([R, m / 8] uint8; ``scales`` [R, m / block] bf16). Returns fp64 ``[squared
+    norm, non-finite count]``; the sum's order and the statistics: docs/custom_hooks.md, "The
+    decode contract".
 
     Example:
         >>> stats = pycomm.ops.dequantize_onebit_sum(bits, scales, 64, 1 / world_size, chunk)

@@ -127,8 +127,8 @@ def _finish(acc, scale, out):
 
 def decode16_sum(chunks, scale, out):
     """out = scale * sum over rows r (in order, fp32) of chunks[r, :out.numel()].
-    chunks: [R, m] Half/BFloat16. Returns fp64 [sum of out**2 over finite out, count of
-    non-finite out]."""
+    chunks: [R, m] Half/BFloat16. Returns fp64 [squared norm, non-finite count] (the decode
+    contract: docs/custom_hooks.md, "The decode contract")."""
     acc = torch.zeros(chunks.shape[1], dtype=torch.float32, device=chunks.device)
     for r in range(chunks.shape[0]):
         acc += chunks[r].float()

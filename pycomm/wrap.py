@@ -388,10 +388,9 @@ def wrap(
     """Wrap ``module`` in DistributedDataParallel with a pycomm hook registered.
 
     ``ddp_kwargs`` go to DDP unchanged (``bucket_cap_mb``, ``device_ids``, ...), except that
-    without a ``bucket_cap_mb`` the int8 and 16-bit hooks get 8 MB buckets, measured faster
-    for them than DDP's 25 MB (communication starts earlier in backward), and
-    ``gradient_as_bucket_view`` defaults to True (no copies between gradients and buckets;
-    pass False for DDP's behaviour). The hook name,
+    without a ``bucket_cap_mb`` DDP gets the hook's own bucket size (docs/reference.md, "The
+    DDP bucket size"), and ``gradient_as_bucket_view`` defaults to True (no copies between
+    gradients and buckets; pass False for DDP's behaviour). The hook name,
     its options, ``accumulate_steps`` and the parameters' shapes and dtypes are compared across
     ranks before DDP is built, so a mismatch is a ValueError on every rank, not a hang.
     ``hook`` takes what :func:`register` takes: a registered name, a HookState instance or a

@@ -39,6 +39,7 @@ MUST_HAVE_CODE = {
     "README.md",
     "docs/accumulation.md",
     "docs/choosing-a-hook.md",
+    "docs/exchange.md",
     "docs/frameworks.md",
     "docs/fsdp.md",
     "docs/launch.md",

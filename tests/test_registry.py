@@ -125,12 +125,15 @@ _BAD = [
         r"decode_sum\(codes of 1 row, scales, 1.0, out of 8\) raised RuntimeError: shape",
     ),
     (_broken(code_bytes=lambda self, m: m // 0), r"code_bytes\(8\) raised ZeroDivisionError"),
-    (_broken(decode_sum=lambda self, c, s, sc, out: torch.zeros(2)), "expected float64 .2."),
+    (
+        _broken(decode_sum=lambda self, c, s, sc, out: torch.zeros(2)),
+        'expected float64 .2. .*: see docs/custom_hooks.md, "The decode contract"$',
+    ),
     (
         _broken(
             decode_sum=lambda self, c, s, sc, out: PlainCodec.decode_sum(self, c, s, sc, out) * 2
         ),
-        "decode_sum returned stats",
+        'decode_sum returned stats .*: see docs/custom_hooks.md, "The decode contract"$',
     ),
 ]
 

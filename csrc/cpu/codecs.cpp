@@ -697,8 +697,8 @@ inline float acc_plus(const float* acc, float d) {
 
 // out: contiguous out_t, numel() > 0 elements written. add_row(r, i, len, acc, first) adds row
 // r's decoded elements [i, i + len) into acc[0, len) (first: std::true_type for row 0, whose
-// acc holds nothing yet). stats: fp64 [2] = (sum of out^2 over finite out, count of non-finite
-// out).
+// acc holds nothing yet). stats: fp64 [2] = (squared norm, non-finite count) of out, as the
+// decode contract states them (docs/custom_hooks.md, "The decode contract").
 template <typename out_t, typename AddRow>
 void sum_rows_of(int64_t rows, float s, const at::Tensor& out, const at::Tensor& stats,
                  const AddRow& add_row) {

@@ -802,7 +802,7 @@ __global__ void __launch_bounds__(kThreads)
 }
 
 // out: contiguous out_t, its numel() > 0 elements written from rows; stats: fp64 [2] on out's
-// device = (sum of out^2 over finite out, count of non-finite out).
+// device = (squared norm, non-finite count) of out (docs/custom_hooks.md, "The decode contract").
 template <typename out_t, typename Rows, bool kOneScale>
 void launch_sum_rows_as(const Rows& rows, int64_t nrows, float scale, const at::Tensor& out,
                         const at::Tensor& stats) {

@@ -16,8 +16,9 @@
 // (numel > 0; the residual updated as the schema says), and
 //   sum_rows<out_t>(rows, nrows, s, out, stats)   the decoders, for rows of each kind
 //       (Chunks16<T>, Int8Rows, Int4Rows<S>, Fp8Rows, OnebitRows): out (contiguous, numel > 0) = s *
-//       the fp32 sum over rows, in row order, of each row's decoded elements; stats (Double
-//       [2] on out's device) = (sum of out^2 over finite out, count of non-finite out).
+//       the sum over rows of each row's decoded elements; stats (Double [2] on out's device) =
+//       (squared norm, non-finite count), both as docs/custom_hooks.md, "The decode contract"
+//       states them.
 #pragma once
 #include <ATen/ATen.h>
 #include <torch/library.h>
@@ -242,8 +243,8 @@ at::Tensor decode_sum(const Rows& rows, int64_t nrows, double scale, const at::T
 }
 
 // chunks: [R, m] Half/BFloat16, rows contiguous (a row slice of wider rows is read in place).
-// out: contiguous float, numel <= m, same device. out = scale * sum_r chunks[r, :out.numel()]
-// (fp32, row order). Returns fp64 [2]: (sum of out^2 over finite out, count of non-finite out).
+// out: contiguous float, numel <= m, same device. out = scale * sum_r chunks[r, :out.numel()].
+// Returns fp64 [2]: (squared norm, non-finite count), the decode contract's (registration.cpp).
 template <typename D>
 at::Tensor decode16_sum(const at::Tensor& chunks, double scale, const at::Tensor& out) {
   check_decode16_sum(chunks, out);

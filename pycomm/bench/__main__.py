@@ -191,8 +191,8 @@ def _run_flags(ap: argparse.ArgumentParser) -> None:
         type=_positive_float("MB"),
         default=None,
         metavar="MB",
-        help="DDP bucket size for every hook; default: each hook's own (DDP's 25 MB, and the "
-        "8 MB pycomm.wrap picks for int8, bf16 and fp16)",
+        help="DDP bucket size for every hook; default: each hook's own, as pycomm.wrap picks "
+        'it (docs/reference.md, "The DDP bucket size")',
     )
 
 

@@ -203,8 +203,8 @@ def summarize(
 ) -> dict[str, dict]:
     """Per hook over ranks: median step time (the slowest rank's each step), wire bytes a rank
     per step, ratios to FSDP2's own, memory per rank. A step's wire bytes are the fewest of its
-    timed steps: they differ only by what some steps add (about 32 KB in one step of six on a
-    shaped loopback), which a median of few steps would carry into the subtraction."""
+    timed steps: they differ only by what some steps add (a few extra packets on a shaped
+    loopback), which a median of few steps would carry into the subtraction."""
     rows: dict[str, dict] = {}
     for hook in hooks:
         per_step = [

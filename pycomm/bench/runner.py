@@ -325,8 +325,8 @@ class _Deadline:
     the fp32 gradient takes over the shaped link), so that big models and slow links are not
     mistaken for hangs, times ``factor`` (2 when the guard also covers the error measurement,
     itself a step and an fp32 all-reduce). Setups and each hook's first step get at least
-    ``COLD_S``: first calls import modules lazily (DDP pulls in torch._dynamo), which took over
-    3 s on a loaded 2-core machine, so the very first step is not taken as the scale either;
+    ``COLD_S``: first calls import modules lazily (DDP pulls in torch._dynamo), which takes
+    seconds on a loaded machine, so the very first step is not taken as the scale either;
     torch's PowerSGD only starts compressing, and hanging, at iteration 2.
     """
 

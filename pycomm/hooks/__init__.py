@@ -30,8 +30,8 @@ from pycomm.hooks.state import HookState
 
 # The built-in hooks, in auto's order of exactness (the tie-break): the most exact first. The
 # codecs are registered as a user's are (register_hook(name, codec=...)), with their defaults.
-# 8 MB buckets start sending while backward runs (pycomm.wrap's bucket size for them when the
-# caller gives none); onebit keeps DDP's 25 MB, where it measured faster.
+# bucket_cap_mb: pycomm.wrap's DDP bucket size for them (docs/reference.md, "The DDP bucket
+# size"); onebit keeps DDP's.
 register_hook(
     "allreduce", AllreduceState, allreduce_hook, auto=True, description="exact fp32 all-reduce"
 )
@@ -60,7 +60,8 @@ for _name, _codec, _text in (
 del _name, _codec, _text
 # error feedback on the reduced chunk alone and 20 exact iterations: with each rank's own
 # residual, or without the warm-up, onebit fell further behind the exact all-reduce in the
-# quality suite; and it advises against momentum and Adam (onebit_advice)
+# quality suite (benchmarks/README.md, "Training quality"); and it advises against momentum
+# and Adam (onebit_advice)
 register_hook(
     "onebit",
     codec=OneBitCodec,

@@ -52,14 +52,14 @@ at ``intra_s_per_byte``) and only its 1/L shard goes across nodes (``inter_s_per
 The order of exactness is allreduce, bf16, fp16, int8, fp8, int4, onebit, flat before node
 (bf16 and fp16 send the same bytes through the same kernel: bf16 has fp32's range). Which
 hooks are candidates is the accuracy budget: ``allow`` (default allreduce, bf16, fp16, int8,
-fp8 and int4, the hooks within 0.5 points or 1% of the exact all-reduce's quality on every
-task and optimizer of the quality suite; onebit's limit is 1 point or 3%: it runs only when
+fp8 and int4, the hooks that held their quality limit on every task and optimizer of the
+quality suite, benchmarks/README.md, "The limits"; onebit, which did not, runs only when
 allowed).
 
 The bucket size is DDP's: DDP takes ``bucket_cap_mb`` when it is built and has no way to change
-it afterwards, so ``pycomm.wrap(hook="auto")`` builds it with 8 MB buckets (the compressed
-hooks' default, measured faster than DDP's 25 MB for them) unless told otherwise, and the
-decision is taken on those buckets.
+it afterwards, so ``pycomm.wrap(hook="auto")`` builds it with auto's own bucket size
+(docs/reference.md, "The DDP bucket size") unless told otherwise, and the decision is taken on
+those buckets.
 """
 
 import logging
@@ -106,7 +106,7 @@ def codec_of(hook: str) -> Optional[Codec]:
     return None if factory is None else factory()
 
 
-# within 0.5 points or 1% of the exact all-reduce in the quality suite (onebit: 1 point or 3%)
+# the hooks that held their limit in the quality suite (benchmarks/README.md, "The limits")
 DEFAULT_ALLOW = ("allreduce", "bf16", "fp16", "int8", "fp8", "int4")
 _PROBE_MAX = 1 << 21
 # the scalar measurements, all-reduced with MAX in this order

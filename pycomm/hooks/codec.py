@@ -18,16 +18,13 @@ The rules every codec follows (:class:`Codec` states each one):
   exchange). The codec reads ``x`` (``n <= numel`` elements) as if zero-padded.
 - **Scale.** ``encode`` multiplies ``x`` by ``scale`` before adding the residual (the engine
   passes ``1/N`` in phase 1, so the sum of N rows is the mean, and 1 in phase 2);
-  ``decode_sum`` multiplies the sum by its ``scale``. The DDP engine passes 1.0 to
-  ``decode_sum`` today, other callers of a codec may not: a codec honours any scale in both
-  (:func:`check_codec` decodes with 0.5).
+  ``decode_sum`` multiplies the sum by its ``scale``. A codec honours any scale in both.
 - **Bytes.** ``code_bytes(m)`` and ``scale_bytes(m)`` are the bytes of the codes and scales of
   ``m`` elements (multiples of the dtypes' sizes); the engine packs both into one uint8 row per
   rank, so they must be exact.
-- **Statistics.** :meth:`~Codec.decode_sum` returns a float64 tensor of 2 on ``out``'s device:
-  the sum of ``out**2`` over its finite elements and the count of its non-finite elements. The
-  residual store keeps a step's residuals only when every count is 0 (the non-finite skip),
-  and ``TrainLoop`` clips with the summed squares (no extra pass over the gradients).
+- **The decode.** :meth:`~Codec.decode_sum` sums its rows in a fixed order and returns their
+  statistics, which the non-finite skip and ``TrainLoop``'s clipping read: the decode
+  contract, stated once in docs/custom_hooks.md, "The decode contract".
 - **Non-finite input.** A NaN or Inf in ``x`` must decode to a non-finite value (not a finite
   one), so that every rank sees it and skips the step, and where ``y`` is not finite the
   residual keeps its old value (the engine updates the residuals in place by default, one
@@ -135,20 +132,20 @@ class Codec:
         scale: float,
         out: torch.Tensor,
     ) -> torch.Tensor:
-        """Write ``out = scale * sum_r decode(codes[r], scales[r])`` (summed in fp32, in row
-        order, so every rank gets the same bits) for the first ``out.numel()`` elements.
+        """Write ``out = scale * sum_r decode(codes[r], scales[r])`` for the first
+        ``out.numel()`` elements, in the order and with the statistics of the decode contract
+        (docs/custom_hooks.md, "The decode contract").
 
         Args:
             codes: ``[R, code_bytes(m) / itemsize]`` of ``code_dtype``: R rows of ``m``
                 elements each; possibly a strided view (rows of a packed receive buffer).
             scales: ``[R, scale_bytes(m) / itemsize]`` of ``scale_dtype``, or None.
-            scale: multiplies the sum; any float (the DDP engine passes 1.0, other callers
-                other values), so a codec must not assume 1.
+            scale: multiplies the sum; any float, so a codec must not assume 1.
             out: the destination, ``<= m`` elements, fp32, bf16 or fp16 (the bucket's
                 dtype); may have 0 elements (the padding past a bucket's end).
 
         Returns:
-            float64 ``[sum of out**2 over finite out, count of non-finite out]`` on ``out``'s
+            the statistics: float64 ``[squared norm, non-finite count]`` of ``out``, on its
             device.
         """
         raise NotImplementedError
@@ -413,6 +410,10 @@ def _check_out(where: str, call: str, name: str, t: Any, dtype, nbytes: int, dev
         _fail(where, f"{call} returned {name} on {t.device}, expected the input's {device}")
 
 
+# where decode_sum's sum and statistics are stated, for the self-check's messages
+_CONTRACT = 'see docs/custom_hooks.md, "The decode contract"'
+
+
 def _check_stats_type(where: str, stats: Any, device) -> None:
     if (
         not isinstance(stats, torch.Tensor)
@@ -428,7 +429,7 @@ def _check_stats_type(where: str, stats: Any, device) -> None:
         _fail(
             where,
             f"decode_sum returned {got}, expected float64 [2] (squared norm, non-finite count) "
-            f"on out's device ({device})",
+            f"on out's device ({device}): {_CONTRACT}",
         )
 
 
@@ -582,7 +583,7 @@ def _check_sum(
         _fail(
             where,
             f"decode_sum returned stats {stats.tolist()}, expected [{sq:.6g}, {bad:g}] "
-            "(sum of out**2 over finite out, count of non-finite out) for the out it wrote",
+            f"(squared norm, non-finite count) for the out it wrote: {_CONTRACT}",
         )
     want = (0.5 * sum(ones))[: m - 3]
     if not torch.allclose(out, want, rtol=1e-5, atol=1e-6):

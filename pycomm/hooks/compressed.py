@@ -48,10 +48,9 @@ class CompressedState(HookState):
     residuals' storage. bf16 halves their memory (4 bytes a parameter for the local residual
     and 4/N for the reduced chunk's in fp32) and the memory traffic of encoding; y is still
     computed in fp32, and each new residual is rounded to bf16 (a relative 2^-9 of the error
-    it carries). ``strict_skip`` (default False): True keeps a second copy of the residuals so
-    that a step with a NaN or Inf anywhere leaves them bitwise as they were on every rank;
-    False (one copy) updates them in place, a non-finite block keeping its residual and the
-    blocks finite on a rank taking the step's update (:mod:`pycomm.hooks.residuals`).
+    it carries). ``strict_skip`` (default False): True keeps a second copy of the residuals,
+    False one, updated in place; what each does on a step with a NaN or Inf: docs/failures.md,
+    "A non-finite gradient skips the step everywhere" (:mod:`pycomm.hooks.residuals`).
 
     ``stats`` adds to :class:`HookState`'s: ``nonfinite_buckets``, ``residual_bytes``,
     ``rebucketed_steps``, and the codec's own figures over its compressed exchanges alone:
