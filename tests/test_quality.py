@@ -117,7 +117,6 @@ def test_onebit_warns_with_the_optimizers_it_falls_behind_with():
     # onebit's default local_feedback=False: only the reduced chunk keeps a residual, and the
     # warning names the family, where its measured gap is kept (not the figure itself) and int8
     quality = 'the figures: benchmarks/README.md, "Training quality")'
-    variants = 'the figures: benchmarks/README.md, "onebit on the transformer: what was tried")'
     (msg,), names = got["onebit"]
     assert names == ["r2"]
     assert "with SGD with momentum (SGD), onebit fell behind" in msg and quality in msg
@@ -129,9 +128,9 @@ def test_onebit_warns_with_the_optimizers_it_falls_behind_with():
     # without error feedback it falls behind too (measured on the full suite)
     (msg,), names = got["onebit no feedback"]
     assert names == []
-    assert "error_feedback=False" in msg and "SGD with momentum (SGD)" in msg and variants in msg
+    assert "error_feedback=False" in msg and "SGD with momentum (SGD)" in msg and quality in msg
     (msg,), _ = got["onebit no feedback adamw"]
-    assert "error_feedback=False" in msg and "(AdamW)" in msg and variants in msg
+    assert "error_feedback=False" in msg and "(AdamW)" in msg and quality in msg
     assert "Use the int8 hook" in msg
     assert got["onebit no feedback plain sgd"] == ([], [])
 

@@ -64,13 +64,19 @@ def _bench(ms: dict[str, float]) -> dict:
     }
 
 
+def _page(repo, name: str):
+    """A page of the test's own docs/ (named without its suffix: test_citations reads this
+    file, and these pages are not the repository's)."""
+    return repo / "docs" / (name + ".md")
+
+
 @pytest.fixture
 def repo(tmp_path):
     results = tmp_path / "benchmarks" / "results"
     results.mkdir(parents=True)
     (results / "run.json").write_text(json.dumps(_bench({"ddp": 200.0, "int8": 100.0})))
     (tmp_path / "docs").mkdir()
-    page = tmp_path / "docs" / "page.markdown"
+    page = _page(tmp_path, "page")
     page.write_text(
         "# Page\n\ntext\n<!-- report: steps run.json -->\n<!-- /report -->\nmore text\n"
         "<!-- report: steps run.json hooks=int8 vs=int8 -->\nold\n<!-- /report -->\n"
@@ -79,7 +85,7 @@ def repo(tmp_path):
 
 
 def test_update_writes_the_tables_and_check_then_passes(repo):
-    page = repo / "docs" / "page.markdown"
+    page = _page(repo, "page")
     changed = tables.update([str(page)], str(repo))
     assert [b.line for b in changed] == [4, 7]
     text = page.read_text()
@@ -92,7 +98,7 @@ def test_update_writes_the_tables_and_check_then_passes(repo):
 
 
 def test_a_changed_figure_makes_its_table_stale(repo, capsys):
-    page = repo / "docs" / "page.markdown"
+    page = _page(repo, "page")
     tables.update([str(page)], str(repo))
     before = page.read_text()
     (repo / "benchmarks" / "results" / "run.json").write_text(
@@ -102,13 +108,13 @@ def test_a_changed_figure_makes_its_table_stale(repo, capsys):
     assert [b.line for b in stale] == [4, 13]  # both blocks, at their lines once generated
     assert page.read_text() == before  # --check writes nothing
     assert tables.main(["--check", "--root", str(repo), str(page)]) == 1
-    assert "page.markdown:4: stale (steps run.json)" in capsys.readouterr().out
+    assert f"{page}:4: stale (steps run.json)" in capsys.readouterr().out
     tables.update([str(page)], str(repo))
     assert "| `int8` | 125.0 | 1.60x | 2.00 |" in page.read_text()
 
 
 def test_a_hand_edit_inside_a_block_is_stale(repo):
-    page = repo / "docs" / "page.markdown"
+    page = _page(repo, "page")
     tables.update([str(page)], str(repo))
     page.write_text(page.read_text().replace("| 100.0 | 2.00x", "| 100.0 | 2.10x"))
     assert [b.line for b in tables.update([str(page)], str(repo), check=True)] == [4]
@@ -131,7 +137,7 @@ def test_a_hand_edit_inside_a_block_is_stale(repo):
     ],
 )
 def test_a_bad_block_names_the_page_line_and_value(repo, block, message):
-    page = repo / "docs" / "bad.markdown"
+    page = _page(repo, "bad")
     page.write_text("# Bad\n\n" + block)
     with pytest.raises(tables.ReportError, match=re.escape(message)) as e:
         tables.update([str(page)], str(repo))
@@ -144,11 +150,84 @@ def test_sweep_orders_runs_by_link_rate(repo):
     slow = _bench({"ddp": 900.0, "int8": 300.0})
     slow["link"] = {"requested": "100mbit", "per_rank_bits": 10**8, "shaped": True}
     (results / "run_slow.json").write_text(json.dumps(slow))
-    page = repo / "docs" / "sweep.markdown"
+    page = _page(repo, "sweep")
     page.write_text("<!-- report: sweep run*.json hooks=int8 -->\n<!-- /report -->\n")
     tables.update([str(page)], str(repo))
     rows = [r for r in page.read_text().splitlines() if r.startswith("| 1")]
     assert rows == ["| 100mbit | 3.00x |", "| 1gbit | 2.00x |"]
+
+
+def _render(repo, spec: str) -> list[str]:
+    """The table rows a block with ``spec`` gets on a page of its own."""
+    page = _page(repo, "one")
+    page.write_text(f"<!-- report: {spec} -->\n<!-- /report -->\n")
+    tables.update([str(page)], str(repo))
+    return [r for r in page.read_text().splitlines() if r.startswith("| ")]
+
+
+def test_sweep_reads_fsdp_runs_and_auto_predictions(repo):
+    results = repo / "benchmarks" / "results"
+    fsdp = {"link": {"rate": "100mbit", "shaped": True},
+            "hooks": {"fsdp": {"median_s": 0.4}, "int8": {"median_s": 0.1}}}  # fmt: skip
+    (results / "fsdp_slow.json").write_text(json.dumps(fsdp))
+    fsdp["link"] = {"rate": None, "shaped": False}
+    fsdp["hooks"]["int8"]["median_s"] = 0.5
+    (results / "fsdp_fast.json").write_text(json.dumps(fsdp))
+    # no status in an FSDP run's hooks, its rate in "rate": ordered slow to unshaped
+    assert _render(repo, "sweep fsdp_*.json vs=fsdp hooks=int8")[1:] == [
+        "| 100mbit | 4.00x |",
+        "| unshaped | 0.80x |",
+    ]
+    run = _bench({"ddp": 200.0, "int8": 100.0, "auto": 101.0})
+    run["hooks"]["auto"]["auto"] = {"choice": "int8", "predicted_s": {"int8": 0.09, "ddp": 0.25}}
+    (results / "run.json").write_text(json.dumps(run))
+    assert _render(repo, "sweep run.json value=predicted")[1:] == [
+        "| 1gbit | 250.0 | 90.0 | - (int8) |"
+    ]
+    with pytest.raises(tables.ReportError, match="value=bars; expected speed, ms or predicted"):
+        _render(repo, "sweep run.json value=bars")
+
+
+def test_ranks_gives_each_hook_and_source_its_bytes_and_growth(repo):
+    doc = {"hooks": {"int8": {
+        "stats": {"bytes": {"2": 8e6, "4": 12e6}, "ratio": {"4": 1.5}},
+        "lo": {"bytes": {"2": 8.1e6, "4": 12.3e6}, "ratio": {"4": 12.3 / 8.1}},
+    }}}  # fmt: skip
+    (repo / "benchmarks" / "results" / "ranks.json").write_text(json.dumps(doc))
+    assert _render(repo, "ranks ranks.json") == [
+        "| hook | source | MB at 2 ranks | MB at 4 ranks | 4 ranks / 2 |",
+        "| `int8` | stats | 8.00 | 12.00 | 1.50x |",
+        "| `int8` | lo | 8.10 | 12.30 | 1.52x |",
+    ]
+
+
+def test_launch_gives_a_row_per_file_by_ranks(repo):
+    results = repo / "benchmarks" / "results"
+    for n, spawn in ((4, 4.0), (2, 2.0)):
+        doc = {"nprocs": n, "median_s": {"spawn": spawn, "forkserver": spawn / 10},
+               "forkserver_vs_spawn": 0.1, "forkserver_first_s": 2.5}  # fmt: skip
+        (results / f"launch_{n}.json").write_text(json.dumps(doc))
+    assert _render(repo, "launch launch_*.json")[1:] == [
+        "| 2 | 2.000 | 0.200 | 0.10x | 2.500 |",
+        "| 4 | 4.000 | 0.400 | 0.10x | 2.500 |",
+    ]
+
+
+def test_kernels_reads_another_list_against_its_own_reference(repo):
+    row = {"case": "quantize_int4", "bytes": 4e6, "ours_ms": 2.0, "ours_gbs": 2.0}
+    doc = {"copy_gbs": 4.0, "rows": [row | {"eager_ms": 20.0, "speedup_vs_eager": 10.0,
+                                             "copy_over_ours": 2.0}],
+           "vs_int8": [row | {"int8_ms": 2.5, "speedup_vs_int8": 1.25}]}  # fmt: skip
+    (repo / "benchmarks" / "results" / "codecs.json").write_text(json.dumps(doc))
+    assert _render(repo, "kernels codecs.json") == [
+        "| case | MB moved | pycomm ms | eager ms | pycomm GB/s | speedup vs eager "
+        "| pycomm / copy_ (4.0 GB/s) |",
+        "| quantize_int4 | 4.00 | 2.00 | 20.00 | 2.0 | 10.00x | 2.00x |",
+    ]
+    assert _render(repo, "kernels codecs.json at=vs_int8") == [
+        "| case | MB moved | pycomm ms | int8 ms | pycomm GB/s | speedup vs int8 |",
+        "| quantize_int4 | 4.00 | 2.00 | 2.50 | 2.0 | 1.25x |",
+    ]
 
 
 def test_quality_takes_each_files_hooks_and_refuses_a_hook_twice(repo):
@@ -166,7 +245,7 @@ def test_quality_takes_each_files_hooks_and_refuses_a_hook_twice(repo):
     (results / "q2.json").write_text(
         json.dumps(run({"allreduce": None, "int8": 0.002, "int4": 0.02}))
     )
-    page = repo / "docs" / "q.markdown"
+    page = _page(repo, "q")
     page.write_text("<!-- report: quality q1.json q2.json:int4 -->\n<!-- /report -->\n")
     tables.update([str(page)], str(repo))
     assert "| charlm | sgd | loss, 3 seeds | +0.40% | **+2.00%** |" in page.read_text()
@@ -176,3 +255,14 @@ def test_quality_takes_each_files_hooks_and_refuses_a_hook_twice(repo):
     page.write_text("<!-- report: steps q1.json:int8 -->\n<!-- /report -->\n")
     with pytest.raises(tables.ReportError, match="only the quality renderer takes FILE:HOOKS"):
         tables.update([str(page)], str(repo))
+
+
+def test_a_report_comment_in_a_code_block_is_an_example(repo):
+    page = _page(repo, "example")
+    page.write_text(
+        "```text\n<!-- report: steps run.json -->\n<!-- /report -->\n```\n"
+        "<!-- report: steps run.json hooks=int8 -->\n<!-- /report -->\n"
+    )
+    assert [b.line for b in tables.blocks(str(page))] == [5]
+    tables.update([str(page)], str(repo))
+    assert page.read_text().startswith("```text\n<!-- report: steps run.json -->\n<!-- /report")

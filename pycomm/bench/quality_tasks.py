@@ -74,8 +74,7 @@ HOOK_OPTIONS: dict[str, dict[str, Any]] = {
 ONE_BUCKET_MB = 1024.0
 # Named variants, run only when asked for: (hook, options). onebit-local: error feedback on
 # each rank's own gradient as well (phase 1), compressed from iteration 2; the int8 ones, what
-# was measured before int8's block became 64 (benchmarks/README.md, "int8's block: 256 then,
-# 64 now").
+# was measured before int8's block became 64 (benchmarks/README.md, "int8's block of 64").
 VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     "onebit-local": ("onebit", {"local_feedback": True, "start_iter": 2}),
     "int8-nolocal": ("int8", {"local_feedback": False}),
@@ -274,7 +273,7 @@ def build_model(task: Task, vocab: int = 0) -> torch.nn.Module:
 def make_optimizer(name: str, params, lr: dict[str, float]) -> torch.optim.Optimizer:
     """The task's optimizer ``name`` at its learning rate. sgd-plain (no momentum) takes
     sgd's rate: at 3x and 10x (momentum 0.9's effective step) the exact all-reduce itself
-    trained worse on charlm (benchmarks/README.md, "int8's block: 256 then, 64 now")."""
+    trained worse on charlm (benchmarks/README.md, "int8's block of 64")."""
     if name == "sgd":
         return torch.optim.SGD(params, lr=lr["sgd"], momentum=0.9)
     if name == "sgd-plain":

@@ -26,6 +26,7 @@ import re
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
+from pycomm.bench.link import parse_rate
 from pycomm.bench.quality import table as quality_table
 from pycomm.bench.report import choice, header, table
 
@@ -61,6 +62,10 @@ class Block:
 
 def _ms(seconds: Optional[float]) -> str:
     return "-" if seconds is None else f"{seconds * 1e3:.1f}"
+
+
+def _seconds(seconds: Optional[float]) -> str:
+    return "-" if seconds is None else f"{seconds:.3f}"
 
 
 def _mb(count: Optional[float]) -> str:
@@ -169,31 +174,45 @@ def _label(doc: dict[str, Any], path: str) -> str:
 
 def _rate_bits(doc: dict[str, Any]) -> float:
     link = doc.get("link") or {}
-    bits = link.get("per_rank_bits") if link.get("shaped", True) else None
-    return float(bits) if bits else float("inf")
+    bits = link.get("per_rank_bits") or (link.get("rate") and parse_rate(link["rate"]))
+    return float(bits) if bits and link.get("shaped", True) else float("inf")
+
+
+def _ok(hook: dict[str, Any]) -> bool:
+    return hook.get("status", "ok") == "ok"  # an FSDP run's hooks have no status: all measured
+
+
+def _predicted(hooks: dict[str, dict[str, Any]], name: str) -> Optional[float]:
+    """The step time (s) the run's ``hook="auto"`` predicted for hook ``name``, if it has one."""
+    for h in hooks.values():
+        if _ok(h) and h.get("auto"):
+            return h["auto"].get("predicted_s", {}).get(name)
+    return None
 
 
 def _sweep(block: Block, docs: list[dict[str, Any]]) -> list[str]:
-    """Several step-time runs (one per link rate, say): a row per run, a column per hook, each
-    cell the hook's speed against ``vs=`` (default ddp) in that run, or its median ms with
-    ``value=ms``."""
+    """Several step-time runs (one per link rate, say; FSDP runs too, with ``vs=fsdp``): a row
+    per run, a column per hook, each cell the hook's speed against ``vs=`` (default ddp) in
+    that run, its median ms with ``value=ms``, or with ``value=predicted`` the ms the run's
+    ``hook="auto"`` predicted for it (``-``: a hook auto did not weigh)."""
     vs = block.options.get("vs", "ddp")
     value = block.options.get("value", "speed")
-    if value not in ("speed", "ms"):
-        raise ReportError(f"{block.where}: value={value}; expected speed or ms")
+    if value not in ("speed", "ms", "predicted"):
+        raise ReportError(f"{block.where}: value={value}; expected speed, ms or predicted")
     common = [n for n in docs[0]["hooks"] if all(n in d["hooks"] for d in docs)]
     names = _pick(block, common, "hooks")
     head = ["run", *(f"`{n}`" for n in names)]
     rows = []
     for path, doc in sorted(zip(block.files, docs), key=lambda pd: _rate_bits(pd[1])):
         hooks = doc["hooks"]
-        ref = hooks.get(vs, {}).get("median_s") if hooks.get(vs, {}).get("status") == "ok" else None
+        ref = hooks.get(vs, {}).get("median_s") if _ok(hooks.get(vs, {})) else None
         row = [_label(doc, path)]
         for n in names:
             h = hooks[n]
-            m = h.get("median_s") if h["status"] == "ok" else None
+            m = h.get("median_s") if _ok(h) else None
             cell = _ms(m) if value == "ms" else _x(ref / m if ref and m else None)
-            if h["status"] == "ok" and h.get("auto"):
+            cell = _ms(_predicted(hooks, n)) if value == "predicted" else cell
+            if _ok(h) and h.get("auto"):
                 cell += f" ({choice(h['auto'])})"
             row.append(cell)
         rows.append(row)
@@ -259,11 +278,17 @@ def _quality(block: Block, docs: list[dict[str, Any]]) -> list[str]:
 
 
 def _kernels(block: Block, docs: list[dict[str, Any]]) -> list[str]:
-    """A kernel benchmark: a row per case with pycomm's time, the pure-PyTorch reference's and
-    the speedup, and the bytes each moves."""
+    """A kernel benchmark: a row per case with pycomm's time, the reference's (pure PyTorch:
+    ``eager`` or ``torch``) and the speedup, the bytes each moves, and pycomm's time over a
+    ``copy_`` of those bytes (1.00x: as fast as the machine copies memory). ``at=`` another list
+    of such rows (``vs_int8``: int4's and fp8's kernels against int8's, timed side by side)."""
     doc = _one(block, docs)
-    ref = "eager" if any("eager_ms" in r for r in doc["rows"]) else "torch"
+    rows_in = _node(doc, block.options.get("at", "rows"), block)
+    refs = [k[: -len("_ms")] for r in rows_in for k in r if k.endswith("_ms") and k != "ours_ms"]
+    ref = refs[0] if refs else "torch"
+    copy = any(r.get("copy_over_ours") is not None for r in rows_in)
     head = ["case", "MB moved", "pycomm ms", f"{ref} ms", "pycomm GB/s", f"speedup vs {ref}"]
+    head += [f"pycomm / copy_ ({doc['copy_gbs']:.1f} GB/s)"] if copy else []
     rows = [
         [
             r["case"],
@@ -273,7 +298,8 @@ def _kernels(block: Block, docs: list[dict[str, Any]]) -> list[str]:
             f"{r['ours_gbs']:.1f}" if r.get("ours_gbs") else "-",
             _x(r.get(f"speedup_vs_{ref}")),
         ]
-        for r in doc["rows"]
+        + ([_x(r.get("copy_over_ours"))] if copy else [])
+        for r in rows_in
     ]
     return _md(head, rows)
 
@@ -301,6 +327,40 @@ def _fsdp(block: Block, docs: list[dict[str, Any]]) -> list[str]:
         [f"`{n}`", _ms(hooks[n]["median_s"]), _x(ref / hooks[n]["median_s"])]
         + [_mb(hooks[n].get(k)) for k, _ in cols]
         for n in names
+    ]
+    return _md(head, rows)
+
+
+def _ranks(block: Block, docs: list[dict[str, Any]]) -> list[str]:
+    """Bytes per rank as the ranks grow (``benchmarks/bench_ranks.py``): a row per hook and
+    source (``stats``: what the hook counted; ``lo``: what crossed the loopback, per rank), the
+    MB one rank sends per step at each number of ranks, and each one's over the fewest ranks'."""
+    doc = _one(block, docs)
+    hooks = doc["hooks"]
+    names = _pick(block, list(hooks), "hooks")
+    counts = sorted({int(n) for h in hooks.values() for s in h.values() for n in s["bytes"]})
+    head = ["hook", "source", *(f"MB at {n} ranks" for n in counts)]
+    head += [f"{n} ranks / {counts[0]}" for n in counts[1:]]
+    rows = []
+    for name in names:
+        for source, s in hooks[name].items():
+            row = [f"`{name}`", source, *(_mb(s["bytes"].get(str(n))) for n in counts)]
+            rows.append(row + [_x(s["ratio"].get(str(n))) for n in counts[1:]])
+    return _md(head, rows)
+
+
+def _launch(block: Block, docs: list[dict[str, Any]]) -> list[str]:
+    """Start-up runs of ``pycomm.launch`` (``benchmarks/bench_launch.py``), a row per file: the
+    ranks, each start method's median launch in seconds, forkserver's over spawn's, and
+    forkserver's first launch (the one that starts its server)."""
+    methods = list(dict.fromkeys(m for d in docs for m in d["median_s"]))
+    head = ["ranks", *(f"{m}, median s" for m in methods), "forkserver / spawn"]
+    head.append("forkserver's first launch, s")
+    rows = [
+        [str(d["nprocs"])]
+        + [_seconds(d["median_s"].get(m)) for m in methods]
+        + [_x(d["forkserver_vs_spawn"]), _seconds(d["forkserver_first_s"])]
+        for d in sorted(docs, key=lambda d: d["nprocs"])
     ]
     return _md(head, rows)
 
@@ -345,6 +405,8 @@ RENDERERS: dict[str, Renderer] = {
     "quality": _quality,
     "kernels": _kernels,
     "fsdp": _fsdp,
+    "ranks": _ranks,
+    "launch": _launch,
     "values": _values,
 }
 
@@ -368,11 +430,16 @@ def _parse(spec: str, path: str, line: int, text: str) -> Block:
 
 
 def blocks(path: str) -> list[Block]:
-    """The report blocks of the Markdown page at ``path``, in order."""
+    """The report blocks of the Markdown page at ``path``, in order (a report comment inside a
+    fenced code block is an example, not a block)."""
     with open(path, encoding="utf-8") as f:
         lines = f.read().splitlines()
-    found, start = [], None
+    found, start, fenced = [], None, False
     for i, line in enumerate(lines):
+        if start is None and line.lstrip().startswith("```"):
+            fenced = not fenced
+        if fenced:
+            continue
         m = _BEGIN.match(line)
         if m and start is not None:
             raise ReportError(f"{path}:{i + 1}: a report block opens inside the one at line "

@@ -122,7 +122,6 @@ def _caller_level() -> int:
 
 # where the quality suite's figures behind onebit's advice are kept (not copied here)
 _ONEBIT_FIGURES = 'benchmarks/README.md, "Training quality"'
-_ONEBIT_VARIANTS = 'benchmarks/README.md, "onebit on the transformer: what was tried"'
 
 
 def onebit_advice(state: Any, optimizer: Any) -> Optional[str]:
@@ -149,7 +148,7 @@ def onebit_advice(state: Any, optimizer: Any) -> Optional[str]:
         return (
             f"pycomm onebit hook: without error feedback (error_feedback=False), with "
             f"{family}, onebit fell behind the exact all-reduce {where}; the figures: "
-            f"{_ONEBIT_VARIANTS}). Use the int8 hook for such models"
+            f"{_ONEBIT_FIGURES}). Use the int8 hook for such models"
         )
     if state.local_feedback:
         return (
