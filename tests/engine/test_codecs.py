@@ -248,7 +248,7 @@ def test_bad_input_names_argument_value_and_expectation(make, pattern):
 
 
 def test_int4_kernel_refuses_a_short_numel():
-    # the fused kernel's own check (the same from its Meta kernel: tests/test_codecs.py)
+    # the fused kernel's own check (the same from its Meta kernel: tests/kernels/test_codec_ops.py)
     with pytest.raises(RuntimeError, match=r"quantize_int4: numel is 64, expected >= x.numel"):
         Int4Codec().encode(torch.ones(65), None, 1.0, 64)
 

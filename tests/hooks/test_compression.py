@@ -355,7 +355,7 @@ def test_bad_options_are_named():
 class _FakeBucket:
     """Duck-types dist.GradBucket for a direct call of the hook: DDP never builds an integer or
     sparse CSR bucket, but a hook called by hand can be given one (DDP's sparse COO buckets
-    are reduced exactly: tests/test_ddp_parity.py)."""
+    are reduced exactly: tests/hooks/test_ddp_parity.py)."""
 
     def __init__(self, tensor, index=3):
         self._t, self._i = tensor, index
