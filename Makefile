@@ -16,11 +16,13 @@ $(VENV)/.deps: $(PY)
 	$(PY) -m pip install -q --upgrade pip
 	$(if $(TORCH),$(PY) -m pip install -q "$(TORCH)")
 	$(PY) -m pip install -q setuptools wheel ninja numpy scikit-learn pytest pytest-timeout hypothesis ruff tqdm matplotlib
-	# the real clients of tests/test_clients.py, installed without changing the torch above
+	# the real clients of tests/integrations/test_clients.py, installed without changing the
+	# torch above
 	$(PY) -m pip install -q lightning accelerate $(if $(TORCH),"$(TORCH)")
 	touch $@
 
-# the Hugging Face Trainer and Ray Train, for tests/test_transformers.py and tests/test_ray.py
+# the Hugging Face Trainer and Ray Train, for tests/integrations/test_transformers.py and
+# tests/integrations/test_ray.py
 # (scripts/frameworks_check.sh), installed without changing the torch above
 $(VENV)/.deps-frameworks: $(VENV)/.deps
 	$(PY) -m pip install -q transformers "ray[train]" $(if $(TORCH),"$(TORCH)")
@@ -44,8 +46,8 @@ deps-frameworks: $(VENV)/.deps-frameworks
 frameworks: install $(VENV)/.deps-frameworks
 	$(PY) -c "import transformers, ray.train.torch"
 	HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 RAY_USAGE_STATS_ENABLED=0 $(PY) -m pytest -q \
-		-m frameworks tests/test_transformers.py tests/test_ray.py tests/test_optional_clients.py \
-		tests/test_docs.py
+		-m frameworks tests/integrations/test_transformers.py tests/integrations/test_ray.py \
+		tests/integrations/test_optional_clients.py tests/repo/test_docs.py
 
 lint: $(VENV)/.deps
 	$(PY) -m ruff check .
@@ -55,7 +57,7 @@ lint: $(VENV)/.deps
 bench: install
 	$(PY) -m pycomm.bench --link 2.5gbit $(BENCH_ARGS)
 
-# the docs' tables of measured figures, from benchmarks/results/*.json (tests/test_report.py
+# the docs' tables of measured figures, from benchmarks/results/*.json (tests/repo/test_report.py
 # fails when a table and its JSON disagree)
 report: install
 	$(PY) -m pycomm.bench.report

@@ -4,9 +4,10 @@
 # Installs torch 2.14.1 (a CUDA 13 build) into its own venv, copies the checkout's files into a
 # separate tree (so the main tree's in-place build, used by .venv, is never touched), builds
 # pycomm._C there WITH the CUDA kernels using nvcc, checks that every op has a CUDA kernel,
-# and runs the kernel tests against that build (the kernel cases of tests/test_ops.py and
-# tests/test_codecs.py on the cpu backend; the build's C++ runtime check; tests/test_cuda.py),
-# then the dry run of scripts/gpu_validate.sh (--cpu) against that build.
+# and runs the kernel tests against that build (the kernel cases of tests/kernels/test_fusion_ops.py
+# and tests/kernels/test_codec_ops.py on the cpu backend; the build's C++ runtime check;
+# tests/kernels/test_cuda.py), then the dry run of scripts/gpu_validate.sh (--cpu) against
+# that build.
 # The emulated CUDA backend is left to make test: it compiles the .cu sources with the host
 # compiler, apart from this build, so it would only run again against another torch. The hooks,
 # launch and training tests use no code that differs between the two builds: make test runs
@@ -30,8 +31,9 @@ cd "$(dirname "$0")/.."
 ROOT=$PWD
 VENV=${CUDA_CHECK_VENV:-.venv-cuda}
 TREE=${CUDA_CHECK_TREE:-build-cuda}
-KERNEL_TESTS="tests/test_ops.py tests/test_codecs.py tests/test_fuzz_ops.py tests/test_import.py
-  tests/test_build.py tests/test_cuda.py"
+KERNEL_TESTS="tests/kernels/test_fusion_ops.py tests/kernels/test_codec_ops.py
+  tests/kernels/test_fuzz_ops.py tests/kernels/test_cuda.py tests/repo/test_import.py
+  tests/repo/test_build.py"
 TESTS=${CUDA_CHECK_TESTS:-$KERNEL_TESTS}
 TORCH_SPEC=torch==2.14.1
 export CUDA_HOME=${CUDA_HOME:-/usr/local/cuda}

@@ -19,22 +19,23 @@
 #                                         (scripts/cuda_check.sh runs it in CI)
 #
 # What comes back ($OUT): env.txt (the device, torch, the toolchain, the build's csrc/cuda
-# warnings, tests/test_build.py), gpu_validate.log and .json, pytest_cuda.log, ncu_decoders.txt;
-# bench.txt, bench_cuda.json, bench_nccl1.json; sanitizer.txt; build.log only when the build
-# fails. The script counts them at the end and fails above 8.
+# warnings, tests/repo/test_build.py), gpu_validate.log and .json, pytest_cuda.log,
+# ncu_decoders.txt; bench.txt, bench_cuda.json, bench_nccl1.json; sanitizer.txt; build.log only
+# when the build fails. The script counts them at the end and fails above 8.
 #
 # Steps (each phase prints its time):
 #   1. build pycomm._C (USE_CUDA=1, sm_90 unless TORCH_CUDA_ARCH_LIST says otherwise) in a copy
 #      of the checkout ($GPU_VALIDATE_TREE, default /tmp/pycomm-gpu-validate), so that the
 #      checkout's own in-place build is never replaced; --skip-build keeps the copy's last build
 #      (and builds where there is none: a fresh machine)
-#   2. env.txt: the device, torch, the toolchain as the build saw it, and tests/test_build.py
+#   2. env.txt: the device, torch, the toolchain as the build saw it, and tests/repo/test_build.py
 #      (the built _C shares torch's libstdc++; an error message with an integer raises)
 #   3. scripts/gpu_validate.py: every op against pycomm.reference on fresh random data, then
 #      the timing table against the device's copy bandwidth
-#   4. pytest on the GPU (--device-tests: the cuda backend's kernel cases of tests/test_ops.py
-#      and tests/test_codecs.py, and the GPU tests of tests/test_cuda.py; the fuzz cases are the
-#      emulator's), every outcome listed, one test at most 120 s
+#   4. pytest on the GPU (--device-tests: the cuda backend's kernel cases of
+#      tests/kernels/test_fusion_ops.py and tests/kernels/test_codec_ops.py, and the GPU tests of
+#      tests/kernels/test_cuda.py; the fuzz cases are the emulator's), every outcome listed,
+#      one test at most 120 s
 #   5. Nsight Compute on the decoder kernels (registers, occupancy, memory throughput), with
 #      its own timeout, where ncu is installed and the budget allows
 #   6. the bench (--bench-only, or the full run)
@@ -145,7 +146,7 @@ fi
 
 # The toolchain as the build saw it. A _C linked with a private libstdc++ (-static-libstdc++
 # from the interpreter's sysconfig or LDFLAGS) segfaulted here on its first error message with
-# an integer; setup.py strips the flag and refuses such a build, tests/test_build.py checks it.
+# an integer; setup.py strips the flag and refuses such a build, tests/repo/test_build.py checks it.
 {
   echo "--- the toolchain"
   [ -f "$ROOT/build.log" ] && grep "pycomm setup:" "$ROOT/build.log"
@@ -164,12 +165,12 @@ for so in glob.glob("pycomm/_C*.so"):
     print(so, "needs", ", ".join(r.needed))
     print("C++ runtime problems:", _buildcheck.check(so) or "none")
 PYEOF
-  echo "--- tests/test_build.py"
+  echo "--- tests/repo/test_build.py"
 } >>"$ENV_TXT" 2>&1
-"$PY" -m pytest -q -p no:cacheprovider tests/test_build.py >>"$ENV_TXT" 2>&1
+"$PY" -m pytest -q -p no:cacheprovider tests/repo/test_build.py >>"$ENV_TXT" 2>&1
 [ $? = 0 ] || {
   STATUS=1
-  echo "gpu_validate: tests/test_build.py failed (env.txt)"
+  echo "gpu_validate: tests/repo/test_build.py failed (env.txt)"
 }
 tail -1 "$ENV_TXT"
 phase build-check
@@ -191,8 +192,8 @@ if [ "$PYTEST" = 1 ]; then
   STAND_IN=()
   [ "$CPU" = 1 ] && STAND_IN=(--cpu-stand-in)
   "$PY" -m pytest -q -p no:cacheprovider -rfEsxXp --timeout 120 --device-tests \
-    ${STAND_IN[@]+"${STAND_IN[@]}"} tests/test_ops.py tests/test_codecs.py \
-    tests/test_cuda.py >"$OUT/pytest_cuda.log" 2>&1
+    ${STAND_IN[@]+"${STAND_IN[@]}"} tests/kernels/test_fusion_ops.py \
+    tests/kernels/test_codec_ops.py tests/kernels/test_cuda.py >"$OUT/pytest_cuda.log" 2>&1
   [ $? = 0 ] || STATUS=1
   grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/pytest_cuda.log" | tail -20
   phase pytest

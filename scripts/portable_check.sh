@@ -26,6 +26,7 @@ PYTHONPATH=$PWD "$PY" -c "
 import pycomm.ops as ops
 assert ops._C.CPU_CAPABILITY == 'DEFAULT', ops._C.CPU_CAPABILITY
 print('portable_check: pycomm._C from', ops._C.__file__, 'CPU capability', ops._C.CPU_CAPABILITY)"
-PYTHONPATH=$PWD PYCOMM_CUDA_EMU=0 "$PY" -m pytest -q -p no:cacheprovider tests/test_ops.py \
-  tests/test_codecs.py tests/test_fuzz_ops.py tests/test_build.py
+PYTHONPATH=$PWD PYCOMM_CUDA_EMU=0 "$PY" -m pytest -q -p no:cacheprovider \
+  tests/kernels/test_fusion_ops.py tests/kernels/test_codec_ops.py tests/kernels/test_fuzz_ops.py \
+  tests/repo/test_build.py
 echo "portable_check: $(($(date +%s) - T0)) s"

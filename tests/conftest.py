@@ -51,7 +51,14 @@ os.environ.setdefault("PYTHONFAULTHANDLER", "1")
 # whichever starts the server first (a launch, or a test's own forkserver processes)
 multiprocessing.set_forkserver_preload(launcher.FORKSERVER_PRELOAD)
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TESTS = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(TESTS)
+# The shared helpers (harness, ddp_harness, fsdp_harness, kernel_data, doc_blocks) sit here,
+# beside this file; the test modules in the subfolders (kernels/, hooks/, ...) import them by
+# name. pytest's default import mode would put this folder on sys.path when it imports this
+# file; this says so whatever the mode. The ranks the harness starts get this sys.path too.
+if TESTS not in sys.path:
+    sys.path.insert(0, TESTS)
 CSRC = os.path.join(ROOT, "csrc")
 EMU_SOURCES = [
     os.path.join(CSRC, "cuda", "emu", "fusion_emu.cpp"),

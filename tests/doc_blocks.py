@@ -1,5 +1,5 @@
 """The fenced code blocks of a Markdown page, and the runner that executes its Python blocks
-on gloo ranks: shared by tests/test_custom_hooks.py and tests/test_docs.py.
+on gloo ranks: shared by tests/repo/test_custom_hooks.py and tests/repo/test_docs.py.
 
 A page's Python blocks run in order in one namespace per rank count (``python ranks=N``: on N
 ranks, default 2), in a working directory that is also on ``sys.path``; whatever hooks they

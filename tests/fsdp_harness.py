@@ -1,4 +1,5 @@
-"""The model, the sharding and the data that the FSDP2 tests (test_fsdp, test_hsdp) share."""
+"""The model, the sharding and the data that the FSDP2 tests (fsdp/test_fsdp.py,
+fsdp/test_hsdp.py) share."""
 
 import torch
 import torch.distributed as dist

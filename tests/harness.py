@@ -27,6 +27,11 @@ from typing import Any, Callable
 
 import pycomm
 
+# This folder (tests/: the helpers and scripts/) and the repository's root, for the test modules
+# in its subfolders.
+TESTS = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(TESTS)
+
 # The pool's process group timeout: above any job's deadline, so that a deadline, not gloo,
 # ends a hung job.
 _GROUP_TIMEOUT_S = 600.0

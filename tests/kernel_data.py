@@ -1,4 +1,5 @@
-"""Data and comparisons shared by the kernel tests (test_ops, test_codecs, test_cuda)."""
+"""Data and comparisons shared by the kernel tests (kernels/: test_fusion_ops, test_codec_ops,
+test_cuda)."""
 
 from __future__ import annotations
 

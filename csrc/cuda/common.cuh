@@ -7,8 +7,8 @@
 // flags (setup.py also passes --fmad=false).
 //
 // With PYCOMM_CUDA_EMULATION the same source compiles as C++ against emu/emu.h, which runs
-// the kernels on the CPU (tests/test_cuda.py): device code may use only what is defined here
-// or there, and launches go through PYCOMM_LAUNCH.
+// the kernels on the CPU (tests/kernels/test_cuda.py): device code may use only what is defined
+// here or there, and launches go through PYCOMM_LAUNCH.
 #pragma once
 #include <ATen/ATen.h>
 

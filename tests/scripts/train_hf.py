@@ -1,6 +1,6 @@
 """The Hugging Face Trainer with pycomm.transformers, under torchrun (2 gloo ranks on the CPU) or
-as one process. Runs the scenarios of tests/test_transformers.py in one launch and writes each
-rank's results as JSON into ``argv[1]/rank<rank>.json``.
+as one process. Runs the scenarios of tests/integrations/test_transformers.py in one launch and
+writes each rank's results as JSON into ``argv[1]/rank<rank>.json``.
 
 ``argv[2]``: ``all`` (every scenario, 2 ranks) or ``single`` (one process).
 """

@@ -1,5 +1,5 @@
 """Ray Train with pycomm.ray on local CPU workers (a local Ray on the loopback, no dashboard):
-the scenarios of tests/test_ray.py, each worker's results written as JSON into
+the scenarios of tests/integrations/test_ray.py, each worker's results written as JSON into
 ``argv[1]/<run>-rank<rank>.json``.
 
 Runs: ``first`` (2 workers: plain prepare_model against pycomm's allreduce, the refusals, int8

@@ -1,5 +1,5 @@
 """The guides run as written: every fenced Python block of README.md and of every page in docs/
-(docs/custom_hooks.md has its own test, tests/test_custom_hooks.py).
+(docs/custom_hooks.md has its own test, tests/repo/test_custom_hooks.py).
 
 The fence line says how a block runs:
 
@@ -25,10 +25,9 @@ import sys
 
 import doc_blocks
 import pytest
-from harness import run_ranks
+from harness import ROOT, run_ranks
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-RUN_ELSEWHERE = {"custom_hooks.md"}  # tests/test_custom_hooks.py runs every block of it
+RUN_ELSEWHERE = {"custom_hooks.md"}  # tests/repo/test_custom_hooks.py runs every block of it
 PAGES = ["README.md"] + sorted(
     os.path.join("docs", f)
     for f in os.listdir(os.path.join(ROOT, "docs"))

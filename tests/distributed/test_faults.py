@@ -25,7 +25,7 @@ import warnings
 import pytest
 import torch
 import torch.distributed as dist
-from harness import run_ranks
+from harness import TESTS, run_ranks
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -37,7 +37,7 @@ T = 3.0  # the process-group timeout the fault tests set
 BOUND = T + 2.0  # every failure must arrive within this many seconds
 KILL_CODE = 9
 PEER_LOST = re.compile(r"by peer|remote worker|broken pipe|connection (reset|closed|refused)", re.I)
-SCRIPTS = os.path.join(os.path.dirname(__file__), "scripts")
+SCRIPTS = os.path.join(TESTS, "scripts")
 
 LAUNCHER_VARS = (
     "RANK",

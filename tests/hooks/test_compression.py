@@ -1,5 +1,6 @@
-"""The fp16, bf16, int8 and onebit hooks on gloo ranks: agreement between ranks, closeness to
-DDP's exact mean, warm-up, world size 1, NaN handling, byte accounting, bad options."""
+"""The codec hooks (fp16, bf16, int8, onebit, int4, fp8) on gloo ranks: agreement between
+ranks, closeness to DDP's exact mean, warm-up, world size 1, NaN handling, byte accounting, bad
+options; int4 and fp8 training (with accumulation) with the ranks bitwise equal."""
 
 import pytest
 import torch
@@ -355,7 +356,7 @@ def test_bad_options_are_named():
 class _FakeBucket:
     """Duck-types dist.GradBucket for a direct call of the hook: DDP never builds an integer or
     sparse CSR bucket, but a hook called by hand can be given one (DDP's sparse COO buckets
-    are reduced exactly: tests/test_ddp_parity.py)."""
+    are reduced exactly: tests/hooks/test_ddp_parity.py)."""
 
     def __init__(self, tensor, index=3):
         self._t, self._i = tensor, index
@@ -468,3 +469,70 @@ def test_wrap_picks_bucket_size_per_hook_unless_given():
         "views": True,
         "views off": False,
     }
+
+
+# --- int4 and fp8 through pycomm.wrap on 2 gloo ranks: training, bytes against int8 -----
+
+
+def _mlp():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.Tanh(), torch.nn.Linear(64, 4))
+
+
+def _flat(m):
+    return torch.cat([p.detach().reshape(-1) for p in m.parameters()])
+
+
+def _rank_train(hook, options, accumulate):
+    ddp = pycomm.wrap(
+        _mlp(), hook=hook, hook_options=options, accumulate_steps=accumulate, bucket_cap_mb=0.01
+    )
+    loop = pycomm.TrainLoop(ddp, torch.optim.SGD(ddp.parameters(), lr=0.1))
+    g = torch.Generator().manual_seed(0)
+    target = torch.nn.Linear(32, 4)
+    losses = []
+    for _ in range(16 * accumulate):
+        x = torch.randn(16, 32, generator=g)[dist.get_rank() :: 2]
+        y = target(x).detach()
+        losses.append(loop.step(lambda x=x, y=y: (ddp(x) - y).square().mean()).item())
+    flat = _flat(ddp.module)
+    everyone = [torch.empty_like(flat) for _ in range(2)]
+    dist.all_gather(everyone, flat)
+    state = pycomm.hook_state(ddp)
+    stats = (state.inner if accumulate > 1 else state).stats
+    return torch.equal(everyone[0], everyone[1]), losses, dict(stats)
+
+
+@pytest.mark.parametrize(
+    "hook, options, accumulate",
+    [
+        ("int4", {}, 1),
+        ("int4", {"scale_dtype": "bfloat16", "residual_dtype": "bfloat16"}, 2),
+        ("fp8", {}, 1),
+        ("fp8", {"start_iter": 2}, 2),
+    ],
+    ids=str,
+)
+def test_trains_with_ranks_bitwise_equal(hook, options, accumulate):
+    for same, losses, stats in run_ranks(_rank_train, 2, hook, options, accumulate, timeout=120):
+        assert same
+        assert sum(losses[-3:]) < 0.7 * sum(losses[:3]), losses
+        assert stats["compression"] > 1.0 and stats["nonfinite_buckets"] == 0
+
+
+def _rank_bytes(hook):
+    n = 1 << 16
+    ddp = pycomm.wrap(torch.nn.Linear(n, 1, bias=False), hook=hook, hook_options={"start_iter": 2})
+    state = pycomm.hook_state(ddp)
+    sent = []
+    for _ in range(4):
+        before = state.stats["bytes_sent"]
+        ddp(torch.ones(1, n)).sum().backward()
+        sent.append(state.stats["bytes_sent"] - before)
+    return sent[-1]
+
+
+def test_bytes_sent_a_step_against_int8():
+    int8, int4, fp8 = (run_ranks(_rank_bytes, 2, h, timeout=90)[0] for h in ("int8", "int4", "fp8"))
+    assert int4 <= 0.55 * int8, (int4, int8)
+    assert fp8 <= 1.0 * int8, (fp8, int8)

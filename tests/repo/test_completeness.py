@@ -9,13 +9,13 @@ import re
 import pytest
 import torch
 from conftest import pycomm_ops
+from harness import ROOT
 
 import pycomm  # noqa: F401 - loads the extension
 from pycomm import ops, reference
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CSRC = os.path.join(ROOT, "csrc")
-KERNEL_TESTS = ("test_ops.py", "test_codecs.py")
+KERNEL_TESTS = ("kernels/test_fusion_ops.py", "kernels/test_codec_ops.py")
 
 
 def _read(*parts: str) -> str:

@@ -6,7 +6,9 @@ import socket
 import subprocess
 import sys
 
-SCRIPT = os.path.join(os.path.dirname(__file__), "scripts", "train_torchrun.py")
+from harness import TESTS
+
+SCRIPT = os.path.join(TESTS, "scripts", "train_torchrun.py")
 
 
 def _free_port() -> int:

@@ -7,10 +7,9 @@ import os
 import re
 
 import pytest
+from harness import ROOT
 
 from pycomm.bench import tables
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def test_every_table_in_the_docs_is_what_its_json_gives():

@@ -10,8 +10,9 @@ import subprocess
 import sys
 
 import pytest
+from harness import TESTS
 
-SCRIPT = os.path.join(os.path.dirname(__file__), "scripts", "train_ray.py")
+SCRIPT = os.path.join(TESTS, "scripts", "train_ray.py")
 
 
 @pytest.mark.frameworks

@@ -6,9 +6,9 @@ import contextlib
 import pytest
 import torch
 import torch.distributed as dist
+from ddp_harness import model as _model
+from ddp_harness import nodes as _nodes
 from harness import run_ranks
-from test_hierarchy import _nodes
-from test_resume import _model
 
 import pycomm
 from pycomm.hooks import auto

@@ -6,9 +6,9 @@ tensors. The tests that take the ``gpu`` fixture run on the CPU in the dry run
 and plumbing are checked before a GPU ever runs them.
 
 The kernel cases themselves (odd sizes, every dtype, strides, misaligned views, NaN/Inf, many
-tensors, bad input) are written once in test_ops.py and test_codecs.py and run on every backend
-(cpu, emu, cuda) through conftest.py's ``be`` fixture; ``cuda_be`` here is emu and cuda alone,
-for comparisons with the CPU kernels.
+tensors, bad input) are written once in test_fusion_ops.py and test_codec_ops.py and run on
+every backend (cpu, emu, cuda) through conftest.py's ``be`` fixture; ``cuda_be`` here is emu and
+cuda alone, for comparisons with the CPU kernels.
 """
 
 from __future__ import annotations
@@ -199,7 +199,7 @@ _BF16_IDS = [f"{n}-{str(a).replace('torch.', '')}" for n, a, _ in _BF16_CASES]
 
 @pytest.mark.parametrize("name, arg, block", _BF16_CASES, ids=_BF16_IDS)
 def test_bf16_residual_same_as_cpu_kernels(cuda_be, name, arg, block):
-    # test_codecs compares every backend with the reference; this, the CUDA kernels with the
+    # test_codec_ops compares every backend with the reference; this, the CUDA kernels with the
     # CPU's directly (bf16 residuals, in place and into residual_out)
     be = cuda_be
     for dtype in DTYPES:

@@ -1,10 +1,9 @@
-"""The int4 and fp8 codecs (their fused ops) against their references in pycomm.reference, and
-the int4 and fp8 hooks on gloo ranks: bytes, rank agreement, training, accumulation, resume."""
+"""The int4 and fp8 codecs (their fused ops, through the codec protocol) against their
+references in pycomm.reference, their bytes against int8, and the option checks of every
+built-in codec and codec hook. Their hooks on gloo ranks: hooks/test_compression.py."""
 
 import pytest
 import torch
-import torch.distributed as dist
-from harness import run_ranks
 
 import pycomm
 from pycomm import reference
@@ -248,73 +247,6 @@ def test_bad_input_names_argument_value_and_expectation(make, pattern):
 
 
 def test_int4_kernel_refuses_a_short_numel():
-    # the fused kernel's own check (the same from its Meta kernel: tests/test_codecs.py)
+    # the fused kernel's own check (the same from its Meta kernel: tests/kernels/test_codec_ops.py)
     with pytest.raises(RuntimeError, match=r"quantize_int4: numel is 64, expected >= x.numel"):
         Int4Codec().encode(torch.ones(65), None, 1.0, 64)
-
-
-# --- through pycomm.wrap on 2 gloo ranks --------------------------------------------------
-
-
-def _model():
-    torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.Tanh(), torch.nn.Linear(64, 4))
-
-
-def _flat(m):
-    return torch.cat([p.detach().reshape(-1) for p in m.parameters()])
-
-
-def _rank_train(hook, options, accumulate):
-    ddp = pycomm.wrap(
-        _model(), hook=hook, hook_options=options, accumulate_steps=accumulate, bucket_cap_mb=0.01
-    )
-    loop = pycomm.TrainLoop(ddp, torch.optim.SGD(ddp.parameters(), lr=0.1))
-    g = torch.Generator().manual_seed(0)
-    target = torch.nn.Linear(32, 4)
-    losses = []
-    for _ in range(16 * accumulate):
-        x = torch.randn(16, 32, generator=g)[dist.get_rank() :: 2]
-        y = target(x).detach()
-        losses.append(loop.step(lambda x=x, y=y: (ddp(x) - y).square().mean()).item())
-    flat = _flat(ddp.module)
-    everyone = [torch.empty_like(flat) for _ in range(2)]
-    dist.all_gather(everyone, flat)
-    state = pycomm.hook_state(ddp)
-    stats = (state.inner if accumulate > 1 else state).stats
-    return torch.equal(everyone[0], everyone[1]), losses, dict(stats)
-
-
-@pytest.mark.parametrize(
-    "hook, options, accumulate",
-    [
-        ("int4", {}, 1),
-        ("int4", {"scale_dtype": "bfloat16", "residual_dtype": "bfloat16"}, 2),
-        ("fp8", {}, 1),
-        ("fp8", {"start_iter": 2}, 2),
-    ],
-    ids=str,
-)
-def test_trains_with_ranks_bitwise_equal(hook, options, accumulate):
-    for same, losses, stats in run_ranks(_rank_train, 2, hook, options, accumulate, timeout=120):
-        assert same
-        assert sum(losses[-3:]) < 0.7 * sum(losses[:3]), losses
-        assert stats["compression"] > 1.0 and stats["nonfinite_buckets"] == 0
-
-
-def _rank_bytes(hook):
-    n = 1 << 16
-    ddp = pycomm.wrap(torch.nn.Linear(n, 1, bias=False), hook=hook, hook_options={"start_iter": 2})
-    state = pycomm.hook_state(ddp)
-    sent = []
-    for _ in range(4):
-        before = state.stats["bytes_sent"]
-        ddp(torch.ones(1, n)).sum().backward()
-        sent.append(state.stats["bytes_sent"] - before)
-    return sent[-1]
-
-
-def test_bytes_sent_a_step_against_int8():
-    int8, int4, fp8 = (run_ranks(_rank_bytes, 2, h, timeout=90)[0] for h in ("int8", "int4", "fp8"))
-    assert int4 <= 0.55 * int8, (int4, int8)
-    assert fp8 <= 1.0 * int8, (fp8, int8)

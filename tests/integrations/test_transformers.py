@@ -11,8 +11,9 @@ import subprocess
 import sys
 
 import pytest
+from harness import TESTS
 
-SCRIPT = os.path.join(os.path.dirname(__file__), "scripts", "train_hf.py")
+SCRIPT = os.path.join(TESTS, "scripts", "train_hf.py")
 
 
 def _free_port() -> int:

@@ -7,7 +7,8 @@ README.md; and every section of a page cited as ``docs/<page>.md, "Section"`` (o
 import os
 import re
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from harness import ROOT
+
 _DIRS = ("pycomm", "scripts", "tests", "csrc", "docs", "benchmarks")
 _TOP = ("README.md", "Makefile", "setup.py", "pyproject.toml")
 _TEXT = (".py", ".md", ".h", ".cpp", ".cu", ".cuh", ".sh", ".toml")

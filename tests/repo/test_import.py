@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import pytest
+from harness import ROOT
 
 MISSING = "import sys; sys.modules['pycomm._C'] = None\n"
 STALE = (
@@ -88,7 +89,7 @@ def test_version_is_written_once():
     import pathlib
     import re
 
-    root = pathlib.Path(__file__).resolve().parent.parent
+    root = pathlib.Path(ROOT)
     text = (root / "pyproject.toml").read_text()
     assert re.search(r'^dynamic = \["version"\]$', text, re.M)
     assert re.search(r'^version = \{ attr = "pycomm.__version__" \}$', text, re.M)

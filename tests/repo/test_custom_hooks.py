@@ -14,9 +14,8 @@ import sys
 
 import doc_blocks
 import pytest
-from harness import run_ranks
+from harness import ROOT, run_ranks
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PAGE = os.path.join(ROOT, "docs", "custom_hooks.md")
 
 

@@ -8,18 +8,11 @@ import copy
 import pytest
 import torch
 import torch.distributed as dist
+from ddp_harness import model as _model
 from harness import error_message as error
 from harness import run_ranks
 
 import pycomm
-
-
-def _model():
-    torch.manual_seed(0)
-    layers = []
-    for _ in range(5):
-        layers += [torch.nn.Linear(40, 40), torch.nn.Tanh()]
-    return torch.nn.Sequential(*layers, torch.nn.Linear(40, 3))
 
 
 def _flat(m):

@@ -2,7 +2,6 @@
 (GROUP_RANK, GROUP_WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE), set inside each rank for one
 job and restored after it. Every hook with node, flat and auto side by side on the same data."""
 
-import contextlib
 import copy
 import math
 import os
@@ -11,61 +10,15 @@ import warnings
 import pytest
 import torch
 import torch.distributed as dist
+from ddp_harness import model as _model
+from ddp_harness import nodes as _nodes
 from harness import run_ranks
-from test_resume import _model
 
 import pycomm
 from pycomm.hooks.groups import group_timeout
 from pycomm.topology import set_nodes
 
 HOOKS = ["allreduce", "fp16", "bf16", "int8", "onebit"]
-
-
-_TORCHRUN = ("GROUP_RANK", "GROUP_WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
-
-
-@contextlib.contextmanager
-def _nodes(layout, launcher="torchrun"):
-    """This rank's launcher variables for ``layout``, a node id per rank, e.g. [0, 0, 1, 1]:
-    torchrun's, or SLURM's (``launcher="slurm"``, torchrun's then unset)."""
-    rank = dist.get_rank()
-    node = layout[rank]
-    members = [r for r, n in enumerate(layout) if n == node]
-    if launcher == "torchrun":
-        env = dict(
-            zip(
-                _TORCHRUN,
-                (str(node), str(len(set(layout))), str(members.index(rank)), str(len(members))),
-            )
-        )
-    else:
-        counts = [layout.count(n) for n in sorted(set(layout))]
-        env = {
-            "SLURM_NODEID": str(node),
-            "SLURM_NNODES": str(len(counts)),
-            "SLURM_LOCALID": str(members.index(rank)),
-            # SLURM's compressed form: '2(x2)' for two nodes of 2, '3,1' when uneven
-            "SLURM_TASKS_PER_NODE": (
-                f"{counts[0]}(x{len(counts)})"
-                if len(set(counts)) == 1
-                else ",".join(map(str, counts))
-            ),
-            **{k: None for k in _TORCHRUN},
-        }
-    saved = {k: os.environ.get(k) for k in env}
-    for k, v in env.items():
-        if v is None:
-            os.environ.pop(k, None)
-        else:
-            os.environ[k] = v
-    try:
-        yield
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 def _grads(module):

@@ -10,7 +10,7 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
-from harness import run_ranks
+from harness import ROOT, run_ranks
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import pycomm
@@ -30,8 +30,6 @@ from pycomm.hooks import (
     unregister_hook,
 )
 from pycomm.hooks.state import completed
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 class PlainCodec(Codec):

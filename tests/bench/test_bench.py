@@ -7,7 +7,6 @@ import contextlib
 import io
 import json
 import os
-import pathlib
 import re
 import subprocess
 import sys
@@ -15,6 +14,7 @@ import time
 
 import pytest
 import torch
+from harness import ROOT
 
 import pycomm
 from pycomm.bench import link, session
@@ -23,7 +23,6 @@ from pycomm.bench.models import ModelSpec, count_params
 from pycomm.bench.report import plot, table
 from pycomm.bench.runner import available_hooks, default_hooks_set
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = ("--nprocs", "2", "--width", "16", "--layers", "2", "--steps", "2", "--warmup", "2")
 FLAGS = [
     "--nprocs", "--hooks", "--list-hooks", "--accumulate-steps", "--threads", "--bucket-cap-mb",
@@ -33,14 +32,13 @@ FLAGS = [
 ]  # fmt: skip
 
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
-BAD = "tests.bench_hooks:badsetup"  # a hook of the caller's own (module:factory) that raises
+BAD = "tests.bench.bench_hooks:badsetup"  # a hook of the caller's own (module:factory) that raises
 
 
 def _run(*args, timeout=120):
     return subprocess.run(
         [sys.executable, "-m", "pycomm.bench", *args],
-        cwd=ROOT,  # where tests.bench_hooks imports from
+        cwd=ROOT,  # where tests.bench.bench_hooks imports from
         capture_output=True,
         text=True,
         timeout=timeout,
@@ -52,7 +50,7 @@ def _main(capfd, monkeypatch, *args):
     they do under ``python -m pycomm.bench`` (the fixture ``tiny_all`` runs that entry point
     itself), without a second interpreter importing torch first. Returns (exit status,
     stdout); capfd, since a shaped run re-runs itself in a namespace of its own."""
-    monkeypatch.syspath_prepend(str(ROOT))  # where tests.bench_hooks imports from
+    monkeypatch.syspath_prepend(str(ROOT))  # where tests.bench.bench_hooks imports from
     monkeypatch.chdir(ROOT)
     capfd.readouterr()
     code = main(list(args))
@@ -87,8 +85,8 @@ def test_help_lists_every_flag(capsys):
     [
         (("--hooks", "ddp,zstd"), "--hooks: unknown hook 'zstd'"),
         (("--hooks", "no_such_mod:make"), "cannot import module 'no_such_mod'"),
-        (("--hooks", "tests.bench_hooks:nothing"), "has no callable 'nothing'"),
-        (("--hooks", "tests.bench_hooks:"), "expected module:factory (both parts)"),
+        (("--hooks", "tests.bench.bench_hooks:nothing"), "has no callable 'nothing'"),
+        (("--hooks", "tests.bench.bench_hooks:"), "expected module:factory (both parts)"),
         (("--nprocs", "0"), "--nprocs: '0' is not a positive integer"),
         (("--nprocs", "-2"), "--nprocs: '-2' is not a positive integer"),
         (("--steps", "x"), "--steps: 'x' is not a positive integer"),
@@ -165,12 +163,12 @@ def test_default_set_has_every_torch_and_pycomm_hook():
 
 @pytest.fixture(scope="module")
 def tiny_all(tmp_path_factory):
-    """One run of every hook plus ``tests.bench_hooks:badsetup``, a hook of our own that raises
-    while being set up: it is dropped inside the launch, never relaunched."""
+    """One run of every hook plus ``tests.bench.bench_hooks:badsetup``, a hook of our own that
+    raises while being set up: it is dropped inside the launch, never relaunched."""
     folder = tmp_path_factory.mktemp("bench")
     out = _run(
         *TINY,
-        "--hooks", "all,tests.bench_hooks:badsetup",
+        "--hooks", "all,tests.bench.bench_hooks:badsetup",
         "--json", str(folder / "out.json"),
         "--plot", str(folder / "out.png"),
     )  # fmt: skip
@@ -238,7 +236,7 @@ def doc_table_header(doc):
 
 
 def test_failing_hook_is_reported_and_the_others_measured(tmp_path, capfd, monkeypatch):
-    """``tests.bench_hooks:fail`` raises in its second step (the second timed one, without
+    """``tests.bench.bench_hooks:fail`` raises in its second step (the second timed one, without
     warm-up): the others' first step is kept, the launch without it runs the other 3, then the
     failing hook alone."""
     path = tmp_path / "out.json"
@@ -248,7 +246,7 @@ def test_failing_hook_is_reported_and_the_others_measured(tmp_path, capfd, monke
         "--steps",
         "4",
         "--hooks",
-        "int8,tests.bench_hooks:fail",
+        "int8,tests.bench.bench_hooks:fail",
         "--json",
         str(path),
     )
@@ -262,11 +260,13 @@ def test_failing_hook_is_reported_and_the_others_measured(tmp_path, capfd, monke
     assert [launch["steps"] for launch in doc["launches"]] == [4, 3, 4]
     assert doc["launches"][0]["rounds_completed"] == 1
     assert "the first 1 timed steps" in stdout
-    fail = doc["hooks"]["tests.bench_hooks:fail"]
+    fail = doc["hooks"]["tests.bench.bench_hooks:fail"]
     assert fail["status"] == "failed" and fail["phase"] == "step"
     assert "deliberate failure" in fail["error"]
     assert fail["alone"]["status"] == "failed"
-    assert "tests.bench_hooks:fail failed: RuntimeError: fail hook: deliberate failure" in stdout
+    assert (
+        "tests.bench.bench_hooks:fail failed: RuntimeError: fail hook: deliberate failure" in stdout
+    )
     # interleaved (fails), the others without it, then the failed hook alone
     assert [launch["ok"] for launch in doc["launches"]] == [False, True, False]
 
@@ -287,15 +287,15 @@ def test_plot_is_a_png(tiny_all):
 
 
 def test_hanging_hook_costs_its_step_deadline_not_the_launch_timeout(tmp_path, capfd, monkeypatch):
-    """``tests.bench_hooks:hang`` never completes its second step: the deadline stops the
+    """``tests.bench.bench_hooks:hang`` never completes its second step: the deadline stops the
     ranks; with --rerun-budget 0 it is not rerun alone."""
     path = tmp_path / "out.json"
     stdout = _main(
-        capfd, monkeypatch, *TINY, "--hooks", "tests.bench_hooks:hang", "--step-timeout", "3",
+        capfd, monkeypatch, *TINY, "--hooks", "tests.bench.bench_hooks:hang", "--step-timeout", "3",
         "--rerun-budget", "0", "--json", str(path),
     )  # fmt: skip
     doc = json.loads(path.read_text())
-    hang = doc["hooks"]["tests.bench_hooks:hang"]
+    hang = doc["hooks"]["tests.bench.bench_hooks:hang"]
     assert hang["status"] == "failed" and hang["phase"] == "hung", hang
     # the deadline: max(--step-timeout, 5x the slowest step so far), seconds either way
     assert re.match(r"hung: a step made no progress for 0:00:\d\d", hang["error"]), hang

@@ -1,0 +1,63 @@
+"""The model and the simulated nodes that the DDP hook tests (hooks/test_resume.py,
+hooks/test_hierarchy.py, hooks/test_auto.py) share; call them inside a rank."""
+
+import contextlib
+import os
+
+import torch
+import torch.distributed as dist
+
+_TORCHRUN = ("GROUP_RANK", "GROUP_WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
+
+
+def model() -> torch.nn.Module:
+    """Five 40 x 40 blocks and a head: several buckets at a small ``bucket_cap_mb``."""
+    torch.manual_seed(0)
+    layers = []
+    for _ in range(5):
+        layers += [torch.nn.Linear(40, 40), torch.nn.Tanh()]
+    return torch.nn.Sequential(*layers, torch.nn.Linear(40, 3))
+
+
+@contextlib.contextmanager
+def nodes(layout, launcher="torchrun"):
+    """This rank's launcher variables for ``layout``, a node id per rank, e.g. [0, 0, 1, 1]:
+    torchrun's, or SLURM's (``launcher="slurm"``, torchrun's then unset)."""
+    rank = dist.get_rank()
+    node = layout[rank]
+    members = [r for r, n in enumerate(layout) if n == node]
+    if launcher == "torchrun":
+        env = dict(
+            zip(
+                _TORCHRUN,
+                (str(node), str(len(set(layout))), str(members.index(rank)), str(len(members))),
+            )
+        )
+    else:
+        counts = [layout.count(n) for n in sorted(set(layout))]
+        env = {
+            "SLURM_NODEID": str(node),
+            "SLURM_NNODES": str(len(counts)),
+            "SLURM_LOCALID": str(members.index(rank)),
+            # SLURM's compressed form: '2(x2)' for two nodes of 2, '3,1' when uneven
+            "SLURM_TASKS_PER_NODE": (
+                f"{counts[0]}(x{len(counts)})"
+                if len(set(counts)) == 1
+                else ",".join(map(str, counts))
+            ),
+            **{k: None for k in _TORCHRUN},
+        }
+    saved = {k: os.environ.get(k) for k in env}
+    for k, v in env.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
