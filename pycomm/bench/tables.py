@@ -126,8 +126,11 @@ def _one(block: Block, docs: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def _printed(block: Block, docs: list[dict[str, Any]]) -> list[str]:
-    """What ``python -m pycomm.bench`` printed for this run: its header and table."""
+    """What ``python -m pycomm.bench`` printed for this run: its header and table
+    (``hooks=``: those rows only; ``notes=no``: without the lines under the table)."""
     doc = _one(block, docs)
+    names = _pick(block, list(doc["hooks"]), "hooks")
+    doc = {**doc, "hooks": {n: doc["hooks"][n] for n in names}}
     text = table(doc)
     if block.options.get("notes", "yes") == "no":  # the table alone, without what follows it
         keep = len(header(doc)) + 1 + len(doc["hooks"])

@@ -265,3 +265,33 @@ def test_a_report_comment_in_a_code_block_is_an_example(repo):
     assert [b.line for b in tables.blocks(str(page))] == [5]
     tables.update([str(page)], str(repo))
     assert page.read_text().startswith("```text\n<!-- report: steps run.json -->\n<!-- /report")
+
+
+def test_printed_is_the_bench_table_of_the_hooks_asked_for(repo):
+    from pycomm.bench.report import table
+
+    doc = {
+        "config": {"nprocs": 2, "threads": 1, "steps": 5, "warmup": 1,
+                   "model": {"kind": "mlp", "layers": 2, "width": 16, "batch": 4}},
+        "link": {"requested": "1gbit", "per_rank_bits": 10**9, "shaped": False, "reason": "test"},
+        "hooks": {
+            n: {"status": "ok", "median_s": ms / 1e3, "min_s": ms / 1e3, "max_s": ms / 1e3,
+                "bytes_per_step": 1e6}
+            for n, ms in (("compute", 50.0), ("ddp", 150.0), ("int8", 80.0), ("int8-wire", 60.0))
+        },
+        "failures": [],
+    }  # fmt: skip
+    (repo / "benchmarks" / "results" / "printed.json").write_text(json.dumps(doc))
+    page = _page(repo, "printed")
+    page.write_text(
+        "<!-- report: printed printed.json hooks=ddp,int8 notes=no -->\n<!-- /report -->\n"
+    )
+    tables.update([str(page)], str(repo))
+    text = page.read_text()
+    rows = [
+        line.split()[0] for line in text.splitlines() if re.match(r"^(ddp|int8|compute) ", line)
+    ]
+    assert rows == ["ddp", "int8"]
+    assert "int8-wire" not in text and "MB/step: bytes one rank sends" not in text
+    whole = table(doc).splitlines()
+    assert [line for line in whole if line.startswith("int8 ")][0] in text
