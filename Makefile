@@ -60,7 +60,7 @@ bench: install
 # the docs' tables of measured figures, from benchmarks/results/*.json (tests/repo/test_report.py
 # fails when a table and its JSON disagree)
 report: install
-	$(PY) -m pycomm.bench.report
+	$(PY) -m pycomm.bench.tables
 
 bench-kernels: install
 	$(PY) benchmarks/bench_fusion.py --json benchmarks/results/fusion.json

@@ -46,6 +46,7 @@ import torch
 
 import pycomm
 from pycomm.bench import link as _link
+from pycomm.bench.args import add_import_argument, positive_int
 from pycomm.bench.models import MODELS, ModelSpec, count_params
 from pycomm.bench.nodes import Nodes
 from pycomm.bench.report import add_ratios, plot, table
@@ -76,16 +77,6 @@ _GPT_FLAGS = {
 }
 _DEFAULTS = {"width": 1024, "d_model": 256, "heads": 4, "seq_len": 64, "vocab": 8192}
 _DEFAULT_BATCH = {"mlp": 64, "transformer": 4}
-
-
-def positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a positive integer")
-    return value
 
 
 def _non_negative(text: str) -> int:
@@ -339,20 +330,6 @@ def _output_flags(ap: argparse.ArgumentParser) -> None:
         action="store_true",
         help="benchmark FSDP2's gradient reduce-scatter against pycomm.fsdp.compress's instead "
         "(flags of its own: python -m pycomm.bench --fsdp --help)",
-    )
-
-
-def add_import_argument(group: Any) -> None:
-    """``--import MODULE`` (repeatable): modules that register hooks, imported in this process
-    before ``--hooks`` is read and on every rank (the bench's and the quality suite's)."""
-    group.add_argument(
-        "--import",
-        dest="imports",
-        action="append",
-        default=[],
-        metavar="MODULE",
-        help="import MODULE first, here and on every rank (repeatable): a module that "
-        "registers hooks (pycomm.hooks.register_hook), run by name in --hooks",
     )
 
 

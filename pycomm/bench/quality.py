@@ -35,7 +35,7 @@ from typing import Any, Optional
 import torch
 
 import pycomm
-from pycomm.bench.__main__ import add_import_argument, positive_int
+from pycomm.bench.args import add_import_argument, positive_int
 from pycomm.bench.quality_tasks import (
     DEFAULT_HOOKS,
     DEFAULT_OPTIMIZERS,

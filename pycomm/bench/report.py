@@ -287,9 +287,3 @@ def plot(doc: dict[str, Any], path: str) -> None:
         ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.1), ncol=2, fontsize=8, frameon=False)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
-
-
-if __name__ == "__main__":  # python -m pycomm.bench.report: the docs' tables (tables.py)
-    from pycomm.bench.tables import main
-
-    raise SystemExit(main())

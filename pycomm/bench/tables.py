@@ -11,7 +11,7 @@ A measured figure lives in one place: the JSON file a benchmark wrote
 
 The first word after ``report:`` names a renderer (:data:`RENDERERS`), the next words the JSON
 files (relative to the results folder; a ``*`` pattern takes every match, in name order), the
-``key=value`` words its options. ``python -m pycomm.bench.report`` rewrites every block of the
+``key=value`` words its options. ``python -m pycomm.bench.tables`` rewrites every block of the
 repository's Markdown pages; ``--check`` changes nothing and exits 1 naming each block whose
 text is not what its JSON gives (a test runs it). Each block ends with the JSON it came from
 and the command that wrote it.
@@ -541,7 +541,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     import argparse
 
     ap = argparse.ArgumentParser(
-        prog="python -m pycomm.bench.report",
+        prog="python -m pycomm.bench.tables",
         description="Regenerate the docs' tables of measured figures from "
         "benchmarks/results/*.json (the blocks between '<!-- report: ... -->' and "
         f"'{_END}').",
@@ -563,3 +563,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         what = "stale" if args.check else "rewritten"
         print(f"{b.where}: {what} ({b.renderer} {' '.join(b.files)})")
     return 1 if args.check and changed else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

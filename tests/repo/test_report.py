@@ -15,7 +15,7 @@ from pycomm.bench import tables
 def test_every_table_in_the_docs_is_what_its_json_gives():
     stale = tables.update(tables.pages(ROOT), ROOT, check=True)
     assert not stale, (
-        "tables that differ from their JSON (run python -m pycomm.bench.report): "
+        "tables that differ from their JSON (run python -m pycomm.bench.tables): "
         + ", ".join(f"{b.where} ({b.renderer} {' '.join(b.files)})" for b in stale)
     )
 
