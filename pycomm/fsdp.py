@@ -161,7 +161,66 @@ def _check_group(where: str, verb: str, exchange: Exchange, group: dist.ProcessG
         )
 
 
-class ModuleReduceScatter(ReduceScatter):
+class _ModuleCollective:
+    """What a module's reduce-scatter and all-gather share: its name, the Exchange, the dtypes
+    the codec takes, the counters, and one call's checks and bookkeeping."""
+
+    verb = ""  # what the collective does, in an error ("reduce-scatters", "all-gathers")
+
+    def __init__(
+        self, name: str, exchange: Exchange, dtypes: Optional[tuple[torch.dtype, ...]]
+    ) -> None:
+        self.name = name
+        self.exchange = exchange
+        self.grad_dtypes = dtypes  # what the codec takes (accepts_dtype reads it); None: any
+        self.counters = {key: 0 for key in _COUNTERS}
+        self._group: Any = exchange.process_group  # the last group FSDP passed, once checked
+
+    def allocate(self, size: Any, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return torch.empty(size, dtype=dtype, device=device)
+
+    def _where(self, group: dist.ProcessGroup, whole: tuple[str, torch.Tensor],
+               part: tuple[str, torch.Tensor]) -> str:  # fmt: skip
+        """This call's name in errors, once its sizes (``whole`` holds N of ``part``) and its
+        group (the Exchange's ranks) are checked: the same on every rank, so each raises here
+        and none waits in a collective."""
+        where = f"pycomm.fsdp ({self.name or 'root'})"
+        n = dist.get_world_size(group)
+        (whole_name, w), (part_name, p) = whole, part
+        if w.numel() != n * p.numel():
+            raise ValueError(
+                f"{where}: {whole_name} of {w.numel()} elements for {part_name} of {p.numel()} "
+                f"on {n} ranks, expected {n * p.numel()}"
+            )
+        if group is not self._group:
+            _check_group(where, self.verb, self.exchange, group)
+            self._group = group
+        return where
+
+    def _run(self, output_tensor: torch.Tensor, call: Any) -> None:
+        """``call(out)`` into a contiguous ``out`` (``output_tensor`` or a copy), waited on;
+        its bytes counted."""
+        out = output_tensor
+        if not out.is_contiguous():
+            out = torch.empty_like(output_tensor, memory_format=torch.contiguous_format)
+        work = call(out)
+        work.wait()
+        if out is not output_tensor:
+            output_tensor.copy_(out)
+        c = self.counters
+        c["calls"] += 1
+        c["bytes_sent"] += work.bytes_sent
+        c["bytes_fp32"] += work.bytes_fp32
+
+    def state_dict(self) -> dict[str, Any]:
+        """The module's counters (residuals and warm-ups are the Exchange's)."""
+        return {"stats": dict(self.counters)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.counters.update({key: int(state["stats"][key]) for key in _COUNTERS})
+
+
+class ModuleReduceScatter(_ModuleCollective, ReduceScatter):
     """The ``ReduceScatter`` of one ``FSDPModule`` (installed by :func:`compress`): the
     model's :class:`pycomm.Exchange`, called with the module's name as key, and the module's
     counters.
@@ -178,6 +237,8 @@ class ModuleReduceScatter(ReduceScatter):
         >>> rs.stats["bytes_sent"]
     """
 
+    verb = "reduce-scatters"
+
     def __init__(
         self,
         name: str,
@@ -185,12 +246,8 @@ class ModuleReduceScatter(ReduceScatter):
         exchange: Exchange,
         grad_dtypes: Optional[tuple[torch.dtype, ...]] = None,
     ) -> None:
-        self.name = name
+        super().__init__(name, exchange, grad_dtypes)  # None: any dtype (the exact exchange)
         self.hook = hook
-        self.exchange = exchange
-        self.grad_dtypes = grad_dtypes  # None: every floating dtype (the exact exchange)
-        self.counters = {key: 0 for key in _COUNTERS}
-        self._group: Any = exchange.process_group  # the last group FSDP passed, once checked
 
     @property
     def iter(self) -> int:
@@ -205,9 +262,6 @@ class ModuleReduceScatter(ReduceScatter):
         """``reduce_scatter``: its ``calls``, ``bytes_sent`` and ``bytes_fp32``."""
         return {"reduce_scatter": dict(self.counters)}
 
-    def allocate(self, size: Any, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        return torch.empty(size, dtype=dtype, device=device)
-
     def __call__(
         self,
         output_tensor: torch.Tensor,
@@ -219,17 +273,7 @@ class ModuleReduceScatter(ReduceScatter):
         """Reduce-scatter ``input_tensor`` (N chunks of ``output_tensor.numel()``) into
         ``output_tensor`` on ``group``, as FSDP's ``op`` asks, through the Exchange;
         synchronous (FSDP runs it in its reduce-scatter stream)."""
-        where = f"pycomm.fsdp ({self.name or 'root'})"
-        n = dist.get_world_size(group)
-        s = output_tensor.numel()
-        if input_tensor.numel() != n * s:
-            raise ValueError(
-                f"{where}: input of {input_tensor.numel()} elements for an output of {s} on "
-                f"{n} ranks, expected {n * s}"
-            )
-        if group is not self._group:
-            _check_group(where, "reduce-scatters", self.exchange, group)
-            self._group = group
+        where = self._where(group, ("input", input_tensor), ("an output", output_tensor))
         reduction = _reduction(op)
         if self.grad_dtypes is not None and not accepts_dtype(self, input_tensor.dtype):
             # every rank reduces the same dtype: each raises here, none waits in a collective
@@ -239,30 +283,15 @@ class ModuleReduceScatter(ReduceScatter):
                 f"{str(input_tensor.dtype).replace('torch.', '')}; expected a model of those "
                 "dtypes, MixedPrecisionPolicy(reduce_dtype=torch.float32), or hook='allreduce'"
             )
-        out = output_tensor
-        if not out.is_contiguous():
-            out = torch.empty_like(output_tensor, memory_format=torch.contiguous_format)
-        work = self.exchange.reduce_scatter(
-            out, input_tensor.contiguous(), key=self.name, **reduction
+        x = input_tensor.contiguous()
+        self._run(
+            output_tensor,
+            lambda out: self.exchange.reduce_scatter(out, x, key=self.name, **reduction),
         )
-        work.wait()
-        if out is not output_tensor:
-            output_tensor.copy_(out)
-        c = self.counters
-        c["calls"] += 1
-        c["bytes_sent"] += work.bytes_sent
-        c["bytes_fp32"] += work.bytes_fp32
         return None
 
-    def state_dict(self) -> dict[str, Any]:
-        """The module's counters (its residual and warm-up are the Exchange's)."""
-        return {"stats": dict(self.counters)}
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.counters.update({key: int(state["stats"][key]) for key in _COUNTERS})
-
-
-class ModuleAllGather(AllGather):
+class ModuleAllGather(_ModuleCollective, AllGather):
     """The parameter ``AllGather`` of one ``FSDPModule`` (installed by :func:`compress` with
     ``all_gather=`` a codec): the all-gathers' :class:`pycomm.Exchange` (one for the model,
     apart from the reduce-scatter's), called with the module's name as key, and the module's
@@ -285,22 +314,17 @@ class ModuleAllGather(AllGather):
         >>> ag.stats["bytes_sent"]
     """
 
+    verb = "all-gathers"
+
     def __init__(
         self, name: str, codec: str, exchange: Exchange, dtypes: tuple[torch.dtype, ...]
     ) -> None:
-        self.name = name
+        super().__init__(name, exchange, dtypes)
         self.codec = codec
-        self.exchange = exchange
-        self.grad_dtypes = dtypes  # what the codec encodes (accepts_dtype reads it)
-        self.counters = {key: 0 for key in _COUNTERS}
-        self._group: Any = exchange.process_group
 
     @property
     def stats(self) -> dict[str, int]:
         return dict(self.counters)
-
-    def allocate(self, size: Any, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        return torch.empty(size, dtype=dtype, device=device)
 
     def __call__(
         self,
@@ -312,17 +336,7 @@ class ModuleAllGather(AllGather):
         """All-gather ``input_tensor`` (this rank's shard; FSDP passes a view of its chunk of
         ``output_tensor``) into ``output_tensor`` (N chunks) on ``group``, through the codec;
         synchronous (FSDP runs it in its all-gather stream and waits on its event)."""
-        where = f"pycomm.fsdp ({self.name or 'root'})"
-        n = dist.get_world_size(group)
-        m = input_tensor.numel()
-        if output_tensor.numel() != n * m:
-            raise ValueError(
-                f"{where}: all-gather output of {output_tensor.numel()} elements for an input "
-                f"of {m} on {n} ranks, expected {n * m}"
-            )
-        if group is not self._group:
-            _check_group(where, "all-gathers", self.exchange, group)
-            self._group = group
+        where = self._where(group, ("all-gather output", output_tensor), ("an input", input_tensor))
         if not accepts_dtype(self, input_tensor.dtype):
             # every rank gathers the same dtype: each raises here, none waits in a collective
             raise TypeError(
@@ -331,27 +345,11 @@ class ModuleAllGather(AllGather):
                 f"{str(input_tensor.dtype).replace('torch.', '')}; expected a model (or "
                 "MixedPrecisionPolicy(param_dtype=...)) of those dtypes, or all_gather=None"
             )
-        out = output_tensor
-        if not out.is_contiguous():
-            out = torch.empty_like(output_tensor, memory_format=torch.contiguous_format)
         # the input is encoded before any chunk of the output is written: FSDP's input may
         # be a view of this rank's chunk of the output
-        work = self.exchange.all_gather(out, input_tensor.contiguous(), key=self.name)
-        work.wait()
-        if out is not output_tensor:
-            output_tensor.copy_(out)
-        c = self.counters
-        c["calls"] += 1
-        c["bytes_sent"] += work.bytes_sent
-        c["bytes_fp32"] += work.bytes_fp32
+        x = input_tensor.contiguous()
+        self._run(output_tensor, lambda out: self.exchange.all_gather(out, x, key=self.name))
         return None
-
-    def state_dict(self) -> dict[str, Any]:
-        """The module's counters (an all-gather keeps no other state)."""
-        return {"stats": dict(self.counters)}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.counters.update({key: int(state["stats"][key]) for key in _COUNTERS})
 
 
 class FSDPCompression(HookState):
