@@ -590,3 +590,81 @@ def test_exchange_on_the_device(gpu, codec):
     for on_device, on_cpu in results:
         for a, b in zip(on_device, on_cpu):
             assert torch.equal(a, b)  # the device's kernels give the CPU's bits
+
+
+def _rank_hsdp_on(device, hook):
+    """On the device, then on the CPU: FSDP2 sharded over the 4 ranks, and HSDP on 2 nodes of
+    2 (``pycomm.fsdp.node_mesh()``, ``hook`` across the nodes, its all-reduce on a stream of
+    its own on a GPU), three SGD steps each. Returns, per device, every rank's local shards
+    (on the CPU, gathered as objects: no collective of the device's own) of both runs, and the
+    HSDP run's all-reduce stats."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    import pycomm.fsdp
+    from pycomm.topology import set_nodes
+
+    set_nodes(2)
+    try:
+        out = []
+        for dev in (torch.device(device, 0) if device == "cuda" else torch.device(device), "cpu"):
+            dev = torch.device(dev)
+            runs = []
+            for hsdp in (False, True):
+                torch.manual_seed(0)
+                m = torch.nn.Sequential(
+                    torch.nn.Linear(30, 64), torch.nn.Tanh(), torch.nn.Linear(64, 63)
+                ).to(dev)
+                if hsdp:
+                    mesh = pycomm.fsdp.node_mesh(dev.type)
+                else:
+                    mesh = init_device_mesh(dev.type, (dist.get_world_size(),))
+                for i in (0, 2):
+                    fully_shard(m[i], mesh=mesh)
+                fully_shard(m, mesh=mesh)
+                comm = pycomm.fsdp.compress(m, hook=hook) if hsdp else None
+                opt = torch.optim.SGD(m.parameters(), lr=0.1)
+                g = torch.Generator().manual_seed(dist.get_rank())
+                for _ in range(3):
+                    x, y = torch.randn(8, 30, generator=g), torch.randn(8, 63, generator=g)
+                    torch.nn.functional.mse_loss(m(x.to(dev)), y.to(dev)).backward()
+                    opt.step()
+                    opt.zero_grad()
+                if dev.type == "cuda":
+                    torch.cuda.synchronize()
+                shards = [p.to_local().detach().cpu() for p in m.parameters()]
+                runs.append(pycomm.dist.all_gather_objects(shards, None))
+            out.append((runs, comm.stats["all_reduce"]))
+        return out
+    finally:
+        set_nodes(None)
+
+
+def _params(shards_by_rank, ranks):
+    """The full parameters, flat, from the dim-0 shards of ``ranks`` (FSDP2's layout)."""
+    per_param = zip(*(shards_by_rank[r] for r in ranks))
+    return torch.cat([torch.cat(parts).reshape(-1) for parts in per_param])
+
+
+@pytest.mark.parametrize("hook", ["allreduce", "int8"])
+def test_hsdp_on_the_device(gpu, hook):
+    import pycomm
+
+    results = pycomm.launch(_rank_hsdp_on, 4, gpu.type, hook, backend="gloo", timeout=300)
+    (on_device, ar_device), (on_cpu, _) = results[0]
+    assert ar_device["calls"] == 2 * 3  # one all-reduce a block a step, across the nodes
+    assert ar_device["bytes_sent"] > 0
+    fsdp, hsdp = on_device
+    node0, node1 = _params(hsdp, [0, 1]), _params(hsdp, [2, 3])
+    assert torch.equal(node0, node1)  # every node holds the same replica, bit for bit
+    every_rank = _params(fsdp, [0, 1, 2, 3])
+    rel = ((node0 - every_rank).norm() / every_rank.norm()).item()
+    if hook == "allreduce":  # exact across the nodes: FSDP2 over every rank, to fp32 rounding
+        assert rel < 1e-5, rel
+    else:  # int8 across the nodes, from the third step: close, not equal
+        assert 0 < rel < 0.02, rel
+    # the same training on the CPU: the device's kernels and streams change no more than
+    # the device's own arithmetic does
+    cpu_hsdp = _params(on_cpu[1], [0, 1])
+    assert ((node0 - cpu_hsdp).norm() / cpu_hsdp.norm()).item() < 1e-3
