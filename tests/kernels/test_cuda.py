@@ -514,27 +514,48 @@ def _rank_exchange_on(device, codec):
     return out
 
 
+def _fsdp_on(dev, mesh):
+    """The small FSDP2 model of the device tests: two Linear blocks and the root sharded on
+    ``mesh``, on ``dev``."""
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(30, 64), torch.nn.Tanh(), torch.nn.Linear(64, 63))
+    m = m.to(dev)
+    for i in (0, 2):
+        fully_shard(m[i], mesh=mesh)
+    fully_shard(m, mesh=mesh)
+    return m
+
+
+def _sgd_steps(m, dev, steps):
+    """``steps`` SGD steps of this rank's own batches (the same on every device), synchronized."""
+    import torch.distributed as dist
+
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    g = torch.Generator().manual_seed(dist.get_rank())
+    for _ in range(steps):
+        x, y = torch.randn(8, 30, generator=g), torch.randn(8, 63, generator=g)
+        torch.nn.functional.mse_loss(m(x.to(dev)), y.to(dev)).backward()
+        opt.step()
+        opt.zero_grad()
+    if dev.type == "cuda":
+        torch.cuda.synchronize()
+
+
 def _rank_fsdp_all_gather_on(device, codec):
     """pycomm.fsdp.compress(all_gather=codec) on the device's FSDP2 (its all-gather and copy
     streams): what every all-gather wrote, per module (forward, then backward's again), for
     two steps of int8 gradients, on the device and on the CPU."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
 
     import pycomm.fsdp
 
     out = []
     for dev in (torch.device(device, 0) if device == "cuda" else torch.device(device), "cpu"):
         dev = torch.device(dev)
-        mesh = init_device_mesh(dev.type, (dist.get_world_size(),))
-        torch.manual_seed(0)
-        m = torch.nn.Sequential(
-            torch.nn.Linear(30, 64), torch.nn.Tanh(), torch.nn.Linear(64, 63)
-        ).to(dev)
-        for i in (0, 2):
-            fully_shard(m[i], mesh=mesh)
-        fully_shard(m, mesh=mesh)
+        m = _fsdp_on(dev, init_device_mesh(dev.type, (dist.get_world_size(),)))
         comm = pycomm.fsdp.compress(m, hook="int8", all_gather=codec)
         written = {}
 
@@ -553,15 +574,7 @@ def _rank_fsdp_all_gather_on(device, codec):
         for name, module in m.named_modules():
             if name in comm.all_gathers:
                 module.set_custom_all_gather(Recording(name, comm.all_gathers[name], written))
-        opt = torch.optim.SGD(m.parameters(), lr=0.1)
-        g = torch.Generator().manual_seed(dist.get_rank())
-        for _ in range(2):
-            x, y = torch.randn(8, 30, generator=g), torch.randn(8, 63, generator=g)
-            torch.nn.functional.mse_loss(m(x.to(dev)), y.to(dev)).backward()
-            opt.step()
-            opt.zero_grad()
-        if dev.type == "cuda":
-            torch.cuda.synchronize()
+        _sgd_steps(m, dev, 2)
         out.append((written, comm.stats["all_gather"]))
     return out
 
@@ -600,7 +613,6 @@ def _rank_hsdp_on(device, hook):
     HSDP run's all-reduce stats."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
 
     import pycomm.fsdp
     from pycomm.topology import set_nodes
@@ -612,27 +624,13 @@ def _rank_hsdp_on(device, hook):
             dev = torch.device(dev)
             runs = []
             for hsdp in (False, True):
-                torch.manual_seed(0)
-                m = torch.nn.Sequential(
-                    torch.nn.Linear(30, 64), torch.nn.Tanh(), torch.nn.Linear(64, 63)
-                ).to(dev)
                 if hsdp:
                     mesh = pycomm.fsdp.node_mesh(dev.type)
                 else:
                     mesh = init_device_mesh(dev.type, (dist.get_world_size(),))
-                for i in (0, 2):
-                    fully_shard(m[i], mesh=mesh)
-                fully_shard(m, mesh=mesh)
+                m = _fsdp_on(dev, mesh)
                 comm = pycomm.fsdp.compress(m, hook=hook) if hsdp else None
-                opt = torch.optim.SGD(m.parameters(), lr=0.1)
-                g = torch.Generator().manual_seed(dist.get_rank())
-                for _ in range(3):
-                    x, y = torch.randn(8, 30, generator=g), torch.randn(8, 63, generator=g)
-                    torch.nn.functional.mse_loss(m(x.to(dev)), y.to(dev)).backward()
-                    opt.step()
-                    opt.zero_grad()
-                if dev.type == "cuda":
-                    torch.cuda.synchronize()
+                _sgd_steps(m, dev, 3)
                 shards = [p.to_local().detach().cpu() for p in m.parameters()]
                 runs.append(pycomm.dist.all_gather_objects(shards, None))
             out.append((runs, comm.stats["all_reduce"]))
