@@ -554,6 +554,12 @@ def main(argv: Optional[list[str]] = None) -> int:
         "--check", action="store_true", help="change nothing; exit 1 if a block is stale"
     )
     args = ap.parse_args(argv)
+    if not os.path.isdir(os.path.join(args.root, RESULTS)):
+        print(
+            f"error: --root {args.root!r} has no {RESULTS} folder; expected the repository's "
+            "root (run from it, or pass --root)"
+        )
+        return 2
     try:
         changed = update(args.pages or pages(args.root), args.root, check=args.check)
     except ReportError as e:

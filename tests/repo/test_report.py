@@ -295,3 +295,9 @@ def test_printed_is_the_bench_table_of_the_hooks_asked_for(repo):
     assert "int8-wire" not in text and "MB/step: bytes one rank sends" not in text
     whole = table(doc).splitlines()
     assert [line for line in whole if line.startswith("int8 ")][0] in text
+
+
+def test_a_root_without_results_is_an_error(tmp_path, capsys):
+    assert tables.main(["--check", "--root", str(tmp_path)]) == 2
+    out = capsys.readouterr().out
+    assert f"--root {str(tmp_path)!r} has no benchmarks/results folder" in out
