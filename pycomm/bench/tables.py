@@ -11,9 +11,10 @@ A measured figure lives in one place: the JSON file a benchmark wrote
 
 The first word after ``report:`` names a renderer (:data:`RENDERERS`), the next words the JSON
 files (relative to the results folder; a ``*`` pattern takes every match, in name order), the
-``key=value`` words its options. ``python -m pycomm.bench.tables`` rewrites every block of the
-repository's Markdown pages; ``--check`` changes nothing and exits 1 naming each block whose
-text is not what its JSON gives (a test runs it). Each block ends with the JSON it came from
+``key=value`` words its options (:data:`OPTIONS`; another is an error).
+``python -m pycomm.bench.tables`` rewrites every block of the repository's Markdown pages;
+``--check`` changes nothing and exits 1 naming each block whose text is not what its JSON gives
+(a test runs it). Each block ends with the JSON it came from
 and the command that wrote it.
 """
 
@@ -413,6 +414,19 @@ RENDERERS: dict[str, Renderer] = {
     "values": _values,
 }
 
+# the options each renderer reads: any other is an error (a misspelt option is not ignored)
+OPTIONS: dict[str, tuple[str, ...]] = {
+    "printed": ("hooks", "notes"),
+    "steps": ("hooks", "vs"),
+    "sweep": ("hooks", "vs", "value"),
+    "quality": ("hooks", "tasks", "optimizers", "full"),
+    "kernels": ("at",),
+    "fsdp": ("hooks", "vs"),
+    "ranks": ("hooks",),
+    "launch": (),
+    "values": ("at", "cols"),
+}
+
 
 # ---------------------------------------------------------------------------------------------
 # pages
@@ -426,6 +440,13 @@ def _parse(spec: str, path: str, line: int, text: str) -> Block:
         raise ReportError(
             f"{path}:{line}: renderer {words[0] if words else ''!r} unknown; "
             f"expected one of {', '.join(RENDERERS)}"
+        )
+    unknown = [k for k in options if k not in OPTIONS[words[0]]]
+    if unknown:
+        reads = ", ".join(f"{k}=" for k in OPTIONS[words[0]]) or "no option"
+        raise ReportError(
+            f"{path}:{line}: {unknown[0]}={options[unknown[0]]} is not an option of renderer "
+            f"{words[0]!r}; it reads {reads}"
         )
     if not files:
         raise ReportError(f"{path}:{line}: no JSON file named after {words[0]!r}")

@@ -133,6 +133,14 @@ def test_a_hand_edit_inside_a_block_is_stale(repo):
         ),
         ("<!-- report: steps run*.json vs=fp8 -->\n<!-- /report -->", "vs=fp8 not in run.json"),
         ("<!-- report: quality run.json -->\n<!-- /report -->", "is not what renderer 'quality'"),
+        (
+            "<!-- report: steps run.json hook=int8 -->\n<!-- /report -->",
+            "hook=int8 is not an option of renderer 'steps'; it reads hooks=, vs=",
+        ),
+        (
+            "<!-- report: launch run.json vs=ddp -->\n<!-- /report -->",
+            "vs=ddp is not an option of renderer 'launch'; it reads no option",
+        ),
     ],
 )
 def test_a_bad_block_names_the_page_line_and_value(repo, block, message):
@@ -301,3 +309,7 @@ def test_a_root_without_results_is_an_error(tmp_path, capsys):
     assert tables.main(["--check", "--root", str(tmp_path)]) == 2
     out = capsys.readouterr().out
     assert f"--root {str(tmp_path)!r} has no benchmarks/results folder" in out
+
+
+def test_every_renderer_says_which_options_it_reads():
+    assert set(tables.OPTIONS) == set(tables.RENDERERS)
