@@ -43,12 +43,15 @@ def grads(m: torch.nn.Module) -> torch.Tensor:
     return torch.cat([p.grad.full_tensor().reshape(-1) for p in m.parameters()])
 
 
-def straight_and_resumed(build, batches: list, cut: int, folder=None) -> tuple:
+def straight_and_resumed(
+    build, batches: list, cut: int, folder=None, state=None, loaded=None
+) -> tuple:
     """Train ``build()``'s (model, comm, optimizer) on ``batches`` straight; then again, saving
     the model, the optimizer and ``comm`` after ``cut`` batches (``folder``: each rank its own
-    file, through pycomm.checkpoint), loading them into a fresh ``build()`` and going on.
-    Returns (the parameters of both runs, the resumed comm, what it saved, the straight run's
-    comm's stats)."""
+    file, through pycomm.checkpoint; ``state``: what to save of the comm instead of its
+    ``state_dict()``), loading them into a fresh ``build()`` (``loaded``: called with its comm
+    right after) and going on. Returns (the parameters of both runs, the resumed comm, what it
+    saved, the straight run's comm's stats)."""
     import copy
 
     import pycomm.checkpoint
@@ -65,9 +68,8 @@ def straight_and_resumed(build, batches: list, cut: int, folder=None) -> tuple:
     m, comm, opt = build()
     for x, y in batches[:cut]:
         step(m, opt, x, y)
-    saved = copy.deepcopy(
-        {"model": m.state_dict(), "opt": opt.state_dict(), "comm": comm.state_dict()}
-    )
+    comm_state = comm.state_dict() if state is None else state(comm)
+    saved = copy.deepcopy({"model": m.state_dict(), "opt": opt.state_dict(), "comm": comm_state})
     if folder is not None:
         pycomm.checkpoint.save_rank_state(comm, folder)
     m, comm, opt = build()
@@ -77,6 +79,8 @@ def straight_and_resumed(build, batches: list, cut: int, folder=None) -> tuple:
         assert pycomm.checkpoint.load_rank_state(comm, folder)
     else:
         comm.load_state_dict(saved["comm"])
+    if loaded is not None:
+        loaded(comm)
     for x, y in batches[cut:]:
         step(m, opt, x, y)
     return straight, full(m), comm, saved["comm"], straight_stats

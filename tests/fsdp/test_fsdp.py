@@ -335,35 +335,20 @@ def _format_1(comm):
 
 def _rank_format_1(options):
     """A checkpoint of format 1 loads: the run goes on bitwise as without the cut."""
-    data = _data(6, seed=3)
+    loaded = {}
 
     def build():
         m = _shard(_model())
         comm = pycomm.fsdp.compress(m, hook="int8", hook_options=options)
         return m, comm, torch.optim.Adam(m.parameters(), lr=1e-2)
 
-    def step(m, opt, x, y):
-        torch.nn.functional.mse_loss(m(x), y).backward()
-        opt.step()
-        opt.zero_grad()
+    def on_load(comm):
+        loaded.update({name: (rs.iter, dict(rs.stats)) for name, rs in comm.modules.items()})
 
-    m, comm, opt = build()
-    for x, y in data:
-        step(m, opt, x, y)
-    straight, straight_stats = _full(m), comm.stats
-    m, comm, opt = build()
-    for x, y in data[:3]:
-        step(m, opt, x, y)
-    old = copy.deepcopy(_format_1(comm))
-    saved = copy.deepcopy({"model": m.state_dict(), "opt": opt.state_dict()})
+    straight, resumed, comm, old, straight_stats = straight_and_resumed(
+        build, _data(6, seed=3), 3, state=_format_1, loaded=on_load
+    )
     version = comm.state_dict()["format"]
-    m, comm, opt = build()
-    m.load_state_dict(saved["model"])
-    opt.load_state_dict(saved["opt"])
-    comm.load_state_dict(old)
-    loaded = {name: (rs.iter, dict(rs.stats)) for name, rs in comm.modules.items()}
-    for x, y in data[3:]:
-        step(m, opt, x, y)
     stats = comm.stats
     errors = {}
     try:
@@ -381,7 +366,7 @@ def _rank_format_1(options):
     want = {name: (s["iter"], s["stats"]) for name, s in old["modules"].items()}
     return (
         version,
-        torch.equal(straight, _full(m)),
+        torch.equal(straight, resumed),
         loaded == want,
         stats == straight_stats,
         errors,
