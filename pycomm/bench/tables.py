@@ -214,8 +214,12 @@ def _sweep(block: Block, docs: list[dict[str, Any]]) -> list[str]:
         for n in names:
             h = hooks[n]
             m = h.get("median_s") if _ok(h) else None
-            cell = _ms(m) if value == "ms" else _x(ref / m if ref and m else None)
-            cell = _ms(_predicted(hooks, n)) if value == "predicted" else cell
+            if value == "ms":
+                cell = _ms(m)
+            elif value == "predicted":
+                cell = _ms(_predicted(hooks, n))
+            else:
+                cell = _x(ref / m if ref and m else None)
             if _ok(h) and h.get("auto"):
                 cell += f" ({choice(h['auto'])})"
             row.append(cell)
