@@ -64,6 +64,7 @@ from __future__ import annotations
 import copy
 import logging
 import math
+import weakref
 from typing import Any, Optional
 
 import torch
@@ -75,7 +76,7 @@ try:  # the interfaces set_custom_reduce_scatter/all_gather document (not export
 except ImportError:  # FSDP calls allocate() and __call__(), nothing else
     AllGather = ReduceScatter = object  # type: ignore[misc,assignment]
 
-from pycomm._validate import hook_options_of
+from pycomm._validate import check_int, hook_options_of
 from pycomm.exchange import Exchange
 from pycomm.hooks import CompressedState, hook_spec
 from pycomm.hooks.allreduce import AllreduceState
@@ -96,6 +97,11 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
+
+# the FSDP modules a compress() installed its collectives on, with its hook and all_gather:
+# a second compress() of one of them is refused (FSDP would run the second's, and the first's
+# stats and state_dict would go stale)
+_COMPRESSED: weakref.WeakKeyDictionary[FSDPModule, str] = weakref.WeakKeyDictionary()
 
 # the version of FSDPCompression.state_dict (1: per module its residual, before the Exchange)
 FORMAT = 2
@@ -152,6 +158,14 @@ def _check_group(where: str, verb: str, exchange: Exchange, group: dist.ProcessG
     """A ValueError naming both unless ``group`` (what FSDP passed) has the ranks of the
     group ``exchange`` runs on."""
     ours, theirs = _ranks(exchange.process_group), _ranks(group)
+    if verb == "all-gathers" and len(theirs) < len(ours) and set(theirs) <= set(ours):
+        raise ValueError(
+            f"{where}: FSDP all-gathers on the process group of ranks {theirs}, a part of the "
+            f"mesh's ranks {ours}: the module was fully_shard-ed with reshard_after_forward "
+            "an int, which re-gathers the parameters in backward over a smaller mesh; "
+            "all_gather= a codec all-gathers over the whole mesh, so expected "
+            "reshard_after_forward=True or False with it, or all_gather=None"
+        )
     if theirs != ours:
         raise ValueError(
             f"{where}: FSDP {verb} on the process group of ranks {theirs}, "
@@ -834,6 +848,8 @@ def compress(
         for name, module in modules:
             gathers[name] = ModuleAllGather(name, all_gather, gather_exchange, gather_dtypes)
             _install(name, module.set_custom_all_gather, gathers[name])
+    for _, module in modules:
+        _COMPRESSED[module] = f"hook={hook!r}, all_gather={all_gather!r}"
     logger.info(
         "pycomm.fsdp: %s %s and %s all-gather on %d FSDP modules with options %s",
         hook,
@@ -870,10 +886,24 @@ def _agreed(
     fields.update(error_field(None))
     spec, opts, group, gather = None, {}, None, None
     try:
+        for name, module in modules:
+            if module in _COMPRESSED:
+                raise ValueError(
+                    f"pycomm.fsdp.compress: module {name or 'root'!r} is already compressed "
+                    f"({_COMPRESSED[module]}) by an earlier compress(), expected a model "
+                    "compressed once, with every option in that one call"
+                )
         spec, opts, group = _check(hook, options, modules)
         if issubclass(spec.state, CompressedState):
+            # start_iter is the Exchange's (per module, from 0); the DDP hook's own check
+            # (>= 2, for DDP's bucket rebuild) does not apply
+            own = {k: v for k, v in opts.items() if k != "start_iter"}
+            if "start_iter" in opts:
+                fields["hook option 'start_iter'"] = check_int(
+                    "pycomm.fsdp.compress", "hook_options['start_iter']", opts["start_iter"], 0
+                )
             with unbound():
-                fields.update(resolved_config(spec.state(None, **opts)))
+                fields.update(resolved_config(spec.state(None, **own)))
         else:
             fields["hook"] = hook
         gather = _check_all_gather(all_gather, all_gather_options)

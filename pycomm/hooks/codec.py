@@ -21,7 +21,8 @@ The rules every codec follows (:class:`Codec` states each one):
   ``decode_sum`` multiplies the sum by its ``scale``. A codec honours any scale in both.
 - **Bytes.** ``code_bytes(m)`` and ``scale_bytes(m)`` are the bytes of the codes and scales of
   ``m`` elements (multiples of the dtypes' sizes); the engine packs both into one uint8 row per
-  rank, so they must be exact.
+  rank, so they must be exact. The scales may start at any byte (int8 codes of an odd
+  count before fp32 scales): :meth:`~Codec.split` copies a part its dtype cannot be read at.
 - **The decode.** :meth:`~Codec.decode_sum` sums its rows in a fixed order and returns their
   statistics, which the non-finite skip and ``TrainLoop``'s clipping read: the decode
   contract, stated once in docs/custom_hooks.md, "The decode contract".
@@ -159,6 +160,13 @@ class Codec:
     ) -> torch.Tensor:
         """Codes and scales of ``rows`` equal chunks as one [rows, bytes] uint8 tensor (written
         into ``out`` when given)."""
+        for name, t, dtype in (("codes", codes, self.code_dtype), ("scales", scales,
+                                self.scale_dtype)):  # fmt: skip
+            if (None if t is None else t.dtype) != dtype:
+                raise ValueError(
+                    f"pycomm codec {type(self).__name__}: encode returned {name} of "
+                    f"{None if t is None else t.dtype}, expected its {name[:-1]}_dtype {dtype}"
+                )
         cb = codes.numel() * codes.element_size() // rows
         if out is None:
             out = torch.empty(
@@ -178,10 +186,22 @@ class Codec:
         one code per element; fewer columns for a packed format such as int4's two codes a
         byte) and scales ``[R, scale_bytes(m) / scale_dtype's itemsize]`` or None."""
         cb = self.code_bytes(m)
-        # row slices, read in place by the decoders (CPU and CUDA): no copy
-        codes, scales = rows[:, :cb], None if self.scale_dtype is None else rows[:, cb:]
-        codes = codes.view(self.code_dtype)
-        return codes, None if scales is None else scales.view(self.scale_dtype)
+        # row slices, read in place by the decoders (CPU and CUDA): no copy, unless a part
+        # starts at a byte its dtype cannot be read at (int8 codes of an odd block count
+        # before fp32 scales): that part is copied to a buffer of its own
+        codes = _viewed(rows[:, :cb], self.code_dtype)
+        if self.scale_dtype is None:
+            return codes, None
+        return codes, _viewed(rows[:, cb:], self.scale_dtype)
+
+
+def _viewed(part: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``part`` (uint8 rows, a slice of packed rows) read as ``dtype``: a view where its
+    offset and row stride are multiples of the dtype's size, else a copy."""
+    size = torch.empty(0, dtype=dtype).element_size()
+    if part.storage_offset() % size or (part.shape[0] > 1 and part.stride(0) % size):
+        part = torch.empty(part.shape, dtype=torch.uint8, device=part.device).copy_(part)
+    return part.view(dtype)
 
 
 class HalfCodec(Codec):
@@ -463,6 +483,7 @@ def check_codec(codec: Any, where: str = "pycomm.hooks.check_codec", device: Any
     ones = [_check_row(where, codec, codes, scales, r, y[r], out_res[r]) for r in range(rows)]
     _check_sum(where, codec, codes, scales, ones, m)
     _check_nonfinite(where, codec, m, dev)
+    _check_half_inputs(where, codec, m, cb + sb, dev)
 
 
 def _check_attributes(where: str, codec: Any) -> tuple[int, torch.dtype, Any]:
@@ -594,6 +615,63 @@ def _check_sum(
             "size of 0.5 * (the sum of the rows decoded one by one), expected 1: decode_sum "
             "must add the rows and multiply the sum by its scale argument",
         )
+
+
+def _check_half_inputs(where: str, codec: Any, m: int, row_bytes: int, dev: torch.device) -> None:
+    """bf16 and fp16 inputs, with an fp32 residual, a bf16 one and none (what a
+    mixed-precision bucket, ``residual_dtype="bfloat16"`` and an all-gather hand the codec):
+    the codes and scales keep their dtypes and byte counts, and the rows decode, into an
+    ``out`` of the input's dtype, to ``y`` less the residual encode wrote, to that dtype's
+    rounding."""
+    gen = torch.Generator().manual_seed(1)
+    for dtype, res_dtype in (
+        (torch.bfloat16, torch.float32), (torch.float16, torch.bfloat16),
+        (torch.bfloat16, None), (torch.float16, None),
+    ):  # fmt: skip
+        x = torch.randn(m - 1, generator=gen).to(dev, dtype)
+        residual = res_out = None
+        if res_dtype is not None:
+            residual = (torch.randn(m, generator=gen) * 1e-3).to(dev, res_dtype)
+            res_out = torch.empty_like(residual)
+        call = f"encode(x of {m - 1} {dtype}, residual of {res_dtype}, 1.0, {m}, residual_out)"
+        encoded = _run(where, call, codec.encode, x, residual, 1.0, m, res_out)
+        if not isinstance(encoded, tuple) or len(encoded) != 2:
+            _fail(where, f"{call} returned {type(encoded).__name__}, expected (codes, scales)")
+        codes, scales = encoded
+        cb = codec.code_bytes(m)
+        _check_out(where, call, "codes", codes, codec.code_dtype, cb, dev)
+        _check_out(where, call, "scales", scales, codec.scale_dtype, row_bytes - cb, dev)
+        row = _run(where, "pack(codes, scales, 1)", codec.pack, codes, scales, 1)
+        codes, scales = _run(where, f"split(row, {m})", codec.split, row, m)
+        out = torch.empty(m - 1, dtype=dtype, device=dev)
+        st = _run(where, f"decode_sum(codes, scales, 1.0, out of {dtype})", codec.decode_sum,
+                  codes, scales, 1.0, out)  # fmt: skip
+        _check_stats_type(where, st, dev)
+        if residual is not None:  # decode + the new residual is y, as in fp32
+            y, got = x.float() + residual[: m - 1].float(), out.float() + res_out[: m - 1].float()
+            what = "decode + the residual is off y = x + residual"
+        else:  # no residual: the decode of the same values sent as fp32
+            y, got = _round_trip32(where, codec, x.float(), m), out.float()
+            what = "the decode is off that of the same x sent as fp32"
+        # out and the residual are rounded to their dtypes: a few of their ulps apart
+        if not torch.allclose(got, y, rtol=2e-2, atol=2e-2 * float(y.abs().max())):
+            worst = float((got - y).abs().max())
+            _fail(
+                where,
+                f"{call}, then decode_sum into an out of {dtype}: {what} by up to {worst:.3g} "
+                f"(|y| up to {float(y.abs().max()):.3g}); expected x read as the dtype it has "
+                "(fp32, bf16 or fp16) and out written in its own",
+            )
+
+
+def _round_trip32(where: str, codec: Any, x: torch.Tensor, m: int) -> torch.Tensor:
+    """fp32 ``x`` encoded without a residual, packed, split and decoded into fp32."""
+    codes, scales = _run(where, f"encode(x of {m - 1}, None, 1.0, {m})", codec.encode, x, None,
+                         1.0, m)  # fmt: skip
+    codes, scales = codec.split(codec.pack(codes, scales, 1), m)
+    out = torch.empty(x.numel(), device=x.device)
+    _run(where, "decode_sum(codes, scales, 1.0, out)", codec.decode_sum, codes, scales, 1.0, out)
+    return out
 
 
 def _check_nonfinite(where: str, codec: Any, m: int, dev: torch.device) -> None:

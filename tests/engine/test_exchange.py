@@ -12,7 +12,7 @@ from harness import run_ranks
 
 import pycomm
 from pycomm.exchange import rank_order_sum
-from pycomm.hooks import HalfCodec, register_hook, unregister_hook
+from pycomm.hooks import Codec, HalfCodec, register_hook, unregister_hook
 
 
 class UserBf16(HalfCodec):
@@ -20,6 +20,42 @@ class UserBf16(HalfCodec):
 
     def __init__(self, two_phase: bool = True) -> None:
         super().__init__(torch.bfloat16, two_phase)
+
+
+class OddBlockInt8(Codec):
+    """A user's int8 codes with an fp16 scale per block of 5: a chunk's codes take an odd
+    number of bytes, so its scales start at an odd byte of the packed row."""
+
+    code_dtype, scale_dtype, block = torch.int8, torch.float16, 5
+
+    def code_bytes(self, m):
+        return m
+
+    def scale_bytes(self, m):
+        return 2 * (m // 5)
+
+    def encode(self, x, residual, scale, numel, residual_out=None):
+        y = torch.zeros(numel, device=x.device)
+        y[: x.numel()] = x.float() * scale
+        if residual is not None:
+            y += residual.float()
+        b = y.view(-1, 5)
+        s = (b.abs().amax(1, keepdim=True) / 127).half().float()  # NaN for a non-finite block
+        q = torch.where(s > 0, b / s, 0.0).round().clamp(-127, 127).nan_to_num(0.0)
+        if residual is not None:
+            new = torch.where(torch.isfinite(s), b - q * s, residual.float().view(-1, 5))
+            (residual if residual_out is None else residual_out).copy_(new.view(-1))
+        return q.to(torch.int8).view(-1), s.half().view(-1)
+
+    def decode_sum(self, codes, scales, scale, out):
+        acc = torch.zeros(codes.shape[1], device=out.device)
+        for r in range(codes.shape[0]):
+            acc += (codes[r].float().view(-1, 5) * scales[r].float().view(-1, 1)).view(-1)
+        out.copy_(acc[: out.numel()] * scale)
+        o = out.float()
+        fin = torch.isfinite(o)
+        return torch.stack([torch.where(fin, o, 0.0).double().square().sum(),
+                            (~fin).sum().double()])  # fmt: skip
 
 
 # a single call's relative error bound per codec (1-bit's is large by nature)
@@ -98,6 +134,44 @@ def test_collectives_against_torch_distributed(codec, nprocs):
             assert stats["bytes_sent"] < stats["bytes_fp32"]
             assert stats["codec_compression"] > 1.5
     assert results[0]["stats"]["bytes_sent"] == results[-1]["stats"]["bytes_sent"]
+
+
+def _rank_any_byte_offset():
+    """Formats whose chunks end at a byte the scales' dtype cannot start at (int8 and fp8
+    with fp32 scales per 1 to 5 elements, a user's fp16 scales per 5) on 3 ranks and sizes
+    of a few elements: every call within int8's bound of the exact one, ranks the same."""
+    register_hook("oddint8", codec=OddBlockInt8)
+    try:
+        r, n = dist.get_rank(), dist.get_world_size()
+        g = torch.Generator().manual_seed(r)
+        worst = 0.0
+        same = True
+        for codec, options in (("int8", {"block": 1}), ("int8", {"block": 3}),
+                               ("fp8", {"block": 5}), ("oddint8", {})):  # fmt: skip
+            ex = pycomm.Exchange(codec, **options)
+            for size in (1, 7, 23):
+                t = torch.randn(size, generator=g)
+                exact = _exact_mean(t)
+                ex.all_reduce(t, key=("a", size)).wait()
+                inp, shard = torch.randn(n * size, generator=g), torch.empty(size)
+                rs = _exact_mean(inp).view(n, size)[r]
+                ex.reduce_scatter(shard, inp, key=("rs", size)).wait()
+                mine, full = torch.randn(size, generator=g), torch.empty(n * size)
+                ag = torch.cat(_gathered(mine))
+                ex.all_gather(full, mine, key=("ag", size)).wait()
+                for got, want in ((t, exact), (shard, rs), (full, ag)):
+                    worst = max(worst, float((got - want).norm() / want.norm()))
+                same &= all(torch.equal(t, o) for o in _gathered(t))
+                same &= all(torch.equal(full, o) for o in _gathered(full))
+        return worst, same
+    finally:
+        unregister_hook("oddint8")
+
+
+def test_codes_and_scales_at_any_byte_offset():
+    for worst, same in run_ranks(_rank_any_byte_offset, 3, timeout=90):
+        assert same
+        assert worst <= 0.08, worst
 
 
 def _rank_exact_bits():

@@ -102,7 +102,35 @@ def _meta_codes(self, x, residual, scale, numel, residual_out=None):
     return codes.to("meta"), None
 
 
+def _half_uncast(self, x, residual, scale, numel, residual_out=None):
+    if x.dtype == torch.float32 or residual is not None:
+        return PlainCodec.encode(self, x, residual, scale, numel, residual_out)
+    codes = torch.zeros(numel, dtype=x.dtype, device=x.device)  # a 16-bit input kept as is
+    codes[: x.numel()] = x * scale
+    return codes, None
+
+
+def _half_bits(self, x, residual, scale, numel, residual_out=None):
+    if x.dtype == torch.float32:
+        return PlainCodec.encode(self, x, residual, scale, numel, residual_out)
+    # a 16-bit input's bits zero-extended as fp32 codes: the right dtype, the wrong values
+    codes = torch.zeros(numel, dtype=torch.int32, device=x.device)
+    codes[: x.numel()] = x.view(torch.int16).to(torch.int32)
+    if residual is not None:
+        (residual if residual_out is None else residual_out).zero_()
+    return codes.view(torch.float32), None
+
+
 _BAD = [
+    (
+        _broken(encode=_half_uncast),
+        "x of 7 torch.bfloat16, residual of None.* returned codes of dtype torch.bfloat16",
+    ),  # fmt: skip
+    (
+        _broken(encode=_half_bits),
+        r"x of 7 torch.bfloat16, residual of torch.float32.*off y = "
+        r"x \+ residual by up to",
+    ),  # fmt: skip
     (_broken(encode=_meta_codes), "returned codes on meta, expected the input's cpu"),
     (_broken(code_bytes=lambda self, m: 4 * m + 4), "encode(.*) returned codes .* of 36 bytes"),
     (_broken(code_bytes=lambda self, m: 4.0 * m), r"code_bytes\(8\) returned 32.0"),

@@ -205,17 +205,35 @@ def _rank_refusals():
         "bad value",
         lambda: pycomm.fsdp.compress(_shard(_model()), hook="int8", hook_options={"block": 0}),
     )
+    attempt(
+        "start_iter",
+        lambda: pycomm.fsdp.compress(
+            _shard(_model()), hook="int8", hook_options={"start_iter": -1}
+        ),
+    )
+    twice = _shard(_model())
+    pycomm.fsdp.compress(twice, hook="int8")
+    attempt("twice", lambda: pycomm.fsdp.compress(twice, hook="bf16"))
     if dist.get_world_size() == 4:
         from torch.distributed.device_mesh import init_device_mesh
 
         mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
         attempt("hsdp", lambda: pycomm.fsdp.compress(_shard(_model(), mesh=mesh), hook="int8"))
+
+        def regather():  # reshard_after_forward=2: backward all-gathers over 2 of 4 ranks
+            m = _shard(_model(), reshard_after_forward=2)
+            pycomm.fsdp.compress(m, hook="int8", all_gather="int8")
+            x, y = _data(1)[0]
+            torch.nn.functional.mse_loss(m(x), y).backward()
+
+        attempt("reshard to 2", regather)
     return errors
 
 
 @pytest.mark.parametrize("nprocs", [2, 4])
 def test_refusals_are_clear_and_the_same_on_every_rank(nprocs):
     ranks = run_ranks(_rank_refusals, nprocs, timeout=120)
+    regathers = [e.pop("reshard to 2", None) for e in ranks]  # each rank names its own pair
     for other in ranks[1:]:
         assert other == ranks[0]
     e = ranks[0]
@@ -228,9 +246,43 @@ def test_refusals_are_clear_and_the_same_on_every_rank(nprocs):
     assert "hierarchy='node'" in e["hierarchy"]
     assert "'bloc'" in e["bad option"]
     assert "block" in e["bad value"]
+    assert e["start_iter"].startswith(
+        "pycomm.fsdp.compress: hook_options['start_iter']=-1, expected an int >= 0"
+    ), e["start_iter"]
+    assert e["twice"] == (
+        "pycomm.fsdp.compress: module 'root' is already compressed (hook='int8', "
+        "all_gather=None) by an earlier compress(), expected a model compressed once, with "
+        "every option in that one call"
+    )
     if nprocs == 4:
         assert "2-D device mesh (FSDP2's native HSDP" in e["hsdp"]
         assert "shard on pycomm.fsdp.node_mesh()" in e["hsdp"]
+        for rank, message in enumerate(regathers):
+            pair = [0, 1] if rank < 2 else [2, 3]
+            assert message.startswith(
+                f"pycomm.fsdp (4): FSDP all-gathers on the process group of ranks {pair}, a "
+                "part of the mesh's ranks [0, 1, 2, 3]: the module was fully_shard-ed with "
+                "reshard_after_forward an int"
+            ), message
+            assert "expected reshard_after_forward=True or False with it" in message
+
+
+def _rank_first_step(options):
+    m = _shard(_model())
+    comm = pycomm.fsdp.compress(m, hook="int8", hook_options=options)
+    x, y = _data(1)[0]
+    torch.nn.functional.mse_loss(m(x), y).backward()
+    sent = comm.stats["reduce_scatter"]
+    return sent["bytes_sent"] / sent["bytes_fp32"]
+
+
+def test_start_iter_counts_from_zero_under_fsdp():
+    """FSDP has no bucket rebuild: start_iter=0 (refused by a DDP hook) compresses the first
+    reduce-scatter; the hook's default (2) sends it exact."""
+    at_once = run_ranks(_rank_first_step, 2, {"start_iter": 0}, timeout=60)
+    default = run_ranks(_rank_first_step, 2, {}, timeout=60)
+    assert all(r < 0.5 for r in at_once), at_once
+    assert all(r == 1.0 for r in default), default
 
 
 def test_bench_fsdp_measures_the_reduce_scatter_on_the_wire(tmp_path, capfd):
