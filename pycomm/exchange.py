@@ -38,6 +38,7 @@ Rules a caller keeps, as for any collective of ``torch.distributed``:
 from __future__ import annotations
 
 import hashlib
+import inspect
 import math
 from collections.abc import Hashable
 from typing import Any, Optional
@@ -49,7 +50,7 @@ from pycomm._validate import check_int
 from pycomm.hooks.config import agree, error_field, resolved_config
 from pycomm.hooks.engine import PHASE_1
 from pycomm.hooks.registry import hook_names, hook_spec, registration
-from pycomm.hooks.state import HookState, completed, dtype_names, unbound
+from pycomm.hooks.state import HookState, completed, dtype_names, ring_bytes, unbound
 
 __all__ = ["Exchange", "Work", "rank_order_sum"]
 
@@ -86,6 +87,7 @@ class Work:
     ) -> None:
         self._future, self._result = future, result
         self._bytes = (bytes_sent, bytes_fp32)
+        self._observed = False  # wait() raised, or would have, to its caller
 
     @property
     def bytes_sent(self) -> int:
@@ -96,6 +98,7 @@ class Work:
         return self._bytes[1]
 
     def wait(self) -> torch.Tensor:
+        self._observed = True
         self._future.wait()
         return self._result
 
@@ -199,6 +202,23 @@ class Exchange:
                 f"{self.where}: no process group; call pycomm.init() (or "
                 "torch.distributed.init_process_group) on every rank first"
             )
+        if process_group is dist.GroupMember.NON_GROUP_MEMBER:
+            raise ValueError(
+                f"{self.where}: this rank (global rank {dist.get_rank()}) is not in "
+                "process_group (dist.new_group returned GroupMember.NON_GROUP_MEMBER here); "
+                "expected the Exchange built by the group's ranks alone, as its collectives run"
+            )
+        if process_group is not None and not isinstance(process_group, dist.ProcessGroup):
+            raise TypeError(
+                f"{self.where}: process_group={process_group!r}, expected a "
+                "torch.distributed.ProcessGroup or None (the default group)"
+            )
+        if process_group is not None and dist.get_rank(process_group) < 0:
+            raise ValueError(
+                f"{self.where}: this rank (global rank {dist.get_rank()}) is not in "
+                f"process_group (ranks {dist.get_process_group_ranks(process_group)}); "
+                "expected the Exchange built by the group's ranks alone, as its collectives run"
+            )
         fields: dict[str, Any] = {"hook": codec}
         if isinstance(codec, str):
             fields[f"registration of hook {codec!r}"] = registration(codec)
@@ -229,7 +249,7 @@ class Exchange:
         self._codec = getattr(state, "codec", None)
         self._keys: dict[Hashable, int] = {}  # (call, key) -> its position, in order of use
         self._calls: dict[Hashable, int] = {}  # (call, key) -> calls issued (the warm-up)
-        self._last: Optional[torch.futures.Future] = None
+        self._last: Optional[Work] = None
 
     def _build(self, codec: Any, group: Any, start_iter: Any, options: dict) -> HookState:
         if not isinstance(codec, str):
@@ -250,6 +270,15 @@ class Exchange:
         check_int(self.where, "start_iter", start_iter, 0)
         if "start_iter" in options:
             raise TypeError(f"{self.where}: start_iter is given twice")
+        params = inspect.signature(hook_spec(codec).state).parameters
+        if not any(p.kind is p.VAR_KEYWORD for p in params.values()):
+            own = [name for name in params if name != "process_group"]
+            for name in options:
+                if name not in own:
+                    raise ValueError(
+                        f"{self.where}: option {name!r} is not an option of codec {codec!r}, "
+                        f"expected its options ({', '.join(own) or 'none'})"
+                    )
         with unbound():
             state = hook_spec(codec).state(group, **options)
         if hasattr(state, "start_iter"):
@@ -277,9 +306,18 @@ class Exchange:
         Example:
             >>> ex.all_reduce(delta, key="delta").wait()
         """
-        flat = self._check("all_reduce", "tensor", tensor, op)
-        index, compress = self._start("all_reduce", key, flat)
+        flat, err = self._checked(lambda: self._check("all_reduce", "tensor", tensor, op))
+        index, compress = self._start("all_reduce", key, flat, f"op={op!r}", err)
         state, world = self._state, self._state.world_size
+        if flat.numel() == 0:
+            return self._nothing(index, flat, tensor)
+        if op == "sum" and not compress and world > 1 and getattr(state, "node_plan", None) is None:
+            # the exact sum: torch's own all-reduce, bit for bit (no 1/N and back)
+            nbytes = ring_bytes(flat.numel() * flat.element_size(), world)
+            state.count(_CallBucket(index, flat), nbytes)
+            work = dist.all_reduce(flat, group=self.process_group, async_op=True)
+            fut = work.get_future().then(_returning(tensor))
+            return self._issued(fut, tensor, nbytes, ring_bytes(flat.numel() * 4, world))
         before = _sent(state)
         has_start = hasattr(state, "start_iter")
         if has_start:  # the hook's own warm-up test (iter < start_iter), made this key's
@@ -324,11 +362,18 @@ class Exchange:
             >>> ex.reduce_scatter(shard, grads, key="grads").wait()
             >>> ex.reduce_scatter(shard, grads, key="grads", scale=1 / 8).wait()
         """
-        x, out = self._check_pair("reduce_scatter", output, input, op)
-        n, s = self._state.world_size, out.numel()
-        factor = self._scale(op, scale, n)
-        index, compress = self._start("reduce_scatter", key, x)
-        state = self._state
+        n = self._state.world_size
+
+        def checked():
+            x, out = self._check_pair("reduce_scatter", output, input, op)
+            return x, out, self._scale(op, scale, n)
+
+        (x, out, factor), err = self._checked(checked, (None, None, None))
+        how = f"op={op!r}" if scale is None else f"scale={scale!r}"
+        index, compress = self._start("reduce_scatter", key, x, how, err)
+        state, s = self._state, out.numel()
+        if s == 0:
+            return self._nothing(index, x, output)
         bucket, fp32 = _CallBucket(index, x), (n - 1) * s * 4
         if n == 1:
             state.count(bucket, 0, collectives=0, bytes_fp32=0)
@@ -355,10 +400,13 @@ class Exchange:
         Example:
             >>> ex.all_gather(full_weights, my_shard, key="weights").wait()
         """
-        x, out = self._check_pair("all_gather", output, input, "mean")
-        n, m = self._state.world_size, x.numel()
-        index, compress = self._start("all_gather", key, x)
-        state = self._state
+        (x, out), err = self._checked(
+            lambda: self._check_pair("all_gather", output, input, "mean"), (None, None)
+        )
+        index, compress = self._start("all_gather", key, x, "", err)
+        n, m, state = self._state.world_size, x.numel(), self._state
+        if m == 0:
+            return self._nothing(index, x, output)
         bucket, fp32 = _CallBucket(index, x), (n - 1) * m * 4
         if n == 1:
             state.count(bucket, 0, collectives=0, bytes_fp32=0)
@@ -423,21 +471,58 @@ class Exchange:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state_dict`: the residuals, counters, keys and their calls; another
         codec, option, rank or world size is refused naming it."""
-        if not isinstance(state, dict) or "exchange" not in state:
-            raise ValueError(
-                f"{self.where}: load_state_dict got {type(state).__name__}, expected what "
-                "Exchange.state_dict() returns"
-            )
+        keys, calls = self._loadable(state)  # everything checked before anything changes
         self._settle()
         self._state.load_state_dict(state["exchange"])
         store = getattr(self._state, "store", None)
         if store is not None:  # a key's first compressed call may come after the load
             store.place_loaded()
-        self._keys = {k: i for i, k in enumerate(state["keys"])}
+        self._keys = {k: i for i, k in enumerate(keys)}
+        self._calls = dict(zip(self._keys, calls))
+
+    def _loadable(self, state: Any) -> tuple[list, list[int]]:
+        """The keys and calls per key of ``state``, once its shape is checked (its hook
+        state's fields are checked by the hook state's load), or the ValueError naming
+        what is wrong."""
+        where = f"{self.where}.load_state_dict"
+        if not isinstance(state, dict) or not isinstance(state.get("exchange"), dict):
+            raise ValueError(
+                f"{where}: got {type(state).__name__} without an 'exchange' dict, expected "
+                "what Exchange.state_dict() returns"
+            )
+        keys = state.get("keys")
+        if not isinstance(keys, list) or not all(
+            isinstance(k, tuple) and len(k) == 2 and k[0] in _CALLS for k in keys
+        ):
+            raise ValueError(
+                f"{where}: keys={keys!r}, expected a list of (call, key) pairs, call one of "
+                f"{', '.join(_CALLS)}, as Exchange.state_dict() writes it"
+            )
+        try:
+            if len(set(keys)) != len(keys):
+                raise ValueError(f"{where}: keys={keys!r} holds a pair twice, expected each once")
+        except TypeError:
+            raise ValueError(f"{where}: keys={keys!r} holds a key that is not hashable") from None
         # without counts per key (an earlier state_dict): the warm-up counted every call
-        every = int(state["exchange"].get("iter", 0))
-        calls = state.get("calls", [every] * len(self._keys))
-        self._calls = dict(zip(self._keys, (int(c) for c in calls)))
+        every = state["exchange"].get("iter", 0)
+        calls = state.get("calls", [every] * len(keys))
+        if (
+            not isinstance(calls, list)
+            or len(calls) != len(keys)
+            or not all(isinstance(c, int) and not isinstance(c, bool) and c >= 0 for c in calls)
+        ):
+            raise ValueError(
+                f"{where}: calls={calls!r}, expected a list of {len(keys)} ints >= 0 (the "
+                "calls of each key)"
+            )
+        for name, kept in (state["exchange"].get("residuals") or {}).items():
+            for part, t in kept.items() if isinstance(kept, dict) else ():
+                if isinstance(t, torch.Tensor) and not bool(torch.isfinite(t).all()):
+                    raise ValueError(
+                        f"{where}: residual {part} of {name!r} holds non-finite values, "
+                        "expected finite residuals (a NaN there would reach every later call)"
+                    )
+        return keys, calls
 
     def load_key(
         self,
@@ -560,19 +645,45 @@ class Exchange:
             )
         return float(scale)
 
-    def _start(self, call: str, key: Hashable, t: torch.Tensor) -> tuple[int, bool]:
+    @staticmethod
+    def _checked(check: Any, failed: Any = None) -> tuple[Any, Optional[Exception]]:
+        """``(check(), None)``, or ``(failed, the error)`` when ``check`` refuses the call's
+        arguments: :meth:`_start` raises it, on every rank where the order check runs."""
+        try:
+            return check(), None
+        except (TypeError, ValueError) as e:
+            return failed, e
+
+    def _start(
+        self,
+        call: str,
+        key: Hashable,
+        t: Optional[torch.Tensor],
+        how: str,
+        err: Optional[Exception],
+    ) -> tuple[int, bool]:
         """The position of ``(call, key)`` (new ones in order of first use) and whether this
         call goes through the codec (the key's ``start_iter`` exact calls done), once the last
         call's exchange is done and its step committed (its residuals kept, or dropped after
-        a non-finite decode), and the call's order checked across ranks (``check_order``)."""
+        a non-finite decode), and the call's order checked across ranks (``check_order``).
+        ``err``: this rank's refusal of the call's arguments, raised here, on every rank
+        wherever the order check compares the call (a key's first call, or every call)."""
+        if not dist.is_initialized():
+            raise RuntimeError(
+                f"{self.where}.{call}: the process group was destroyed; an Exchange lives "
+                "while the group it was built on does"
+            )
         try:
             first = (call, key) not in self._keys
         except TypeError:
-            raise TypeError(
+            first = True
+            err = err or TypeError(
                 f"{self.where}.{call}: key={key!r} is not hashable; expected a str, int or tuple"
-            ) from None
+            )
         self._settle()
-        self._check_order(call, key, t, first)
+        self._check_order(call, key, t, first, how, err)
+        if err is not None:
+            raise err
         index = self._keys.setdefault((call, key), len(self._keys))
         done = self._calls.get((call, key), 0)
         self._calls[(call, key)] = done + 1
@@ -594,10 +705,24 @@ class Exchange:
         end_step = getattr(self._state, "end_step", None)
         if end and end_step is not None:
             end_step()
-        self._last = fut
-        return Work(fut, result, bytes_sent, bytes_fp32)
+        self._last = Work(fut, result, bytes_sent, bytes_fp32)
+        return self._last
 
-    def _check_order(self, call: str, key: Hashable, t: torch.Tensor, first: bool) -> None:
+    def _nothing(self, index: int, x: torch.Tensor, result: torch.Tensor) -> Work:
+        """A call of 0 elements, on every rank (the order check compares them): counted,
+        nothing sent."""
+        self._state.count(_CallBucket(index, x), 0, collectives=0, bytes_fp32=0)
+        return self._issued(completed(result), result)
+
+    def _check_order(
+        self,
+        call: str,
+        key: Hashable,
+        t: Optional[torch.Tensor],
+        first: bool,
+        how: str,
+        err: Optional[Exception],
+    ) -> None:
         """Compare this call across the ranks: its place among this Exchange's calls, the
         call, the key, the elements and the dtype. ``check_order="first"`` compares a key's
         first call (all of it, one object gather); ``"every"`` each call, by a 56-bit digest
@@ -606,22 +731,31 @@ class Exchange:
         mode, state = self.check_order, self._state
         if mode == "off" or (mode == "first" and not first) or state.world_size == 1:
             return
-        dtype = str(t.dtype).replace("torch.", "")
-        what = f"call {sum(self._calls.values())}: {call}(key={key!r}, {t.numel()} {dtype})"
+        tensor = "refused input" if t is None else f"{t.numel()} {str(t.dtype)[6:]}"
+        what = f"call {sum(self._calls.values())}: {call}(key={key!r}, {tensor}, {how})"
+        fields = {**error_field(err), "the order of calls": what}
         if mode == "every":
-            digest = hashlib.blake2b(what.encode(), digest_size=7).digest()
+            mark = what if err is None else f"{what} {err}"
+            digest = hashlib.blake2b(mark.encode(), digest_size=7).digest()
             h = int.from_bytes(digest, "little")
             nccl = dist.get_backend(self.process_group) == "nccl"
             v = torch.tensor([h, -h], dtype=torch.int64, device=t.device if nccl else "cpu")
             dist.all_reduce(v, op=dist.ReduceOp.MAX, group=self.process_group)
             if v.tolist() == [h, -h]:  # the largest digest and the smallest are this rank's
                 return
-        agree(f"{self.where}.{call}", {"the order of calls": what}, self.process_group)
+        agree(f"{self.where}.{call}", fields, self.process_group)
 
     def _settle(self) -> None:
-        if self._last is not None:
-            self._last.wait()
-            self._last = None
+        """Wait for the last call; what it raised is raised here once, unless its ``wait()``
+        gave it to the caller already."""
+        last, self._last = self._last, None
+        if last is None:
+            return
+        try:
+            last.get_future().wait()
+        except Exception:
+            if not last._observed:
+                raise
 
     def _gather_rows(self, rows: torch.Tensor, row: torch.Tensor) -> torch.futures.Future:
         """Every rank's ``row`` into ``rows`` (rank order)."""

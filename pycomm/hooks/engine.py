@@ -156,7 +156,10 @@ class Engine:
     def key_sizes(self, key: tuple) -> dict[str, int]:
         """The residuals kept under ``key``: an all-reduce's, ``(index, n, dtype)``, those of
         :meth:`residual_sizes`; a reduce-scatter's, ``(index, n, PHASE_1)``, r1 alone (its
-        exchange is phase 1; none with ``local_feedback=False``)."""
+        exchange is phase 1, so its input's residual is its error feedback, whatever
+        ``local_feedback``, which chooses between an all-reduce's two)."""
+        if key[2] == PHASE_1 and self.codec.two_phase:
+            return {"r1": self.size * self.chunk(key[1])}
         sizes = self.residual_sizes(key[1])
         if key[2] == PHASE_1:
             return {name: numel for name, numel in sizes.items() if name == "r1"}

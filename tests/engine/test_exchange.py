@@ -4,6 +4,8 @@ codec and a user's, on 2 and 4 gloo ranks; error feedback per key; the non-finit
 bitwise state_dict round trip; the configuration compared across ranks at construction; bad
 input named."""
 
+import copy
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -181,7 +183,7 @@ def _rank_exact_bits():
     ex = pycomm.Exchange("allreduce")
     g = torch.Generator().manual_seed(r)
     t = torch.randn(1000, generator=g)
-    want = t / n
+    want = t * (1.0 / n)  # DDP's: each gradient times 1/N, then the sum
     dist.all_reduce(want)
     ex.all_reduce(t, key=0).wait()
     inp, shard = torch.randn(n * 100, generator=g), torch.empty(100)
@@ -192,16 +194,65 @@ def _rank_exact_bits():
     ex.reduce_scatter(shard, inp, key=1).wait()
     mine, full = torch.randn(64, generator=g), torch.empty(n * 64)
     ex.all_gather(full, mine, key=2).wait()
+    sums = []
+    for dtype in (torch.float32, torch.float16, torch.float64):  # op="sum": torch's own sum
+        u = torch.randn(1000, generator=g).to(dtype)
+        total = u.clone()
+        dist.all_reduce(total)
+        ex.all_reduce(u, key=("sum", dtype), op="sum").wait()
+        sums.append(torch.equal(u, total))
     return (
         torch.equal(t, want),
-        torch.equal(shard, acc / n),
+        torch.equal(shard, acc * (1.0 / n)),
         torch.equal(full, torch.cat(_gathered(mine))),
+        sums,
     )
 
 
-def test_the_exact_exchange_is_bitwise_torchs():
-    for ok in run_ranks(_rank_exact_bits, 2, timeout=60):
-        assert ok == (True, True, True)
+@pytest.mark.parametrize("nprocs", [2, 3])
+def test_the_exact_exchange_is_bitwise_torchs(nprocs):
+    for ok in run_ranks(_rank_exact_bits, nprocs, timeout=60):
+        assert ok == (True, True, True, [True, True, True])
+
+
+def _rank_edges():
+    """Empty tensors; a failed call's error not raised again by the next; a rank outside
+    the group; a group that is not one; the default group destroyed."""
+    rank = dist.get_rank()
+    out = {}
+    ex = pycomm.Exchange("int8")
+    empty = torch.empty(0)
+    ex.all_reduce(empty, key="e").wait()
+    ex.reduce_scatter(torch.empty(0), torch.empty(0), key="e").wait()
+    ex.all_gather(torch.empty(0), torch.empty(0), key="e").wait()
+    out["empty steps"] = ex.stats["steps"]
+    work = ex.all_reduce(torch.full((8,), float(rank)), key="a")
+    out["after"] = work.wait().tolist()
+    out["not a group"] = _error(lambda: pycomm.Exchange("int8", "x"))
+    solo = dist.new_group([0])
+    out["outside"] = _error(lambda: pycomm.Exchange("int8", solo)) if rank == 1 else None
+    out["unknown option"] = _error(lambda: pycomm.Exchange("allreduce", blok=1))
+    dist.destroy_process_group()
+    out["destroyed"] = _error(lambda: ex.all_reduce(torch.ones(4), key="a"))
+    return out
+
+
+def test_edges_of_the_calls():
+    for rank, out in enumerate(run_ranks(_rank_edges, 2, timeout=60, fresh=True)):
+        assert out["empty steps"] == 3
+        assert out["after"] == [0.5] * 8
+        assert out["not a group"] == (
+            "TypeError: pycomm.Exchange: process_group='x', expected a "
+            "torch.distributed.ProcessGroup or None (the default group)"
+        )
+        if rank == 1:
+            assert out["outside"].startswith(
+                "ValueError: pycomm.Exchange: this rank (global rank 1) is not in process_group"
+            )
+        assert "blok" in out["unknown option"] and "hierarchy" in out["unknown option"]
+        assert out["destroyed"].startswith(
+            "RuntimeError: pycomm.Exchange.all_reduce: the process group was destroyed"
+        )
 
 
 def _rank_feedback(codec, options, calls):
@@ -511,7 +562,11 @@ def _rank_residuals_of_a_key(codec, options):
     return out
 
 
-@pytest.mark.parametrize("codec, options", [("int8", {}), ("onebit", {"local_feedback": True})])
+# onebit's default local_feedback=False drops an all-reduce's phase-1 residual; a
+# reduce-scatter, phase 1 alone, keeps it all the same
+@pytest.mark.parametrize(
+    "codec, options", [("int8", {}), ("onebit", {"local_feedback": True}), ("onebit", {})]
+)
 def test_a_reduce_scatter_keeps_one_residual_per_key(codec, options):
     for out in run_ranks(_rank_residuals_of_a_key, 2, codec, options, timeout=60):
         assert out["key"] == out["all"] == out["want"] == out["loaded"]
@@ -537,6 +592,14 @@ def _rank_call_order():
     # both keys known on both ranks: only "every" sees the calls cross
     out["every"] = _error(lambda: every.all_reduce(torch.ones(64), key="ab"[rank]))
     out["every same"] = _error(lambda: every.all_reduce(torch.ones(64), key="a").wait())
+    # a refused argument on one rank: raised on every rank where the calls are compared
+    bad = torch.ones(64, dtype=torch.int32 if rank == 1 else torch.float32)
+    out["one rank's dtype"] = _error(lambda: first.all_reduce(bad, key="new").wait())
+    out["one rank's op"] = _error(
+        lambda: first.all_reduce(torch.ones(8), key="op", op="sum" if rank else "mean")
+    )
+    shard = torch.empty(3 + rank)  # rank 1's output is not a chunk of its input
+    out["one rank's shape"] = _error(lambda: every.reduce_scatter(shard, torch.ones(6), key="a"))
     return out
 
 
@@ -546,14 +609,72 @@ def test_the_order_of_calls_is_checked_on_every_rank():
     assert "check_order='some', expected 'first', 'every', 'off'" in a["check_order"]
     assert (
         "pycomm.Exchange.all_reduce: ranks disagree on the order of calls: rank 0 has "
-        '"call 0: all_reduce(key=\'a\', 64 float32)", rank 1 has "call 0: '
-        "all_reduce(key='b', 64 float32)\"" in a["first key"]
+        "\"call 0: all_reduce(key='a', 64 float32, op='mean')\", rank 1 has \"call 0: "
+        "all_reduce(key='b', 64 float32, op='mean')\"" in a["first key"]
     )
     assert (
-        "64 float32)\", rank 1 has \"call 0: all_reduce(key='a', 65 float32)" in (a["first shape"])
+        "64 float32, op='mean')\", rank 1 has \"call 0: all_reduce(key='a', 65 float32"
+        in (a["first shape"])
     )
     assert (
-        'rank 0 has "call 2: all_reduce(key=\'a\', 64 float32)", rank 1 has "call 2: '
-        in (a["every"])
+        "rank 0 has \"call 2: all_reduce(key='a', 64 float32, op='mean')\", rank 1 has "
+        '"call 2: ' in (a["every"])
     )
     assert a["every same"] is None
+    assert a["one rank's dtype"] == (
+        "TypeError: pycomm.Exchange.all_reduce: on rank 1: pycomm.Exchange.all_reduce: tensor "
+        "has dtype torch.int32 and layout torch.strided, expected a dense float32, bfloat16 or "
+        "float16 tensor"
+    )
+    assert (
+        "op='mean')\", rank 1 has \"call 0: all_reduce(key='op', 8 float32, op='sum')"
+        in (a["one rank's op"])
+    )
+    assert a["one rank's shape"].startswith(
+        "ValueError: pycomm.Exchange.reduce_scatter: on rank 1: pycomm.Exchange.reduce_scatter: "
+        "input has 6 elements, expected 2 x output's 4 = 8"
+    )
+
+
+def _rank_bad_states():
+    """A state that is refused changes nothing; garbage states are named."""
+    ex = pycomm.Exchange("int8")
+    t = torch.randn(300, generator=torch.Generator().manual_seed(dist.get_rank()))
+    ex.all_reduce(t.clone(), key="a").wait()
+    good = ex.state_dict()
+    before = (dict(ex.stats), ex.residual_bytes("a"))
+    out = {}
+    bad = {**good, "exchange": {**good["exchange"], "stats": {**good["exchange"]["stats"]}}}
+    bad["exchange"]["stats"]["steps"] = 999
+    for name, state in (
+        ("calls", {**bad, "calls": ["x"]}),
+        ("short calls", {**bad, "calls": []}),
+        ("keys", {**bad, "keys": None}),
+        ("not a dict", {"exchange": 5}),
+    ):
+        out[name] = _error(lambda: ex.load_state_dict(state))  # noqa: B023
+    nan = copy.deepcopy(good)
+    for kept in nan["exchange"]["residuals"].values():
+        for r in kept.values():
+            r.fill_(float("nan"))
+    out["nan"] = _error(lambda: ex.load_state_dict(nan))
+    out["unchanged"] = (dict(ex.stats), ex.residual_bytes("a")) == before
+    a, b = t.clone(), t.clone()
+    ex.all_reduce(a, key="a").wait()
+    fresh = pycomm.Exchange("int8")
+    fresh.load_state_dict(good)
+    fresh.all_reduce(b, key="a").wait()
+    out["same"] = torch.equal(a, b)
+    return out
+
+
+def test_a_refused_state_changes_nothing():
+    for out in run_ranks(_rank_bad_states, 2, timeout=60):
+        assert out["unchanged"] and out["same"]
+        assert out["calls"].startswith(
+            "ValueError: pycomm.Exchange.load_state_dict: calls=['x'], expected a list of 1 ints"
+        )
+        assert "calls=[], expected a list of 1 ints >= 0" in out["short calls"]
+        assert "keys=None, expected a list of (call, key) pairs" in out["keys"]
+        assert "got dict without an 'exchange' dict" in out["not a dict"]
+        assert "holds non-finite values" in out["nan"]
