@@ -82,11 +82,17 @@ def _registered_fn(state: HookState) -> Optional[Callable]:
 
 
 def resolve_hook(
-    hook: HookArg, hook_options: dict[str, Any], accumulate_steps: Any, group: Any
+    hook: HookArg,
+    hook_options: Any,
+    accumulate_steps: Any,
+    group: Any,
+    where: str = "pycomm.wrap",
+    legacy: Optional[dict[str, Any]] = None,
 ) -> tuple[dict[str, Any], Optional[HookState], Optional[Callable]]:
     """This rank's side of the cross-rank check, and the hook's state (built unbound: binding
     may create groups, which waits until the ranks agree) and function; the state is None when
-    the hook or its options are bad here, and the fields then carry the error."""
+    the hook or its options (``hook_options`` as given, with ``legacy`` keyword options) are
+    bad here, and the fields then carry the error."""
     fields: dict[str, Any] = {}
     if isinstance(hook, str):  # a name registered on some ranks only: named on every rank
         fields["hook"] = hook
@@ -94,6 +100,7 @@ def resolve_hook(
     fields.update(error_field(None))
     state = fn = None
     try:
+        hook_options = hook_options_of(where, hook_options, legacy or {})
         check_args(hook, accumulate_steps, hook_options)
         if isinstance(hook, str):
             spec = hook_spec(hook)
@@ -178,6 +185,10 @@ def _check_grad_dtypes(ddp: DDP, state: HookState) -> None:
             )
 
 
+# the gradient dtypes the accumulate stage sums (its kernel's)
+_ACCUMULATED = (torch.float32, torch.bfloat16, torch.float16)
+
+
 def _attach(ddp: DDP, state: HookState, fn: Callable, accumulate_steps: int) -> HookState:
     settle_at_exit()
     state.bind()
@@ -188,6 +199,14 @@ def _attach(ddp: DDP, state: HookState, fn: Callable, accumulate_steps: int) -> 
         state.bind_parameters([p for p in params if id(p) not in sparse])
     auto = state
     if accumulate_steps > 1:
+        wide = [str(p.dtype) for p in params if p.dtype not in _ACCUMULATED]
+        if wide:  # the same on every rank: the ranks compared the parameters' dtypes
+            raise TypeError(
+                f"pycomm: accumulate_steps={accumulate_steps} with parameters of "
+                f"{sorted(set(wide))}: the accumulate stage keeps float32, bfloat16 and float16 "
+                "gradients; expected accumulate_steps=1 (DDP's no_sync() for the micro-steps) "
+                "or those dtypes"
+            )
         state = AccumulateState(
             state,
             fn,
@@ -239,9 +258,10 @@ def register(
         raise TypeError(f"pycomm.register: expected a DistributedDataParallel, got {type(ddp)}")
     # Compared across ranks with the rest, so that every rank raises the same error instead
     # of one raising while the others wait for it in the next collective.
-    hook_options = hook_options_of("pycomm.register", hook_options, options)
     problem = _registration_problem(ddp) or _state_problem(ddp.process_group, hook)
-    fields, state, fn = resolve_hook(hook, hook_options, accumulate_steps, ddp.process_group)
+    fields, state, fn = resolve_hook(
+        hook, hook_options, accumulate_steps, ddp.process_group, "pycomm.register", options
+    )
     agree(
         "pycomm.register",
         {
@@ -401,7 +421,6 @@ def wrap(
         >>> ddp = pycomm.wrap(model.to(info.device), hook="allreduce")
         >>> pycomm.hook_state(ddp).stats
     """
-    hook_options = dict(hook_options or {})
     if isinstance(module, DDP):
         raise TypeError(
             "pycomm.wrap: module is already a DistributedDataParallel; wrapping it again "
@@ -409,6 +428,12 @@ def wrap(
         )
     if not dist.is_initialized():
         raise RuntimeError("pycomm.wrap: no process group; call pycomm.init() first")
+    if process_group is dist.GroupMember.NON_GROUP_MEMBER:
+        raise ValueError(
+            f"pycomm.wrap: this rank (global rank {dist.get_rank()}) is not in process_group "
+            "(dist.new_group returned GroupMember.NON_GROUP_MEMBER here); expected the model "
+            "wrapped by the group's ranks alone"
+        )
     python_reducer = _python_reducer()
     problem = _state_problem(process_group, hook)
     fields, state, fn = resolve_hook(hook, hook_options, accumulate_steps, process_group)
@@ -416,6 +441,11 @@ def wrap(
         "pycomm.wrap",
         {
             **fields,
+            # DDP's options that change its collectives: a difference hangs or aborts DDP
+            **{
+                f"DDP option {name}": bool(ddp_kwargs.get(name, False))
+                for name in ("find_unused_parameters", "static_graph")
+            },
             "parameters": params_signature(module),
             "hook state": problem,
             "compiled DDP's Python reducer": python_reducer,

@@ -101,9 +101,14 @@ def _rank_mismatch(kind):
         hook, options = "powersgd", {"matrix_approximation_rank": 1 + rank}
     if kind == "model" and rank == 1:
         hidden = 65
+    ddp_kwargs = {}
+    if kind in ("find_unused_parameters", "static_graph"):
+        ddp_kwargs[kind] = rank == 1
+    if kind == "one rank's options" and rank == 1:
+        options = "ab"
     try:
-        pycomm.wrap(_model(hidden=hidden), hook=hook, hook_options=options)
-    except ValueError as e:
+        pycomm.wrap(_model(hidden=hidden), hook=hook, hook_options=options, **ddp_kwargs)
+    except (ValueError, TypeError) as e:
         return str(e)
     return None
 
@@ -121,6 +126,13 @@ def _rank_mismatch(kind):
             r"ranks disagree on parameter 0: rank 0 has 0.weight \(64, 32\) float32, "
             r"rank 1 has 0.weight \(65, 32\)",
         ),
+        (
+            "find_unused_parameters",
+            "ranks disagree on DDP option find_unused_parameters: rank 0 has False, rank 1 "
+            "has True",
+        ),
+        ("static_graph", "ranks disagree on DDP option static_graph: rank 0 has False"),
+        ("one rank's options", "pycomm.wrap: on rank 1: pycomm.wrap: hook_options='ab'"),
     ],
 )
 def test_mismatch_raises_on_every_rank(kind, pattern):
@@ -192,6 +204,9 @@ def _rank_grad_dtypes():
         {
             "int8": lambda: pycomm.wrap(mixed, hook="int8"),
             "accumulated": lambda: pycomm.wrap(mixed, hook="fp16", accumulate_steps=2),
+            "exact accumulated": lambda: pycomm.wrap(
+                _model().double(), hook="allreduce", accumulate_steps=2
+            ),
             "auto_allow": lambda: pycomm.wrap(
                 _model().double(), hook="auto", hook_options={"allow": ["int8", "bf16"]}
             ),
@@ -216,6 +231,12 @@ def test_a_hook_that_cannot_reduce_a_gradient_dtype_is_refused_at_registration()
                 "gradients, and parameter '2.weight' has dtype float64"
             )
             assert "a hook that reduces it: allreduce, auto, powersgd" in message
+        assert out["exact accumulated"] == (
+            "TypeError",
+            "pycomm: accumulate_steps=2 with parameters of ['torch.float64']: the accumulate "
+            "stage keeps float32, bfloat16 and float16 gradients; expected accumulate_steps=1 "
+            "(DDP's no_sync() for the micro-steps) or those dtypes",
+        )
         kind, message = out["auto_allow"]
         assert kind == "TypeError"
         assert "no hook in allow=['bf16', 'int8'] reduces gradients of dtype float64" in message
