@@ -59,12 +59,33 @@ class PowerSGDHookState(HookState):
         return dict(self._options)
 
     def state_dict(self) -> dict[str, Any]:
-        # PowerSGDState's own pickling state: error feedback, P/Q memories, iteration, RNG.
-        return {**super().state_dict(), "torch_state": self.torch_state.__getstate__()}
+        # PowerSGDState's own pickling state: error feedback, P/Q memories, iteration, RNG;
+        # its numpy RandomState as tensors and numbers, which torch.load(weights_only=True)
+        # reads (pycomm.checkpoint loads that way)
+        torch_state = self.torch_state.__getstate__()
+        rng = torch_state.get("rng")
+        if rng is not None and not isinstance(rng, dict):
+            name, keys, pos, has_gauss, gauss = rng.get_state()
+            torch_state["rng"] = {
+                "bit_generator": str(name), "keys": torch.from_numpy(keys.astype("int64")),
+                "pos": int(pos), "has_gauss": int(has_gauss), "cached_gaussian": float(gauss),
+            }  # fmt: skip
+        return {**super().state_dict(), "torch_state": torch_state}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         super().load_state_dict(state)
-        self.torch_state.__setstate__(dict(state["torch_state"]))
+        torch_state = dict(state["torch_state"])
+        rng = torch_state.get("rng")
+        if isinstance(rng, dict):
+            import numpy as np
+
+            restored = np.random.RandomState()
+            restored.set_state((
+                rng["bit_generator"], rng["keys"].numpy().astype(np.uint32), rng["pos"],
+                rng["has_gauss"], rng["cached_gaussian"],
+            ))  # fmt: skip
+            torch_state["rng"] = restored
+        self.torch_state.__setstate__(torch_state)
         self.torch_state.process_group = self.process_group
 
     def payload_bytes(self, bucket: dist.GradBucket) -> int:

@@ -264,3 +264,45 @@ def test_rank_state_files_round_trip_and_refuse_on_every_rank(tmp_path):
         assert "hook is 'int8' in the checkpoint but 'onebit' here" in r["other_hook"]
         assert "cannot load the hook state of rank 1 on rank 0" in r["swapped"]
         assert r["differs_afresh"]  # the residuals matter: the check can fail
+
+
+def _rank_powersgd_file(folder):
+    """powersgd through pycomm.checkpoint (torch.load with weights_only=True): the state
+    loads, its numpy RNG state and P/Q memories as saved, and the ranks agree after it."""
+    ddp = pycomm.wrap(_model(), hook="powersgd", hook_options={"start_powerSGD_iter": 2})
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    g = torch.Generator().manual_seed(dist.get_rank())
+    for _ in range(3):
+        opt.zero_grad()
+        ddp(torch.randn(8, 40, generator=g)).square().mean().backward()
+        opt.step()
+    path = f"{folder}/ckpt.pt"
+    pycomm.checkpoint.save(path, ddp, opt)
+    saved = pycomm.hook_state(ddp).torch_state
+    fresh = pycomm.wrap(_model(), hook="powersgd", hook_options={"start_powerSGD_iter": 2})
+    opt = torch.optim.SGD(fresh.parameters(), lr=0.1)
+    pycomm.checkpoint.load(path, fresh, opt)
+    loaded = pycomm.hook_state(fresh).torch_state
+    a, b = saved.rng.get_state(), loaded.rng.get_state()
+    same_rng = a[0] == b[0] and (a[1] == b[1]).all() and a[2:] == b[2:]
+    same_q = all(torch.equal(saved.q_memory_dict[k], loaded.q_memory_dict[k])
+                 for k in saved.q_memory_dict)  # fmt: skip
+    opt.zero_grad()
+    fresh(torch.randn(8, 40, generator=g)).square().mean().backward()
+    opt.step()
+    flat = _flat(fresh.module)
+    everyone = [torch.empty_like(flat) for _ in range(dist.get_world_size())]
+    dist.all_gather(everyone, flat)
+    return (
+        bool(same_rng),
+        same_q,
+        len(saved.q_memory_dict),
+        all(torch.equal(flat, o) for o in everyone),
+    )
+
+
+def test_powersgd_loads_from_a_checkpoint_file(tmp_path):
+    for same_rng, same_q, memories, agree in run_ranks(
+        _rank_powersgd_file, 2, str(tmp_path), timeout=90
+    ):
+        assert same_rng and same_q and memories > 0 and agree
