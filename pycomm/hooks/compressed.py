@@ -337,11 +337,12 @@ class CompressedState(HookState):
             )
         if self.store.touched:
             self.commit()
+        saved = self.bucket_layout.saved()
         return {
             **super().state_dict(),
             "iter": self.iter,
             "residuals": self.store.snapshot(),
-            "layout": None if self.layout is None else [list(k) for k in self.layout],
+            "layout": None if saved is None else [list(k) for k in saved],
         }
 
     def check_fingerprint(self, state: dict[str, Any]) -> None:
@@ -373,19 +374,8 @@ class CompressedState(HookState):
                         f"expected {self.residual_dtype} (residual_dtype)"
                     )
         layout = state.get("layout")
-        params = self.bucket_layout.params
-        if layout is not None and params is not None:
-            seen = sorted(i for k in layout for i in k)
-            if seen != list(range(len(params))):
-                raise ValueError(
-                    f"pycomm {self.hook_name} hook: the checkpoint's bucket layout covers "
-                    f"parameters {seen[:8]}..., expected each of the {len(params)} "
-                    "bound parameters once"
-                )
+        self.bucket_layout.load(layout)  # checked before anything changes
         self.iter = int(state["iter"])
-        if layout is not None:
-            self.bucket_layout.set(layout)
-        self.bucket_layout.end_step()
         self.store.load(loaded)
 
 
@@ -447,6 +437,8 @@ def compressed_hook(
             state.watch_bucket(bucket)
 
     def dense(x: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
+        if state.bucket_layout.bound:
+            state.bucket_layout.observe(bucket)
         if state.node_plan is not None:
             return _node(state, bucket, x)
         if state.iter < state.start_iter:

@@ -4,7 +4,10 @@ With the model's parameters bound (``pycomm.wrap`` binds them), the hook names D
 by their parameters' positions and keeps DDP's buckets as they were at the first compressed
 step. Residuals, blocks and chunks follow that layout, so a freshly built DDP that buckets its
 first iteration differently (a resume) is re-bucketed into it and reduces bit for bit as the
-uninterrupted run would.
+uninterrupted run would. Before the first compressed step, the layout a checkpoint records is
+DDP's latest one from a step after DDP's first (DDP rebuilds its buckets after its first
+iteration), so a checkpoint taken during the exact warm-up, or just before the first compressed
+step, resumes into the layout the uninterrupted run compresses with.
 """
 
 import logging
@@ -36,6 +39,11 @@ class BucketLayout:
         self.index: dict[tuple[int, ...], int] = {}
         self.recording = False  # the first compressed step is defining the layout
         self.rebucket: Optional[_Rebucket] = None  # the current step's, when DDP's differ
+        # DDP's buckets as the hook saw them: the steps seen by this DDP, the current (or
+        # latest) step's keys, and the latest complete step's after DDP's first
+        self.steps = 0
+        self.current: list[tuple[int, ...]] = []
+        self.seen: Optional[list[tuple[int, ...]]] = None
 
     @property
     def bound(self) -> bool:
@@ -51,6 +59,35 @@ class BucketLayout:
         self.index = {k: i for i, k in enumerate(self.buckets)}
         self.recording, self.rebucket = False, None
 
+    def load(self, layout: Optional[list[list[int]]]) -> None:
+        """Take a checkpoint's layout (None: none was recorded) after checking that it covers
+        each bound parameter once; a ValueError naming the difference, before any change."""
+        if layout is not None and self.params is not None:
+            seen = sorted(i for k in layout for i in k)
+            if seen != list(range(len(self.params))):
+                raise ValueError(
+                    f"{self.where}: the checkpoint's bucket layout covers parameters "
+                    f"{seen[:8]}..., expected each of the {len(self.params)} bound parameters "
+                    "once"
+                )
+        if layout is not None:
+            self.set(layout)
+        self.end_step()
+
+    def observe(self, bucket: dist.GradBucket) -> None:
+        """Note DDP's dense ``bucket`` of this step (at every hook call, exact steps too)."""
+        self.current.append(self.key(bucket))
+
+    def saved(self) -> Optional[list[tuple[int, ...]]]:
+        """The layout a checkpoint records: the hook's own once it compressed a step; before
+        that, DDP's latest from a step after DDP's first (its buckets are rebuilt then), so that
+        a resume compresses in the layout the uninterrupted run does; None if there is none."""
+        if self.buckets is not None:
+            return self.buckets
+        if self.current and self.steps >= 1:
+            return list(self.current)
+        return self.seen
+
     def key(self, bucket: dist.GradBucket) -> tuple[int, ...]:
         """The positions of ``bucket``'s parameters among the bound ones."""
         try:
@@ -62,7 +99,13 @@ class BucketLayout:
             ) from None
 
     def end_step(self) -> None:
+        """Between two steps: the step whose buckets were observed is complete."""
         self.rebucket = None
+        if self.current:
+            if self.steps >= 1:
+                self.seen = self.current
+            self.steps += 1
+            self.current = []
 
     def run(self, bucket: dist.GradBucket, x: torch.Tensor, reduce: Reduce):
         """``reduce`` (the two-phase or the 16-bit path) on the hook's layout: directly when
@@ -79,12 +122,14 @@ class BucketLayout:
             return reduce(bucket, x, len(self.buckets) - 1)
         r = self.index.get(key)
         if r is not None:
+            if bucket.index() != r:  # the hook's bucket r, whatever DDP numbers it
+                bucket = _HookBucket(r, x, bucket.is_last(), [self.params[i] for i in key])
             return reduce(bucket, x, r)
         rb = self.rebucket
         if rb is None:
             logger.info("%s: DDP's buckets differ from the hook's layout; re-bucketing", self.where)
             rb = self.rebucket = _Rebucket(self, x.dtype, x.device)
-            self.stats["rebucketed_steps"] += 1
+            self.stats["rebucketed_steps"] = self.stats.get("rebucketed_steps", 0) + 1
         fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
         pending = set(key)
         off, complete = 0, []
@@ -178,6 +223,14 @@ class _HookBucket:
 
     def index(self) -> int:
         return self._index
+
+    def gradients(self) -> list[torch.Tensor]:
+        """The parameters' gradients as views of the buffer, as DDP's buckets give them."""
+        out, off = [], 0
+        for p in self._params:
+            out.append(self._buffer[off : off + p.numel()].view(p.shape))
+            off += p.numel()
+        return out
 
     def buffer(self) -> torch.Tensor:
         return self._buffer

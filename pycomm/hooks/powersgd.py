@@ -11,6 +11,7 @@ import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as _psgd
 
 from pycomm.hooks.allreduce import sparse_allreduce
+from pycomm.hooks.layout import BucketLayout
 from pycomm.hooks.state import HookState, completed, is_sparse, ring_bytes
 
 # PowerSGDState's options and their defaults, read from its signature (it does not keep all of
@@ -54,6 +55,20 @@ class PowerSGDHookState(HookState):
         self._options = {**_OPTIONS, **options}
         if hierarchy != "auto":
             self._options["hierarchy"] = hierarchy
+        # torch's PowerSGD keys its error feedback and P/Q memories by bucket index: with the
+        # parameters bound (pycomm.wrap binds them), its compressed steps run on the buckets of
+        # the first one, so a resumed DDP, whose first iteration buckets otherwise, re-buckets
+        # into them and resumes bit for bit
+        self._stats["rebucketed_steps"] = 0
+        self.bucket_layout = BucketLayout(self.where, self._stats)
+
+    def bind_parameters(self, params: list[torch.Tensor]) -> None:
+        """Bind the model's dense trainable parameters, in order (``pycomm.wrap`` does).
+
+        Example:
+            >>> state.bind_parameters([p for p in model.parameters() if p.requires_grad])
+        """
+        self.bucket_layout.bind(params)
 
     def options(self) -> dict[str, Any]:
         return dict(self._options)
@@ -70,10 +85,16 @@ class PowerSGDHookState(HookState):
                 "bit_generator": str(name), "keys": torch.from_numpy(keys.astype("int64")),
                 "pos": int(pos), "has_gauss": int(has_gauss), "cached_gaussian": float(gauss),
             }  # fmt: skip
-        return {**super().state_dict(), "torch_state": torch_state}
+        saved = self.bucket_layout.saved()
+        return {
+            **super().state_dict(),
+            "torch_state": torch_state,
+            "layout": None if saved is None else [list(k) for k in saved],
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         super().load_state_dict(state)
+        self.bucket_layout.load(state.get("layout"))  # a checkpoint without one: None
         torch_state = dict(state["torch_state"])
         rng = torch_state.get("rng")
         if isinstance(rng, dict):
@@ -122,31 +143,50 @@ def powersgd_hook(
     Example:
         >>> ddp.register_comm_hook(PowerSGDHookState(None), powersgd_hook)
     """
-    s = state.torch_state
-    sparse = is_sparse(bucket)  # exact, as DDP reduces it (sparse_allreduce counts it)
-    if not sparse:
-        # before start_powerSGD_iter one all-reduce; then the uncompressed tensors, P and Q
-        state.count(
-            bucket,
-            state.payload_bytes(bucket),
-            collectives=1 if s.iter < s.start_powerSGD_iter else 3,
-        )
-    if sparse:
+    s, layout = state.torch_state, state.bucket_layout
+    if bucket.index() == 0:  # DDP launches a step's buckets in index order
+        layout.end_step()
+        state.chain = completed(torch.empty(0))
+    if is_sparse(bucket):  # exact, as DDP reduces it (sparse_allreduce counts it)
         s.maybe_increase_iter(bucket)  # torch's hook counts its iterations at the last bucket
+        return _in_turn(state, lambda: sparse_allreduce(state, bucket))
+    if layout.bound:
+        layout.observe(bucket)
+        if s.iter >= s.start_powerSGD_iter:
+            return layout.run(bucket, bucket.buffer(), lambda b, _x, _i: _reduce(state, b))
+    return _reduce(state, bucket)
+
+
+def _reduce(state: PowerSGDHookState, bucket: Any) -> torch.futures.Future[torch.Tensor]:
+    """torch's hook on one dense bucket (DDP's, or one of the hook's layout), counted."""
+    s = state.torch_state
+    # before start_powerSGD_iter one all-reduce; then the uncompressed tensors, P and Q
+    state.count(
+        bucket,
+        state.payload_bytes(bucket),
+        collectives=1 if s.iter < s.start_powerSGD_iter else 3,
+    )
+    return _in_turn(state, lambda: _psgd.powerSGD_hook(s, bucket))
+
+
+def _in_turn(state: PowerSGDHookState, call: Any) -> torch.futures.Future[torch.Tensor]:
+    """``call()`` once the previous bucket's exchange of this step has completed.
+
+    torch's hook issues a bucket's P and Q all-reduces from callbacks, in the order the
+    buckets' earlier all-reduces complete, which differs from rank to rank: on one group gloo
+    then pairs one bucket's collective with another bucket's (a hang, an abort, or, where the
+    sizes match, different buckets' matrices summed). So each bucket's exchange starts once
+    the previous bucket's has completed: the same order on every rank. DDP launches its
+    buckets in index order (the hook's layout reduces its buckets in an order every rank
+    shares), and waits for them all before the next step."""
     if state.world_size == 1:
-        return sparse_allreduce(state, bucket) if sparse else _psgd.powerSGD_hook(s, bucket)
-    # torch's hook issues a bucket's P and Q all-reduces from callbacks, in the order the
-    # buckets' earlier all-reduces complete, which differs from rank to rank: on one group gloo
-    # then pairs one bucket's collective with another bucket's (a hang, an abort, or, where the
-    # sizes match, different buckets' matrices summed). So each bucket's exchange starts once
-    # the previous bucket's has completed: the same order on every rank. DDP launches its
-    # buckets in index order, and waits for them all before the next step.
-    prev = completed(torch.empty(0)) if bucket.index() == 0 else state.chain
+        return call()
+    prev = state.chain
     result: torch.futures.Future[torch.Tensor] = torch.futures.Future()
 
     def run(_previous: torch.futures.Future) -> None:
         try:
-            inner = sparse_allreduce(state, bucket) if sparse else _psgd.powerSGD_hook(s, bucket)
+            inner = call()
         except BaseException as e:  # noqa: BLE001 - handed to DDP through the future
             result.set_exception(e)
             return
