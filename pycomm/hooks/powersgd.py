@@ -130,7 +130,8 @@ def powersgd_hook(
     state: PowerSGDHookState, bucket: dist.GradBucket
 ) -> torch.futures.Future[torch.Tensor]:
     """torch's ``powerSGD_hook`` on ``state.torch_state``, counted in ``state.stats``, one
-    bucket's exchange after the other (see the comment below).
+    bucket's exchange after the other (:func:`_in_turn` says why), its compressed steps on the
+    hook's bucket layout once the parameters are bound.
 
     Args:
         state: a :class:`PowerSGDHookState` (torch's PowerSGDState inside, and counters).
