@@ -21,8 +21,9 @@ The rules every codec follows (:class:`Codec` states each one):
   ``decode_sum`` multiplies the sum by its ``scale``. A codec honours any scale in both.
 - **Bytes.** ``code_bytes(m)`` and ``scale_bytes(m)`` are the bytes of the codes and scales of
   ``m`` elements (multiples of the dtypes' sizes); the engine packs both into one uint8 row per
-  rank, so they must be exact. The scales may start at any byte (int8 codes of an odd
-  count before fp32 scales): :meth:`~Codec.split` copies a part its dtype cannot be read at.
+  rank, so they must be exact; the engine encodes N chunks in one call and cuts them into rows,
+  so the counts add up chunk by chunk and a chunk's codes and scales depend on it alone. The
+  scales may start at any byte (int8 codes of an odd count before fp32 scales): :meth:`~Codec.split` copies a part its dtype cannot be read at.
 - **The decode.** :meth:`~Codec.decode_sum` sums its rows in a fixed order and returns their
   statistics, which the non-finite skip and ``TrainLoop``'s clipping read: the decode
   contract, stated once in docs/custom_hooks.md, "The decode contract".
@@ -167,14 +168,18 @@ class Codec:
                     f"pycomm codec {type(self).__name__}: encode returned {name} of "
                     f"{None if t is None else t.dtype}, expected its {name[:-1]}_dtype {dtype}"
                 )
-        cb = codes.numel() * codes.element_size() // rows
-        if out is None:
-            out = torch.empty(
-                rows,
-                cb + (0 if scales is None else scales.numel() * scales.element_size() // rows),
-                dtype=torch.uint8,
-                device=codes.device,
+        nc = codes.numel() * codes.element_size()
+        ns = 0 if scales is None else scales.numel() * scales.element_size()
+        cb, width = nc // rows, (nc + ns) // rows
+        if nc % rows or ns % rows or (out is not None and tuple(out.shape) != (rows, width)):
+            expected = "" if out is None else f" into rows of {out.shape[-1]} bytes"
+            raise ValueError(
+                f"pycomm codec {type(self).__name__}: encode returned {nc} bytes of codes and "
+                f"{ns} of scales for {rows} chunks, expected a whole row per chunk{expected} "
+                "(code_bytes and scale_bytes must add up chunk by chunk: docs/custom_hooks.md)"
             )
+        if out is None:
+            out = torch.empty(rows, width, dtype=torch.uint8, device=codes.device)
         out[:, :cb] = codes.view(torch.uint8).view(rows, cb)
         if scales is not None:
             out[:, cb:] = scales.view(torch.uint8).view(rows, -1)
@@ -482,6 +487,7 @@ def check_codec(codec: Any, where: str = "pycomm.hooks.check_codec", device: Any
         _fail(where, f"split() gave codes {codes.dtype} {list(codes.shape)}, expected {rows} rows")
     ones = [_check_row(where, codec, codes, scales, r, y[r], out_res[r]) for r in range(rows)]
     _check_sum(where, codec, codes, scales, ones, m)
+    _check_chunks(where, codec, m, cb, sb, dev)
     _check_nonfinite(where, codec, m, dev)
     _check_half_inputs(where, codec, m, cb + sb, dev)
 
@@ -597,6 +603,15 @@ def _check_sum(
         out,
     )
     _check_stats_type(where, stats, dev)
+    again = torch.full_like(out, float("nan"))
+    codec.decode_sum(codes, scales, 0.5, again)
+    if not torch.equal(out, again):
+        _fail(
+            where,
+            f"decode_sum of the same {rows} rows wrote other bits the second time (up to "
+            f"{float((out - again).abs().max()):.3g} apart), expected the same: every rank "
+            f"that decodes the same rows must hold the same bits ({_CONTRACT})",
+        )
     sq, bad = out.double().pow(2).sum().item(), float((~torch.isfinite(out)).sum())
     if bad or not torch.allclose(
         stats.cpu(), torch.tensor([sq, bad], dtype=torch.float64), rtol=1e-4
@@ -615,6 +630,50 @@ def _check_sum(
             "size of 0.5 * (the sum of the rows decoded one by one), expected 1: decode_sum "
             "must add the rows and multiply the sum by its scale argument",
         )
+
+
+def _check_chunks(where: str, codec: Any, m: int, cb: int, sb: int, dev: torch.device) -> None:
+    """Three chunks of ``m`` encoded in one call, as the engine encodes a bucket before it
+    cuts the codes into one row per rank: the byte counts add up chunk by chunk, and each row
+    decodes to its own chunk (its codes and scales depend on that chunk alone)."""
+    k = 3
+    for name, nbytes in (("code_bytes", cb), ("scale_bytes", sb)):
+        got = _run(where, f"{name}({k * m})", getattr(codec, name), k * m)
+        if got != k * nbytes:
+            _fail(
+                where,
+                f"{name}({k * m}) returned {got!r}, expected {k} * {name}({m}) = {k * nbytes}: "
+                "the engine encodes several chunks in one call and cuts the codes and scales "
+                "into a row per chunk, so the byte counts must add up chunk by chunk",
+            )
+    gen = torch.Generator().manual_seed(2)
+    x = torch.randn(k * m, generator=gen) * torch.logspace(0, 2, k).repeat_interleave(m)
+    x, residual = x.to(dev), (torch.randn(k * m, generator=gen) * 1e-3).to(dev)
+    res_out = torch.empty_like(residual)
+    call = f"encode(x of {k * m}, residual, 1.0, {k * m}, residual_out)"
+    encoded = _run(where, call, codec.encode, x, residual, 1.0, k * m, res_out)
+    if not isinstance(encoded, tuple) or len(encoded) != 2:
+        _fail(where, f"{call} returned {type(encoded).__name__}, expected (codes, scales)")
+    _check_out(where, call, "codes", encoded[0], codec.code_dtype, k * cb, dev)
+    _check_out(where, call, "scales", encoded[1], codec.scale_dtype, k * sb, dev)
+    packed = _run(where, f"pack(codes, scales, {k})", codec.pack, *encoded, k)
+    codes, scales = _run(where, f"split(packed, {m})", codec.split, packed, m)
+    y = x + residual
+    for r in range(k):
+        out = torch.empty(m, device=dev)
+        _run(where, f"decode_sum(row {r} of {k} chunks encoded in one call, alone)",
+             codec.decode_sum, codes[r : r + 1],
+             None if scales is None else scales[r : r + 1], 1.0, out)  # fmt: skip
+        part = slice(r * m, (r + 1) * m)
+        if not torch.allclose(out + res_out[part], y[part], rtol=1e-3, atol=1e-5):
+            worst = float((out + res_out[part] - y[part]).abs().max())
+            _fail(
+                where,
+                f"{call}: row {r} of the {k} chunks decodes, with its residual, up to "
+                f"{worst:.3g} off chunk {r} (|y| up to {float(y[part].abs().max()):.3g}); "
+                "expected each chunk's codes and scales to depend on that chunk alone: the "
+                "engine sends row r to rank r, which decodes it alone",
+            )
 
 
 def _check_half_inputs(where: str, codec: Any, m: int, row_bytes: int, dev: torch.device) -> None:

@@ -121,7 +121,44 @@ def _half_bits(self, x, residual, scale, numel, residual_out=None):
     return codes.view(torch.float32), None
 
 
+def _reversed_codes(self, x, residual, scale, numel, residual_out=None):
+    codes, _ = PlainCodec.encode(self, x, residual, scale, numel, residual_out)
+    return codes.flip(0), None  # the whole input's order: a row of several is not its chunk
+
+
+def _decode_reversed(self, codes, scales, scale, out):
+    return PlainCodec.decode_sum(self, codes.flip(1), scales, scale, out)
+
+
+def _one_scale(self, x, residual, scale, numel, residual_out=None):
+    codes, _ = PlainCodec.encode(self, x, residual, scale, numel, residual_out)
+    top = codes.abs().max().clamp_min(1e-30)
+    return codes / top, top.reshape(1)  # one scale for however many chunks
+
+
+def _decode_one_scale(self, codes, scales, scale, out):
+    return PlainCodec.decode_sum(self, codes * scales, None, scale, out)
+
+
+def _decode_noisy(self, codes, scales, scale, out):
+    return PlainCodec.decode_sum(self, codes + 1e-6 * torch.randn(codes.shape), scales, scale, out)
+
+
 _BAD = [
+    (
+        _broken(encode=_reversed_codes, decode_sum=_decode_reversed),
+        r"row 0 of the 3 chunks decodes, with its residual, up to .* off chunk 0",
+    ),  # fmt: skip
+    (
+        _broken(
+            encode=_one_scale,
+            decode_sum=_decode_one_scale,
+            scale_dtype=torch.float32,
+            scale_bytes=lambda self, m: 4,
+        ),
+        r"scale_bytes\(24\) returned 4, expected 3 \* scale_bytes\(8\) = 12",
+    ),  # fmt: skip
+    (_broken(decode_sum=_decode_noisy), "decode_sum of the same 2 rows wrote other bits"),
     (
         _broken(encode=_half_uncast),
         "x of 7 torch.bfloat16, residual of None.* returned codes of dtype torch.bfloat16",
@@ -173,6 +210,16 @@ def test_a_codec_breaking_the_protocol_is_refused_at_registration(codec, pattern
         if "broken" in hook_names():
             unregister_hook("broken")
     assert "register_hook('broken'): codec Broken" in str(info.value)
+
+
+def test_pack_refuses_codes_that_are_not_a_whole_row_per_chunk():
+    codec = PlainCodec()
+    assert codec.pack(torch.arange(8.0), None, 2).shape == (2, 16)
+    with pytest.raises(ValueError, match="36 bytes of codes and 0 of scales for 5 chunks"):
+        codec.pack(torch.zeros(9), None, 5)
+    out = torch.empty(2, 20, dtype=torch.uint8)  # rows wider than the codes: a tail unwritten
+    with pytest.raises(ValueError, match="expected a whole row per chunk into rows of 20 bytes"):
+        codec.pack(torch.zeros(8), None, 2, out=out)
 
 
 def test_built_in_codecs_pass_the_self_check():
