@@ -4,10 +4,12 @@ Layout: ``path`` is one file that rank 0 writes (model, optimizer, ``extra``, an
 checkpoint was saved from: world size, parameter shapes and dtypes, hook fingerprint). The hook
 state is per rank (error-feedback residuals differ between ranks), so each rank writes its own
 next to it, ``{path}.hook{rank}.{id}``, where ``id`` is new for every save. A save commits in
-this order: every rank writes its hook file (to a temporary name, then ``os.replace``), a
-barrier, then rank 0 replaces ``path`` the same way, a barrier, then each rank deletes its hook
-files of older saves. ``path`` names the hook files of its own save only, so a rank killed at
-any point of a save leaves either the previous checkpoint or the new one, never a mix.
+this order: every rank writes its hook file (to a temporary name, then ``os.replace``), the
+ranks gather each other's outcome, then rank 0 replaces ``path`` the same way, the ranks
+gather again, then each rank deletes its hook files of older saves (a failure on any rank is
+raised on every rank, which remove this save's hook files). ``path`` names the hook files of
+its own save only, so a rank killed at any point of a save leaves either the previous
+checkpoint or the new one, never a mix.
 
 Why torch.save and one file per rank rather than gathering or torch.distributed.checkpoint:
 under DDP the model and optimizer are the same on every rank, so rank 0 writing them is
@@ -33,7 +35,9 @@ Example:
 
 from __future__ import annotations
 
+import builtins
 import glob
+import io
 import logging
 import os
 import uuid
@@ -104,16 +108,71 @@ def _atomic_save(obj: Any, path: str) -> None:
         pass
 
 
+def _remove(name: str) -> None:
+    try:
+        os.remove(name)
+    except OSError:
+        pass
+
+
+def _kind(name: str) -> type:
+    """The built-in exception class a rank's failure is raised as on every rank (a class of
+    a library, which the other ranks may not have imported: RuntimeError)."""
+    kind = getattr(builtins, name, None)
+    return kind if isinstance(kind, type) and issubclass(kind, Exception) else RuntimeError
+
+
+def _everyone(what: str, step: Any, group: Any) -> None:
+    """Run ``step()`` on this rank, gather every rank's outcome, and raise the same error on
+    every rank if any rank failed (naming the ranks where not all failed alike)."""
+    try:
+        step()
+        mine: tuple = (None,)
+    except Exception as e:  # noqa: BLE001 - raised on every rank below
+        prefix = f"pycomm.checkpoint.{what}: "
+        text = str(e)[len(prefix) :] if str(e).startswith(prefix) else str(e)
+        mine = ((type(e).__name__, text),)
+    single = not dist.is_initialized() or dist.get_world_size(group) == 1
+    reports = [mine] if single else all_gather_objects(mine, group)
+    failed = [(r, err) for r, (err,) in enumerate(reports) if err is not None]
+    if failed:
+        kind = failed[0][1][0]
+        if len(failed) == len(reports) and all(err == failed[0][1] for _, err in failed):
+            message = failed[0][1][1]
+        else:
+            message = "; ".join(f"on rank {r}: {text}" for r, (_, text) in failed)
+        raise _kind(kind)(f"pycomm.checkpoint.{what}: {message}")
+
+
+def _check_extra(extra: dict[str, Any]) -> None:
+    """``extra`` is what ``torch.load(weights_only=True)`` reads back (a ValueError naming the
+    first key that is not), so that the checkpoint written can be loaded."""
+    for key, value in extra.items():
+        buffer = io.BytesIO()
+        try:
+            torch.save(value, buffer)
+            buffer.seek(0)
+            torch.load(buffer, weights_only=True)
+        except Exception as e:  # noqa: BLE001 - what torch.load would refuse at load
+            raise ValueError(
+                f"extra value {key}={type(value).__name__} cannot be loaded back with "
+                "weights_only=True; expected tensors, numbers, strings, and lists, tuples and "
+                f"dicts of them ({type(e).__name__}: {str(e).splitlines()[0][:200]})"
+            ) from None
+
+
 def save(
     path: PathLike, ddp: DDP, optimizer: Optional[torch.optim.Optimizer], **extra: Any
 ) -> None:
     """Save the model, the optimizer, the pycomm hook state and ``extra`` to ``path``.
 
-    Every rank of ``ddp``'s process group must call it (it has two barriers). Rank 0 writes
+    Every rank of ``ddp``'s process group must call it (the ranks gather each other's outcome
+    twice: a rank that fails to write is named on every rank, which all raise). Rank 0 writes
     ``path``; every rank writes its own hook state next to it. The write is atomic: a rank
-    killed during the save leaves the previous checkpoint whole. ``extra`` holds what
-    ``torch.load(weights_only=True)`` reads back: tensors, numbers, strings, and lists,
-    tuples and dicts of them (the step, the epoch, an RNG state tensor).
+    killed or failing during the save leaves the previous checkpoint whole. ``extra`` holds
+    what ``torch.load(weights_only=True)`` reads back: tensors, numbers, strings, and lists,
+    tuples and dicts of them (the step, the epoch, an RNG state tensor); any other value is a
+    ValueError naming its key, before anything is written.
 
     Example:
         >>> pycomm.checkpoint.save("ckpt.pt", ddp, optimizer, step=step)
@@ -122,27 +181,45 @@ def save(
         raise TypeError(f"pycomm.checkpoint.save: ddp is a {type(ddp).__name__}, expected a DDP")
     path = os.fspath(path)
     group, rank, world = _group(ddp)
-    ids = all_gather_objects(uuid.uuid4().hex[:12], group)
-    save_id = ids[0]  # rank 0's: one id for the whole save
     state = _hook(ddp)
-    if state is not None:
-        _atomic_save(state.state_dict(), _hook_file(path, rank, save_id))
-    dist.barrier(group=group)  # every hook file is in place before rank 0 commits
-    if rank == 0:
-        _atomic_save(
-            {
-                "format": FORMAT,
-                "world_size": world,
-                "parameters": params_signature(ddp.module),
-                "hook": None if state is None else state.fingerprint(),
-                "id": save_id,
-                "model": ddp.module.state_dict(),
-                "optimizer": None if optimizer is None else optimizer.state_dict(),
-                "extra": extra,
-            },
-            path,
-        )
-    dist.barrier(group=group)  # committed: older hook files are garbage now
+    save_id = all_gather_objects(uuid.uuid4().hex[:12], group)[0]  # rank 0's, for the save
+
+    def write_hook() -> None:
+        _check_extra(extra)
+        if state is not None:
+            _atomic_save(state.state_dict(), _hook_file(path, rank, save_id))
+
+    # every hook file is in place (or every rank raises) before rank 0 commits: each rank's
+    # outcome is gathered, so a rank that fails is named on every rank, never waited for
+    try:
+        _everyone("save", write_hook, group)
+    except BaseException:
+        if state is not None:
+            _remove(_hook_file(path, rank, save_id))
+        raise
+
+    def commit() -> None:
+        if rank == 0:
+            _atomic_save(
+                {
+                    "format": FORMAT,
+                    "world_size": world,
+                    "parameters": params_signature(ddp.module),
+                    "hook": None if state is None else state.fingerprint(),
+                    "id": save_id,
+                    "model": ddp.module.state_dict(),
+                    "optimizer": None if optimizer is None else optimizer.state_dict(),
+                    "extra": extra,
+                },
+                path,
+            )
+
+    try:
+        _everyone("save", commit, group)  # committed: older hook files are garbage now
+    except BaseException:
+        if state is not None:  # this save's hook files name a checkpoint that never was
+            _remove(_hook_file(path, rank, save_id))
+        raise
     stale = [f for f in glob.glob(glob.escape(path) + ".hook*.*") if not f.endswith(save_id)]
     for name in stale:
         owner = name[len(path) + len(".hook") :].split(".", 1)[0]
@@ -191,25 +268,19 @@ def _check_optimizer(path: str, saved: Optional[dict], optimizer: torch.optim.Op
         )
 
 
-def load(path: PathLike, ddp: DDP, optimizer: Optional[torch.optim.Optimizer]) -> dict[str, Any]:
-    """Restore what :func:`save` wrote into ``ddp``, ``optimizer`` and the hook; return the
-    ``extra`` values.
-
-    Register the same hook with the same options first (``pycomm.wrap``). Everything is
-    checked before anything changes: another model (parameter names, shapes, dtypes), another
-    world size when the checkpoint has hook state, another hook or options, hook state missing
-    on one side: a ValueError naming the mismatch.
-
-    Example:
-        >>> ddp = pycomm.wrap(model, hook="int8")
-        >>> extra = pycomm.checkpoint.load("ckpt.pt", ddp, optimizer)
-        >>> start = extra["step"]
-    """
-    if not isinstance(ddp, DDP):
-        raise TypeError(f"pycomm.checkpoint.load: ddp is a {type(ddp).__name__}, expected a DDP")
-    path = os.fspath(path)
-    _, rank, world = _group(ddp)
-    ckpt = torch.load(path, map_location="cpu", weights_only=True)
+def _read(
+    path: str, ddp: DDP, optimizer: Optional[torch.optim.Optimizer], rank: int, world: int
+) -> dict[str, Any]:
+    """This rank's part of :func:`load`, read and checked: ``{"ckpt", "hook"}``."""
+    try:
+        ckpt = torch.load(path, map_location="cpu", weights_only=True)
+    except FileNotFoundError:
+        raise FileNotFoundError(f"pycomm.checkpoint.load: {path} does not exist") from None
+    except Exception as e:  # noqa: BLE001 - a file torch cannot read as a checkpoint
+        raise ValueError(
+            f"pycomm.checkpoint.load: {path} cannot be read as a pycomm checkpoint "
+            f"({type(e).__name__}: {str(e).splitlines()[0][:200]})"
+        ) from None
     if not isinstance(ckpt, dict) or ckpt.get("format") != FORMAT:
         raise ValueError(
             f"pycomm.checkpoint.load: {path} is not a pycomm checkpoint (format "
@@ -248,9 +319,42 @@ def load(path: PathLike, ddp: DDP, optimizer: Optional[torch.optim.Optimizer]) -
                 f"{hook_path}, which is missing (deleted, or not on a file system this rank "
                 "sees)"
             ) from None
+        except Exception as e:  # noqa: BLE001 - a damaged hook file
+            raise ValueError(
+                f"pycomm.checkpoint.load: {hook_path} (the hook state of rank {rank}) cannot "
+                f"be read ({type(e).__name__}: {str(e).splitlines()[0][:200]})"
+            ) from None
         state.check_fingerprint(hook_sd)
     if optimizer is not None:
         _check_optimizer(path, ckpt["optimizer"], optimizer)
+    return {"ckpt": ckpt, "hook": hook_sd}
+
+
+def load(path: PathLike, ddp: DDP, optimizer: Optional[torch.optim.Optimizer]) -> dict[str, Any]:
+    """Restore what :func:`save` wrote into ``ddp``, ``optimizer`` and the hook; return the
+    ``extra`` values.
+
+    Register the same hook with the same options first (``pycomm.wrap``). Everything is
+    checked before anything changes: another model (parameter names, shapes, dtypes), another
+    world size when the checkpoint has hook state, another hook or options, hook state missing
+    on one side: a ValueError naming the mismatch. A collective: every rank of ``ddp``'s
+    group calls it, and a problem that any rank meets (its hook file missing or damaged) is
+    raised on every rank, naming that rank, and no rank's state changes.
+
+    Example:
+        >>> ddp = pycomm.wrap(model, hook="int8")
+        >>> extra = pycomm.checkpoint.load("ckpt.pt", ddp, optimizer)
+        >>> start = extra["step"]
+    """
+    if not isinstance(ddp, DDP):
+        raise TypeError(f"pycomm.checkpoint.load: ddp is a {type(ddp).__name__}, expected a DDP")
+    path = os.fspath(path)
+    group, rank, world = _group(ddp)
+    read: dict[str, Any] = {}
+    # every rank reads and checks its part; a problem on any rank is raised on every rank,
+    # before anything changes (a rank that loaded would otherwise train on alone, and hang)
+    _everyone("load", lambda: read.update(_read(path, ddp, optimizer, rank, world)), group)
+    ckpt, hook_sd, state = read["ckpt"], read["hook"], _hook(ddp)
     ddp.module.load_state_dict(ckpt["model"])
     if optimizer is not None:
         optimizer.load_state_dict(ckpt["optimizer"])

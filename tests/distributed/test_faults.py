@@ -647,6 +647,66 @@ def test_checkpoint_save_load_atomic_and_mismatches(tmp_path):
     assert "world_size=2" in other_world[1] and "world_size=1" in other_world[1]
 
 
+def _rank_one_rank_fails(path, case):
+    """A save or a load that fails on one rank only: (error type, message, what is on disk,
+    whether the model changed) on each rank."""
+    rank = dist.get_rank()
+    ddp = pycomm.wrap(_model(), hook="int8")
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    _step(ddp, opt, 0, rank)
+    extra = {"step": 1}
+    if case == "load: rank 1's hook file is gone":
+        pycomm.checkpoint.save(path, ddp, opt, step=1)
+        dist.barrier()
+        if rank == 1:
+            folder = os.path.dirname(path)
+            os.remove(os.path.join(folder, next(f for f in os.listdir(folder) if ".hook1." in f)))
+        dist.barrier()
+        ddp = pycomm.wrap(_model(seed=3), hook="int8")
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    elif case == "save: rank 0's path is a folder":
+        if rank == 0:
+            os.makedirs(path)
+    elif case == "save: an extra value load cannot read":
+        extra["args"] = _Unloadable()
+    before = _params(ddp)
+    try:
+        if case.startswith("load"):
+            pycomm.checkpoint.load(path, ddp, opt)
+        else:
+            pycomm.checkpoint.save(path, ddp, opt, **extra)
+        error = None
+    except Exception as exc:  # noqa: BLE001 - the test inspects type and message
+        error = (type(exc).__name__, str(exc))
+    dist.barrier()
+    unchanged = all(torch.equal(a, b) for a, b in zip(before, _params(ddp)))
+    return error, sorted(os.listdir(os.path.dirname(path))), unchanged
+
+
+class _Unloadable:
+    """An object torch.save writes and torch.load(weights_only=True) refuses."""
+
+
+@pytest.mark.parametrize(
+    "case, kind, pattern",
+    [
+        ("load: rank 1's hook file is gone", "FileNotFoundError", r"on rank 1: .* names the hook "
+         r"state of rank 1 in .*hook1.*, which is missing"),
+        ("save: rank 0's path is a folder", "IsADirectoryError", r"save: on rank 0: .*Is a dir"),
+        ("save: an extra value load cannot read", "ValueError", r"save: extra value "
+         r"args=_Unloadable cannot be loaded back with weights_only=True"),
+    ],
+)  # fmt: skip
+def test_a_checkpoint_failing_on_one_rank_is_raised_on_every_rank(tmp_path, case, kind, pattern):
+    path = str(tmp_path / "ckpt.pt")
+    for error, files, unchanged in run_ranks(_rank_one_rank_fails, 2, path, case, timeout=60):
+        assert error is not None and error[0] == kind, error
+        assert re.search(pattern, error[1]), error[1]
+        assert unchanged  # a failed load changes nothing
+        if case.startswith("save"):  # nothing of the failed save is left, no checkpoint
+            assert [f for f in files if f.startswith("ckpt.pt.hook")] == []
+
+
 # ------------------------------------------ row 9: torchrun --max-restarts=1, a rank killed
 
 
