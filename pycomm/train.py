@@ -17,6 +17,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from pycomm._validate import check_int
 from pycomm.hooks import advice
 from pycomm.hooks.accumulate import AccumulateState
+from pycomm.hooks.config import agree, error_field
 from pycomm.wrap import STATE_ATTR, ddp_parameters
 
 logger = logging.getLogger(__name__)
@@ -97,47 +98,26 @@ class TrainLoop:
             )
         stage = getattr(ddp, STATE_ATTR, None)
         self._stage = stage if isinstance(stage, AccumulateState) else None
-        if self._stage is not None:
-            k = self._stage.accumulate_steps
-            if accumulate_steps is not None and accumulate_steps != k:
-                raise ValueError(
-                    f"pycomm.TrainLoop: accumulate_steps={accumulate_steps!r}, but the model's "
-                    f"pycomm accumulate stage has accumulate_steps={k}; pass None or {k}"
-                )
-        else:
-            k = (
-                1
-                if accumulate_steps is None
-                else check_int("pycomm.TrainLoop", "accumulate_steps", accumulate_steps)
-            )
-        if k > 1 and self._stage is None and getattr(ddp, "static_graph", False):
-            raise ValueError(
-                f"pycomm.TrainLoop: accumulate_steps={k} on a DDP built with static_graph=True "
-                "and no pycomm accumulate stage: accumulating there needs DDP's no_sync(), "
-                "which a static graph does not support (DDP's reducer fails). Use "
-                f"pycomm.wrap(module, accumulate_steps={k}, static_graph=True) (pycomm's stage "
-                "accumulates without no_sync) or static_graph=False"
-            )
-        if max_grad_norm is not None:
-            if isinstance(max_grad_norm, bool) or not isinstance(max_grad_norm, (int, float)):
-                raise ValueError(
-                    f"pycomm.TrainLoop: max_grad_norm={max_grad_norm!r}, expected a positive "
-                    "number or None"
-                )
-            if not (math.isfinite(max_grad_norm) and max_grad_norm > 0):
-                raise ValueError(
-                    f"pycomm.TrainLoop: max_grad_norm={max_grad_norm!r}, expected a positive "
-                    "finite number or None"
-                )
-        if scaler is not None and not all(
-            hasattr(scaler, a) for a in ("scale", "unscale_", "step", "update", "get_scale")
-        ):
-            raise TypeError(
-                f"pycomm.TrainLoop: scaler is a {type(scaler).__name__}, expected a "
-                "torch.amp.GradScaler or None"
-            )
-        if batch_size is not None:
-            check_int("pycomm.TrainLoop", "batch_size", batch_size)
+        k, error = 1, None
+        try:
+            k = _check_settings(ddp, self._stage, accumulate_steps, max_grad_norm, scaler)
+            if batch_size is not None:
+                check_int("pycomm.TrainLoop", "batch_size", batch_size)
+        except (TypeError, ValueError) as e:
+            error = e
+        # every rank's settings compared (one rank clipping, or accumulating over another
+        # window, trains apart or mis-pairs the all-reduces): a difference, or a bad value on
+        # one rank, is an error on every rank
+        agree(
+            "pycomm.TrainLoop",
+            {
+                **error_field(error),
+                "accumulate_steps": k,
+                "max_grad_norm": max_grad_norm,
+                "scaler": None if scaler is None else type(scaler).__name__,
+            },
+            ddp.process_group,
+        )
         self.ddp, self.optimizer, self.scaler = ddp, optimizer, scaler
         hook = stage.inner if self._stage is not None else stage
         # here, before the first step; the optimizer's first step then does not warn again
@@ -297,3 +277,53 @@ class TrainLoop:
         if self._bar is not None:
             self._bar.close()
             self._bar = None
+
+
+def _check_settings(
+    ddp: DDP,
+    stage: Optional[AccumulateState],
+    accumulate_steps: Optional[int],
+    max_grad_norm: Optional[float],
+    scaler: Optional[Any],
+) -> int:
+    """TrainLoop's settings checked on this rank; the window's length."""
+    if stage is not None:
+        k = stage.accumulate_steps
+        if accumulate_steps is not None and accumulate_steps != k:
+            raise ValueError(
+                f"pycomm.TrainLoop: accumulate_steps={accumulate_steps!r}, but the model's "
+                f"pycomm accumulate stage has accumulate_steps={k}; pass None or {k}"
+            )
+    else:
+        k = (
+            1
+            if accumulate_steps is None
+            else check_int("pycomm.TrainLoop", "accumulate_steps", accumulate_steps)
+        )
+    if k > 1 and stage is None and getattr(ddp, "static_graph", False):
+        raise ValueError(
+            f"pycomm.TrainLoop: accumulate_steps={k} on a DDP built with static_graph=True "
+            "and no pycomm accumulate stage: accumulating there needs DDP's no_sync(), "
+            "which a static graph does not support (DDP's reducer fails). Use "
+            f"pycomm.wrap(module, accumulate_steps={k}, static_graph=True) (pycomm's stage "
+            "accumulates without no_sync) or static_graph=False"
+        )
+    if max_grad_norm is not None:
+        if isinstance(max_grad_norm, bool) or not isinstance(max_grad_norm, (int, float)):
+            raise ValueError(
+                f"pycomm.TrainLoop: max_grad_norm={max_grad_norm!r}, expected a positive "
+                "number or None"
+            )
+        if not (math.isfinite(max_grad_norm) and max_grad_norm > 0):
+            raise ValueError(
+                f"pycomm.TrainLoop: max_grad_norm={max_grad_norm!r}, expected a positive "
+                "finite number or None"
+            )
+    if scaler is not None and not all(
+        hasattr(scaler, a) for a in ("scale", "unscale_", "step", "update", "get_scale")
+    ):
+        raise TypeError(
+            f"pycomm.TrainLoop: scaler is a {type(scaler).__name__}, expected a "
+            "torch.amp.GradScaler or None"
+        )
+    return k

@@ -465,6 +465,43 @@ def test_bad_input_names_the_argument():
         assert errors[name][0] == kind and text in errors[name][1], (name, errors[name])
 
 
+def _rank_loop_settings_differ():
+    rank = dist.get_rank()
+    ddp = pycomm.wrap(_model())
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    cases = {
+        "clip on one rank": lambda: pycomm.TrainLoop(
+            ddp, opt, max_grad_norm=0.1 if rank == 0 else None
+        ),
+        "another window": lambda: pycomm.TrainLoop(
+            DDP(_model()), opt, accumulate_steps=2 if rank == 0 else 1
+        ),
+        "bad on rank 1": lambda: pycomm.TrainLoop(
+            ddp, opt, max_grad_norm=1.0 if rank == 0 else -1.0
+        ),
+    }
+    errors = {}
+    for name, fn in cases.items():
+        try:
+            fn()
+            errors[name] = None
+        except Exception as e:  # noqa: BLE001 - the test compares types and messages
+            errors[name] = (type(e).__name__, str(e))
+    return errors
+
+
+def test_loop_settings_that_differ_between_ranks_are_an_error_on_every_rank():
+    expect = {
+        "clip on one rank": "ranks disagree on max_grad_norm: rank 0 has 0.1, rank 1 has None",
+        "another window": "ranks disagree on accumulate_steps: rank 0 has 2, rank 1 has 1",
+        "bad on rank 1": "on rank 1: pycomm.TrainLoop: max_grad_norm=-1.0, expected a positive",
+    }
+    for errors in run_ranks(_rank_loop_settings_differ, 2, timeout=60):
+        for name, text in expect.items():
+            assert errors[name] is not None and errors[name][0] == "ValueError", name
+            assert text in errors[name][1], (name, errors[name])
+
+
 # --- a skipped step leaves the error-feedback residuals bitwise as they were -------------
 
 
