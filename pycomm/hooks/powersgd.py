@@ -4,12 +4,14 @@
 # against the real dist.GradBucket and Future types.
 
 import inspect
+import math
 from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as _psgd
 
+from pycomm._validate import check_bool, check_int
 from pycomm.hooks.allreduce import sparse_allreduce
 from pycomm.hooks.layout import BucketLayout
 from pycomm.hooks.state import HookState, completed, is_sparse, ring_bytes
@@ -21,6 +23,27 @@ _OPTIONS = {
     for name, p in inspect.signature(_psgd.PowerSGDState.__init__).parameters.items()
     if name not in ("self", "process_group")
 }
+
+
+def _check_options(where: str, options: dict[str, Any]) -> None:
+    """torch's options, checked before torch gets them (it takes any value, and fails, or
+    trains on silently, at the first compressed step): a ValueError naming the option."""
+    known = options.keys()
+    for name in {"matrix_approximation_rank", "compression_stats_logging_frequency"} & known:
+        check_int(where, name, options[name], 1)
+    for name in {"start_powerSGD_iter", "random_seed"} & known:
+        check_int(where, name, options[name], 0, maximum=2**32 - 1)
+    for name in {"use_error_feedback", "warm_start", "batch_tensors_with_same_shape"} & known:
+        check_bool(where, name, options[name])
+    for name in {"min_compression_rate", "orthogonalization_epsilon"} & known:
+        value, low = options[name], 0.0
+        if (
+            isinstance(value, bool)
+            or not isinstance(value, (int, float))
+            or not math.isfinite(value)
+            or value < low
+        ):
+            raise ValueError(f"{where}: {name}={value!r}, expected a finite number >= {low:g}")
 
 
 class PowerSGDHookState(HookState):
@@ -49,6 +72,7 @@ class PowerSGDHookState(HookState):
                 f"pycomm powersgd hook: unknown option {unknown[0]!r}; valid options: "
                 f"{', '.join(_OPTIONS)}, hierarchy"
             )
+        _check_options(self.where, {**_OPTIONS, **options})
         self.torch_state = _psgd.PowerSGDState(process_group=process_group, **options)
         # the previous bucket's exchange of this step (see powersgd_hook)
         self.chain: torch.futures.Future = completed(torch.empty(0))
@@ -167,7 +191,35 @@ def _reduce(state: PowerSGDHookState, bucket: Any) -> torch.futures.Future[torch
         state.payload_bytes(bucket),
         collectives=1 if s.iter < s.start_powerSGD_iter else 3,
     )
-    return _in_turn(state, lambda: _psgd.powerSGD_hook(s, bucket))
+    if s.iter < s.start_powerSGD_iter:
+        return _in_turn(state, lambda: _psgd.powerSGD_hook(s, bucket))
+    # torch's hook carries a bucket's error feedback and (warm start) its P and Q from step to
+    # step: a NaN or Inf in one rank's gradient would make them non-finite on every rank, and
+    # every later step skipped. A step whose reduced bucket is not finite (on every rank alike:
+    # the reduction spreads it) keeps them as they were, as pycomm's own hooks keep residuals.
+    index = bucket.index()
+    memories = (s.error_dict, s.p_memory_dict, s.q_memory_dict)
+    # the error is replaced by torch's hook, P and Q are written in place: copies of those
+    before = [d.get(index) for d in memories]
+    before[1:] = [None if t is None else t.clone() for t in before[1:]]
+
+    def keep_finite(f: torch.futures.Future) -> torch.Tensor:
+        out = f.value()
+        bad = ~torch.isfinite(out).all()
+        for d, old in zip(memories, before):
+            new = d.get(index)
+            if new is None:
+                continue
+            if old is None:  # new this step: dropped if the step is skipped
+                if bool(bad):
+                    del d[index]
+            elif new is old:
+                continue
+            else:
+                d[index] = torch.where(bad, old, new)
+        return out
+
+    return _in_turn(state, lambda: _psgd.powerSGD_hook(s, bucket)).then(keep_finite)
 
 
 def _in_turn(state: PowerSGDHookState, call: Any) -> torch.futures.Future[torch.Tensor]:

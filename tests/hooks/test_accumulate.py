@@ -589,3 +589,49 @@ def test_grad_scaler_unscales_before_clipping(mode):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-8)
         assert norm0 == pytest.approx(norm1, rel=1e-5)
         assert sps0 > 0 and sps1 > 0
+
+
+def _rank_powersgd_nan(k):
+    rank = dist.get_rank()
+    ddp = pycomm.wrap(
+        _model(), hook="powersgd", accumulate_steps=k, bucket_cap_mb=0.004,
+        hook_options={"start_powerSGD_iter": 2, "matrix_approximation_rank": 1},
+    )  # fmt: skip
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
+    loop = pycomm.TrainLoop(ddp, opt)
+    state = pycomm.hook_state(ddp)
+    torch_state = (state.inner if k > 1 else state).torch_state
+    memories = lambda: copy.deepcopy(  # noqa: E731
+        [torch_state.error_dict, torch_state.p_memory_dict, torch_state.q_memory_dict]
+    )
+    nan_window, snaps, skipped = 4, {}, []
+    for i, (x, y) in enumerate(_batches(rank, k * 8, seed=17)):
+        if i % k == 0:
+            snaps[i // k] = memories()
+        if rank == 0 and i == nan_window * k + k - 1:
+            x = x.clone()
+            x[1, 2] = float("nan")
+        before = loop.skipped_steps
+        loop.step(lambda x=x, y=y: torch.nn.functional.mse_loss(ddp(x), y))
+        if loop.skipped_steps > before:
+            skipped.append(i // k)
+    same = lambda a, b: all(  # noqa: E731
+        a[j].keys() == b[j].keys() and all(torch.equal(a[j][i], b[j][i]) for i in a[j])
+        for j in range(3)
+    )
+    return {
+        "skipped": skipped,
+        "kept": same(snaps[nan_window], snaps[nan_window + 1]),
+        "moved before": not same(snaps[nan_window - 1], snaps[nan_window]),
+        "finite": all(t.isfinite().all() for d in memories() for t in d.values()),
+        "params finite": bool(torch.isfinite(_flat(ddp.module)).all()),
+    }
+
+
+@pytest.mark.parametrize("k", [1, 2])
+def test_powersgd_skips_one_non_finite_step_and_keeps_its_memories(k):
+    """torch's PowerSGD carries error feedback and P/Q from step to step: a NaN on one rank
+    skips that step alone, on every rank, and leaves them as they were."""
+    for r in run_ranks(_rank_powersgd_nan, 2, k, timeout=120):
+        assert r["skipped"] == [4], r
+        assert r["moved before"] and r["kept"] and r["finite"] and r["params finite"], r

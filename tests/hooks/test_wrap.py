@@ -155,6 +155,17 @@ def _errors(calls):
     return out
 
 
+# torch's PowerSGD options that torch takes and fails on (or trains on silently) later
+_PSGD_BAD = [
+    ("matrix_approximation_rank", 0),
+    ("matrix_approximation_rank", 1.5),
+    ("start_powerSGD_iter", "3"),
+    ("min_compression_rate", -1.0),
+    ("warm_start", 1),
+    ("orthogonalization_epsilon", float("nan")),
+]
+
+
 def _rank_api_errors():
     model = _model()
     out = _errors(
@@ -164,6 +175,12 @@ def _rank_api_errors():
             "float_steps": lambda: pycomm.wrap(model, accumulate_steps=2.0),
             "accumulate": lambda: pycomm.hook_state(pycomm.wrap(_model(), accumulate_steps=4)),
             "psgd_option": lambda: pycomm.wrap(model, hook="powersgd", hook_options={"rank": 2}),
+            **{
+                f"psgd {name}={value!r}": lambda o={name: value}: pycomm.wrap(
+                    model, hook="powersgd", hook_options=o
+                )
+                for name, value in _PSGD_BAD
+            },
             "no_state": lambda: pycomm.hook_state(DDP(_model())),
             "not_ddp": lambda: pycomm.register(model),
         }
@@ -192,6 +209,9 @@ def test_api_errors():
     assert (
         out["psgd_option"][0] == "ValueError" and "unknown option 'rank'" in out["psgd_option"][1]
     )
+    for name, value in _PSGD_BAD:
+        kind, message = out[f"psgd {name}={value!r}"]
+        assert kind == "ValueError" and f"pycomm powersgd hook: {name}={value!r}" in message
     assert out["no_state"][0] == "ValueError" and "no pycomm hook" in out["no_state"][1]
     assert out["not_ddp"][0] == "TypeError"
     assert out["twice"][0] == "RuntimeError" and "already has a pycomm hook" in out["twice"][1]
