@@ -221,16 +221,18 @@ class TrainLoop:
         # its decode norm; the norm of the gradient the optimizer adds in
         sparse_sq = sum(sparse_sqnorm(g) for g in grads if g.is_sparse)
         sq = self._hook_sqnorm()
+        total: Optional[torch.Tensor] = None  # torch's own norm, where it is the one used
         if sq is not None:
             norm = math.sqrt(sq) if sq >= 0 else float("nan")
             if scaler is not None:
                 norm /= float(scaler.get_scale())
         elif dense:
-            norm = float(torch.nn.utils.get_total_norm(dense, norm_type=2.0))
+            total = torch.nn.utils.get_total_norm(dense, norm_type=2.0)
+            norm = float(total)
         else:
             norm = 0.0
         if len(dense) < len(grads):
-            norm = math.sqrt(norm * norm + sparse_sq)
+            norm, total = math.sqrt(norm * norm + sparse_sq), None
         self.last_grad_norm = norm
         if not math.isfinite(norm):
             # The reduced gradients are the same on every rank, so is this decision.
@@ -250,13 +252,18 @@ class TrainLoop:
             self.optimizer.zero_grad()
             self._tick()
             return
-        if self.max_grad_norm is not None and norm > self.max_grad_norm and grads:
-            clip = self.max_grad_norm / (norm + 1e-6)
-            if dense:
-                torch._foreach_mul_(dense, clip)
-            for g in grads:
-                if g.is_sparse:
-                    g.mul_(clip)
+        if self.max_grad_norm is not None and grads:
+            # torch.nn.utils.clip_grad_norm_'s coefficient, in its dtype (fp32, from the norm
+            # as an fp32 tensor) and clamped at 1, so that clipping is its own bit for bit
+            if total is None:
+                total = torch.tensor(norm, dtype=torch.float32, device=grads[0].device)
+            clip = self.max_grad_norm / (total + 1e-6)
+            if float(clip) < 1.0:  # (torch multiplies by the clamped 1.0: no change)
+                if dense:
+                    torch._foreach_mul_(dense, clip.to(dense[0].device))
+                for g in grads:
+                    if g.is_sparse:
+                        g.mul_(clip.to(g.device))
         if scaler is not None:
             scaler.step(self.optimizer)
             scaler.update()

@@ -3,6 +3,7 @@ k-times larger batch, communicate a k-th as much, keep bf16 models closer to fp6
 DDP's re-bucketing mid-window and a checkpoint mid-window, and skip non-finite steps on every
 rank together."""
 
+import contextlib
 import copy
 import warnings
 
@@ -362,6 +363,34 @@ def test_clipping_to_max_grad_norm(mode):
     assert all(n > 0.05 for n in norms), norms  # every step needed clipping
     for c in clipped:
         assert abs(c - 0.05) <= 1e-4, clipped
+
+
+def _rank_clip_as_torch(k, max_norm):
+    """TrainLoop with allreduce against plain DDP, no_sync() and clip_grad_norm_ by hand."""
+    data = _batches(dist.get_rank(), k * 4, seed=21)
+    loss = lambda net, x, y: torch.nn.functional.mse_loss(net(x), y) * 20  # noqa: E731
+    ddp = pycomm.wrap(_model(), accumulate_steps=k)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
+    loop = pycomm.TrainLoop(ddp, opt, max_grad_norm=max_norm)
+    for x, y in data:
+        loop.step(lambda x=x, y=y: loss(ddp, x, y))
+    ref = DDP(_model())
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.05, momentum=0.9)
+    for i, (x, y) in enumerate(data):
+        last = (i + 1) % k == 0
+        with contextlib.nullcontext() if last else ref.no_sync():
+            (loss(ref, x, y) / k).backward()
+        if last:
+            torch.nn.utils.clip_grad_norm_(ref.parameters(), max_norm)
+            ref_opt.step()
+            ref_opt.zero_grad()
+    return _flat(ddp.module), _flat(ref.module)
+
+
+@pytest.mark.parametrize("k, max_norm", [(1, 1.0), (3, 0.3)])
+def test_clipping_is_clip_grad_norm_bit_for_bit(k, max_norm):
+    for ours, theirs in run_ranks(_rank_clip_as_torch, 2, k, max_norm, timeout=120):
+        assert torch.equal(ours, theirs)
 
 
 # --- checkpoint mid-window ----------------------------------------------------------------
