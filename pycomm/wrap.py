@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import math
 import weakref
 from typing import Any, Callable, Optional, Union
 
@@ -15,7 +16,7 @@ from pycomm.dist import settle_at_exit
 from pycomm.hooks import HookState
 from pycomm.hooks.accumulate import AccumulateState, accumulate_hook
 from pycomm.hooks.auto import AutoState
-from pycomm.hooks.config import agree, error_field, resolved_config
+from pycomm.hooks.config import ERROR, agree, error_field, resolved_config
 from pycomm.hooks.registry import hook_names, hook_spec, registration
 from pycomm.hooks.state import accepts_dtype, dtype_names, unbound
 
@@ -79,6 +80,15 @@ def _registered_fn(state: HookState) -> Optional[Callable]:
         if type(state) is spec.state:
             return spec.hook
     return None
+
+
+def _positive_number(value: Any) -> bool:
+    return (
+        not isinstance(value, bool)
+        and isinstance(value, (int, float))
+        and math.isfinite(value)
+        and value > 0
+    )
 
 
 def resolve_hook(
@@ -437,15 +447,28 @@ def wrap(
     python_reducer = _python_reducer()
     problem = _state_problem(process_group, hook)
     fields, state, fn = resolve_hook(hook, hook_options, accumulate_steps, process_group)
+    cap = ddp_kwargs.get("bucket_cap_mb", None if state is None else state.default_bucket_cap_mb)
+    if fields.get(ERROR) is None and cap is not None and not _positive_number(cap):
+        fields.update(
+            error_field(
+                ValueError(f"pycomm.wrap: bucket_cap_mb={cap!r}, expected a positive number of MB")
+            )
+        )
     agree(
         "pycomm.wrap",
         {
             **fields,
-            # DDP's options that change its collectives: a difference hangs or aborts DDP
+            # DDP's options that change its collectives: a difference hangs or aborts DDP, or
+            # (bucket sizes) pairs buckets of other sizes in the hook's collectives
             **{
-                f"DDP option {name}": bool(ddp_kwargs.get(name, False))
-                for name in ("find_unused_parameters", "static_graph")
+                f"DDP option {name}": bool(ddp_kwargs.get(name, default))
+                for name, default in (
+                    ("find_unused_parameters", False),
+                    ("static_graph", False),
+                    ("broadcast_buffers", True),
+                )
             },
+            "DDP option bucket_cap_mb": cap,
             "parameters": params_signature(module),
             "hook state": problem,
             "compiled DDP's Python reducer": python_reducer,
@@ -456,7 +479,6 @@ def wrap(
         raise RuntimeError(f"pycomm.wrap: {problem}")
     if python_reducer:
         raise RuntimeError(f"pycomm.wrap: {_PYTHON_REDUCER}")
-    cap = state.default_bucket_cap_mb
     if cap is not None and "bucket_cap_mb" not in ddp_kwargs:
         ddp_kwargs["bucket_cap_mb"] = cap
         logger.info("pycomm.wrap: bucket_cap_mb=%s for the %s hook", cap, hook)

@@ -104,6 +104,12 @@ def _rank_mismatch(kind):
     ddp_kwargs = {}
     if kind in ("find_unused_parameters", "static_graph"):
         ddp_kwargs[kind] = rank == 1
+    if kind == "broadcast_buffers":
+        ddp_kwargs[kind] = rank == 0
+    if kind == "bucket_cap_mb":
+        ddp_kwargs[kind] = 1 + rank
+    if kind == "one rank's bucket_cap_mb" and rank == 1:
+        ddp_kwargs["bucket_cap_mb"] = "x"
     if kind == "one rank's options" and rank == 1:
         options = "ab"
     try:
@@ -133,6 +139,12 @@ def _rank_mismatch(kind):
         ),
         ("static_graph", "ranks disagree on DDP option static_graph: rank 0 has False"),
         ("one rank's options", "pycomm.wrap: on rank 1: pycomm.wrap: hook_options='ab'"),
+        ("broadcast_buffers", "ranks disagree on DDP option broadcast_buffers: rank 0 has True"),
+        ("bucket_cap_mb", "ranks disagree on DDP option bucket_cap_mb: rank 0 has 1, rank 1 has 2"),
+        (
+            "one rank's bucket_cap_mb",
+            "on rank 1: pycomm.wrap: bucket_cap_mb='x', expected a positive number of MB",
+        ),
     ],
 )
 def test_mismatch_raises_on_every_rank(kind, pattern):
