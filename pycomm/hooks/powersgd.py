@@ -205,18 +205,13 @@ def _reduce(state: PowerSGDHookState, bucket: Any) -> torch.futures.Future[torch
 
     def keep_finite(f: torch.futures.Future) -> torch.Tensor:
         out = f.value()
-        bad = ~torch.isfinite(out).all()
-        for d, old in zip(memories, before):
-            new = d.get(index)
-            if new is None:
-                continue
-            if old is None:  # new this step: dropped if the step is skipped
-                if bool(bad):
-                    del d[index]
-            elif new is old:
-                continue
-            else:
-                d[index] = torch.where(bad, old, new)
+        # (torch's hook has synchronized with the device already: this read waits no more)
+        if not bool(torch.isfinite(out).all()):
+            for d, old in zip(memories, before):
+                if old is None:  # new this step: dropped with the step
+                    d.pop(index, None)
+                else:
+                    d[index] = old
         return out
 
     return _in_turn(state, lambda: _psgd.powerSGD_hook(s, bucket)).then(keep_finite)
