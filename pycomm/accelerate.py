@@ -24,6 +24,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from pycomm._validate import hook_options_of
 from pycomm.checkpoint import gather_hook_state, load_hook_state
 from pycomm.hooks import HookState
+from pycomm.hooks.config import agree, error_field
 from pycomm.wrap import HookArg
 from pycomm.wrap import register as _register
 
@@ -54,6 +55,29 @@ def register(
         >>> state = pycomm.accelerate.register(accelerator, model, hook="int8",
         ...                                    hook_options={"block": 128})
     """
+    error: Optional[Exception] = None
+    try:
+        hook_options = _checked(accelerator, model, accumulate_steps, hook_options, options)
+    except (TypeError, ValueError) as e:
+        error = e
+    # a refusal on one rank is raised on every rank (the others would wait for it in
+    # pycomm.register's comparison)
+    agree(
+        "pycomm.accelerate.register",
+        error_field(error),
+        model.process_group if isinstance(model, DDP) else None,
+    )
+    return _register(model, hook=hook, accumulate_steps=accumulate_steps, hook_options=hook_options)
+
+
+def _checked(
+    accelerator: Any,
+    model: Any,
+    accumulate_steps: int,
+    hook_options: Optional[dict[str, Any]],
+    options: dict[str, Any],
+) -> dict[str, Any]:
+    """:func:`register`'s own checks on this rank; the hook's options as one dict."""
     hook_options = hook_options_of("pycomm.accelerate.register", hook_options, options)
     if not isinstance(model, DDP):
         raise TypeError(
@@ -77,7 +101,7 @@ def register(
             "accumulate_steps=1 and let accelerator.accumulate() accumulate (it skips DDP's "
             "synchronization until its k-th batch, the end of the dataloader included)"
         )
-    return _register(model, hook=hook, accumulate_steps=accumulate_steps, hook_options=hook_options)
+    return hook_options
 
 
 class HookStateCheckpoint:

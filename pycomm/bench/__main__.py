@@ -46,7 +46,12 @@ import torch
 
 import pycomm
 from pycomm.bench import link as _link
-from pycomm.bench.args import add_import_argument, positive_int
+from pycomm.bench.args import (
+    add_import_argument,
+    check_output_paths,
+    positive_float,
+    positive_int,
+)
 from pycomm.bench.models import MODELS, ModelSpec, count_params
 from pycomm.bench.nodes import Nodes
 from pycomm.bench.report import add_ratios, plot, table
@@ -87,19 +92,6 @@ def _non_negative(text: str) -> int:
     if value < 0:
         raise argparse.ArgumentTypeError(f"{text!r} is not a non-negative integer")
     return value
-
-
-def _positive_float(what: str):
-    def parse(text: str) -> float:
-        try:
-            value = float(text)
-        except ValueError:
-            value = 0.0
-        if not value > 0 or value == float("inf"):
-            raise argparse.ArgumentTypeError(f"{text!r} is not a positive number of {what}")
-        return value
-
-    return parse
 
 
 def _non_negative_float(text: str) -> float:
@@ -179,7 +171,7 @@ def _run_flags(ap: argparse.ArgumentParser) -> None:
     )
     run.add_argument(
         "--bucket-cap-mb",
-        type=_positive_float("MB"),
+        type=positive_float("MB"),
         default=None,
         metavar="MB",
         help="DDP bucket size for every hook; default: each hook's own, as pycomm.wrap picks "
@@ -259,7 +251,7 @@ def _timing_flags(ap: argparse.ArgumentParser) -> None:
     _link_flags(timing)
     timing.add_argument(
         "--step-timeout",
-        type=_positive_float("seconds"),
+        type=positive_float("seconds"),
         default=10.0,
         metavar="S",
         help="a hook's step that lasts longer than max(S, 5x the slowest step so far) + 3x "
@@ -278,7 +270,7 @@ def _timing_flags(ap: argparse.ArgumentParser) -> None:
     )
     timing.add_argument(
         "--timeout",
-        type=_positive_float("seconds"),
+        type=positive_float("seconds"),
         default=300.0,
         help="seconds before one launch of the ranks is given up; default 300",
     )
@@ -507,15 +499,7 @@ def _check_outputs(ap: argparse.ArgumentParser, args: argparse.Namespace) -> Non
     before any rank starts."""
     if args.error_steps > args.steps:
         ap.error(f"--error-steps {args.error_steps} is more than --steps {args.steps}")
-    for flag, path in (("--json", args.json), ("--plot", args.plot)):
-        folder = os.path.dirname(os.path.abspath(path)) if path else None
-        if folder and not os.path.isdir(folder):
-            ap.error(f"{flag} {path}: the folder {folder} does not exist")
-    if args.plot:
-        try:
-            import matplotlib  # noqa: F401
-        except ImportError:
-            ap.error(f"--plot {args.plot}: needs matplotlib (pip install matplotlib)")
+    check_output_paths(ap, args.json, args.plot)
 
 
 def _check_memory(

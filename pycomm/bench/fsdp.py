@@ -37,6 +37,7 @@ from torch.distributed.fsdp import FSDPModule, fully_shard
 import pycomm
 import pycomm.fsdp
 from pycomm.bench import link as _link
+from pycomm.bench.args import check_output_paths, positive_int
 from pycomm.bench.link import tx_bytes
 from pycomm.bench.models import MODELS, ModelSpec, batches, build, count_params, loss_fn
 from pycomm.bench.nodes import Nodes, uplink
@@ -172,7 +173,7 @@ def _parser() -> argparse.ArgumentParser:
         default="fsdp,allreduce,bf16,int8",
         help="comma-separated: fsdp (FSDP2's own) and registered hooks",
     )
-    ap.add_argument("--nprocs", type=int, default=2)
+    ap.add_argument("--nprocs", type=positive_int, default=2)
     ap.add_argument(
         "--all-gather",
         default=None,
@@ -182,16 +183,16 @@ def _parser() -> argparse.ArgumentParser:
     )
     ap.add_argument(
         "--nodes",
-        type=int,
+        type=positive_int,
         default=1,
         help="simulated nodes (needs --link: each node's uplink); hooks run as HSDP on them",
     )
-    ap.add_argument("--steps", type=int, default=10, help="timed steps per hook")
+    ap.add_argument("--steps", type=positive_int, default=10, help="timed steps per hook")
     ap.add_argument("--warmup", type=int, default=3, help="untimed steps first (>= start_iter)")
     ap.add_argument("--model", choices=MODELS, default="mlp")
-    ap.add_argument("--layers", type=int, default=8)
-    ap.add_argument("--width", type=int, default=1024)
-    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--layers", type=positive_int, default=8)
+    ap.add_argument("--width", type=positive_int, default=1024)
+    ap.add_argument("--batch", type=positive_int, default=64)
     ap.add_argument("--link", default=None, help="shape loopback to RATE per rank (tc rate)")
     ap.add_argument("--json", default=None, help="write the results here")
     ap.add_argument(_NETNS_FLAG, action="store_true", help=argparse.SUPPRESS)
@@ -275,6 +276,12 @@ def main(argv: Optional[list[str]] = None) -> int:
                 pycomm.hooks.hook_spec(h, "--hooks")
             except ValueError as e:
                 ap.error(str(e))
+            if h not in pycomm.Exchange.codecs():  # as pycomm.fsdp.compress refuses it
+                ap.error(
+                    f"--hooks {h}: not a reduce-scatter under FSDP2; expected {NATIVE} or one "
+                    f"of {', '.join(pycomm.Exchange.codecs())}"
+                )
+    check_output_paths(ap, args.json)
     link: dict[str, Any] = {"rate": args.link, "shaped": False}
     if args.link is not None:
         try:

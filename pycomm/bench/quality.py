@@ -35,7 +35,12 @@ from typing import Any, Optional
 import torch
 
 import pycomm
-from pycomm.bench.args import add_import_argument, positive_int
+from pycomm.bench.args import (
+    add_import_argument,
+    check_output_paths,
+    positive_float,
+    positive_int,
+)
 from pycomm.bench.quality_tasks import (
     DEFAULT_HOOKS,
     DEFAULT_OPTIMIZERS,
@@ -104,7 +109,9 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--threads", type=positive_int, default=1, help="torch threads per rank; 1")
     ap.add_argument("--json", metavar="PATH", help="write every run and the summary here")
     ap.add_argument("--plot", metavar="PATH", help="PNG of the training-loss curves per hook")
-    ap.add_argument("--timeout", type=float, default=3600.0, help="seconds; default 3600")
+    ap.add_argument(
+        "--timeout", type=positive_float("seconds"), default=3600.0, help="seconds; default 3600"
+    )
     ap.add_argument("--list-tasks", action="store_true", help="list the tasks and exit")
     ap.add_argument(
         "--fsdp",
@@ -269,6 +276,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             ap.error(f"--fsdp: {', '.join(bad)}: no FSDP2 reduce-scatter (pycomm.fsdp)")
     if args.nodes > 1 and (not args.fsdp or args.nprocs % args.nodes):
         ap.error(f"--nodes {args.nodes}: expected --fsdp and a divisor of --nprocs {args.nprocs}")
+    check_output_paths(ap, args.json, args.plot)
     tasks = args.tasks or list(QUICK_TASKS if args.quick else DEFAULT_TASKS)
     hooks = [REFERENCE] + list(dict.fromkeys(h for h in args.hooks if h != REFERENCE))
     if args.tasks is None or any(TASKS[t].kind == "digits" for t in tasks):

@@ -510,8 +510,11 @@ def render(block: Block, root: str) -> str:
     paths = _expand(block, os.path.join(root, RESULTS))
     docs = []
     for p, _ in paths:
-        with open(p, encoding="utf-8") as f:
-            docs.append(json.load(f))
+        try:
+            with open(p, encoding="utf-8") as f:
+                docs.append(json.load(f))
+        except (OSError, ValueError) as e:  # ValueError: json.JSONDecodeError, bad UTF-8
+            raise ReportError(f"{block.where}: {p} cannot be read as JSON: {e}") from None
     names = [os.path.basename(p) + (f":{pick}" if pick else "") for p, pick in paths]
     expanded = Block(block.path, block.line, block.renderer, names, block.options, block.text)
     try:
@@ -589,6 +592,9 @@ def main(argv: Optional[list[str]] = None) -> int:
         changed = update(args.pages or pages(args.root), args.root, check=args.check)
     except ReportError as e:
         print(f"error: {e}")
+        return 2
+    except OSError as e:  # a page missing, a folder, unreadable
+        print(f"error: {e.filename}: {e.strerror or e}")
         return 2
     for b in changed:
         what = "stale" if args.check else "rewritten"

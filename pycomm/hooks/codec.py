@@ -23,7 +23,8 @@ The rules every codec follows (:class:`Codec` states each one):
   ``m`` elements (multiples of the dtypes' sizes); the engine packs both into one uint8 row per
   rank, so they must be exact; the engine encodes N chunks in one call and cuts them into rows,
   so the counts add up chunk by chunk and a chunk's codes and scales depend on it alone. The
-  scales may start at any byte (int8 codes of an odd count before fp32 scales): :meth:`~Codec.split` copies a part its dtype cannot be read at.
+  scales may start at any byte (int8 codes of an odd count before fp32 scales):
+  :meth:`~Codec.split` copies a part its dtype cannot be read at.
 - **The decode.** :meth:`~Codec.decode_sum` sums its rows in a fixed order and returns their
   statistics, which the non-finite skip and ``TrainLoop``'s clipping read: the decode
   contract, stated once in docs/custom_hooks.md, "The decode contract".

@@ -110,6 +110,8 @@ def test_help_lists_every_flag(capsys):
         (("--steps", "3", "--error-steps", "4"), "--error-steps 4 is more than --steps 3"),
         (("--json", "/nonexistent/dir/out.json"), "--json /nonexistent/dir/out.json: the folder"),
         (("--plot", "/nonexistent/dir/b.png"), "--plot /nonexistent/dir/b.png: the folder"),
+        (("--json", "/"), "--json /: is a folder, expected a file name"),
+        (("--plot", "bench.txt"), "--plot bench.txt: matplotlib does not write .txt"),
         (("--width", "100000", "--layers", "100"), "--layers 100 --width 100000: 1000010.0M"),
         (("--device", "tpu"), "--device: invalid choice: 'tpu'"),
         (("--backend", "mpi"), "--backend: invalid choice: 'mpi'"),
@@ -128,6 +130,35 @@ def test_bad_flags_rejected_before_any_rank_starts(monkeypatch, capsys, args, wo
     monkeypatch.setattr(link, "probe", no_launch)
     with pytest.raises(SystemExit) as exit_:
         main(list(args))
+    assert exit_.value.code == 2
+    assert words in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "entry, args, words",
+    [
+        ("fsdp", ("--steps", "0"), "--steps: '0' is not a positive integer"),
+        ("fsdp", ("--width", "-5"), "--width: '-5' is not a positive integer"),
+        ("fsdp", ("--hooks", "fsdp,powersgd"), "--hooks powersgd: not a reduce-scatter"),
+        ("fsdp", ("--json", "/"), "--json /: is a folder"),
+        ("quality", ("--timeout", "-5"), "--timeout: '-5' is not a positive number of seconds"),
+        ("quality", ("--json", "/nonexistent/q.json"), "--json /nonexistent/q.json: the folder"),
+    ],
+)
+def test_the_fsdp_bench_and_the_quality_suite_reject_bad_flags_first(
+    monkeypatch, capsys, entry, args, words
+):
+    import pycomm.bench.fsdp
+    import pycomm.bench.quality
+
+    def no_launch(*a, **k):
+        raise AssertionError("a rank was launched")
+
+    monkeypatch.setattr(pycomm, "launch", no_launch)
+    monkeypatch.setattr(link, "probe", no_launch)
+    module = {"fsdp": pycomm.bench.fsdp, "quality": pycomm.bench.quality}[entry]
+    with pytest.raises(SystemExit) as exit_:
+        module.main(["--hooks", "bf16", *args] if entry == "quality" else list(args))
     assert exit_.value.code == 2
     assert words in capsys.readouterr().err
 

@@ -152,6 +152,17 @@ def test_a_bad_block_names_the_page_line_and_value(repo, block, message):
     assert tables.main(["--root", str(repo), str(page)]) == 2
 
 
+def test_a_page_or_json_that_cannot_be_read_is_an_error_not_stale(repo, capsys):
+    (repo / "benchmarks" / "results" / "broken.json").write_text("{not json")
+    page = _page(repo, "broken")
+    page.write_text("# Broken\n\n<!-- report: steps broken.json -->\n<!-- /report -->\n")
+    assert tables.main(["--check", "--root", str(repo), str(page)]) == 2
+    assert "broken.json cannot be read as JSON" in capsys.readouterr().out
+    gone = _page(repo, "gone")
+    assert tables.main(["--check", "--root", str(repo), str(gone)]) == 2
+    assert f"error: {gone}: No such file" in capsys.readouterr().out
+
+
 def test_sweep_orders_runs_by_link_rate(repo):
     results = repo / "benchmarks" / "results"
     slow = _bench({"ddp": 900.0, "int8": 300.0})
