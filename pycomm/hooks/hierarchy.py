@@ -69,8 +69,10 @@ _PLANS: dict[tuple, tuple[Any, NodePlan]] = {}
 def resolve(hook: str, parent: Optional[dist.ProcessGroup], hierarchy: str) -> Optional[NodePlan]:
     """The node plan for ``hierarchy`` over ``parent``, or None for the flat exchange.
 
-    Takes a collective on ``parent`` (an all-gather of each rank's topology) unless the
-    decision is clear from the launcher's variables alone, which every rank reads alike.
+    Takes a collective on ``parent``: an all-gather of each rank's topology, also where this
+    rank's launcher variables alone would decide (one node, or a rank per node), since another
+    rank may read other variables: every rank then raises the same error instead of some
+    waiting in the gather while the others go on.
     """
     world = parent or dist.group.WORLD
     size = dist.get_world_size(world)
@@ -82,17 +84,19 @@ def resolve(hook: str, parent: Optional[dist.ProcessGroup], hierarchy: str) -> O
     except ValueError as e:  # reported on every rank, after the gather
         mine = str(e)
     whole = world is dist.group.WORLD or dist.get_world_size() == size
-    if (
-        hierarchy == "auto"
-        and whole
-        and isinstance(mine, Topology)
-        and mine.nodes in (1, dist.get_world_size())
-    ):
-        return None  # one node, or one rank per node: nothing to split
     everyone = all_gather_objects(mine, world)
     bad = next((t for t in everyone if isinstance(t, str)), None)
     if bad is not None:
         raise ValueError(f"pycomm {hook} hook: hierarchy={hierarchy!r}: {bad}")
+    other = next((r for r, t in enumerate(everyone) if t.nodes != everyone[0].nodes), None)
+    if other is not None:
+        a, b = everyone[0], everyone[other]
+        raise ValueError(
+            f"pycomm {hook} hook: hierarchy={hierarchy!r}: ranks disagree on the number of "
+            f"nodes: rank 0 has {a.nodes} (from {a.source}), rank {other} has {b.nodes} (from "
+            f"{b.source}); expected every rank to read the same launcher variables or "
+            "pycomm.init(nodes=...)"
+        )
     nodes: dict[int, list[tuple[int, int]]] = {}
     for r, t in enumerate(everyone):
         nodes.setdefault(t.node_rank, []).append((t.local_rank, r))

@@ -2,6 +2,7 @@
 (GROUP_RANK, GROUP_WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE), set inside each rank for one
 job and restored after it. Every hook with node, flat and auto side by side on the same data."""
 
+import contextlib
 import copy
 import math
 import os
@@ -196,6 +197,42 @@ def test_clear_errors_on_every_rank(layout, hierarchy, hook, nodes, message):
     results = run_ranks(_rank_errors, 4, layout, hierarchy, hook, nodes, timeout=120)
     for r in results:
         assert isinstance(r, str) and message in r, results
+
+
+def _rank_disagree(case, hook):
+    """Ranks that read another topology than the others: under hierarchy='auto' too (where a
+    rank alone would see one node and run flat), the same error on every rank."""
+    rank = dist.get_rank()
+    if case == "one rank without the launcher's node variables":
+        where = _nodes([0, 0, 1, 1]) if rank != 3 else contextlib.nullcontext()
+    else:
+        where = contextlib.nullcontext()
+    with where:
+        try:
+            if case == "init(nodes=...) differs":
+                pycomm.init(nodes=2 if rank < 2 else 4)
+            pycomm.wrap(_model(), hook=hook)
+            return "no error"
+        except ValueError as e:
+            return str(e)
+        finally:
+            set_nodes(None)
+
+
+@pytest.mark.parametrize(
+    "case, message",
+    [
+        (
+            "one rank without the launcher's node variables",
+            "ranks disagree on the number of nodes: rank 0 has 2 (from torchrun), rank 3 has 1",
+        ),
+        ("init(nodes=...) differs", "ranks disagree on the number of nodes: rank 0 has 2"),
+    ],
+)
+@pytest.mark.parametrize("hook", ["int8", "allreduce"])
+def test_ranks_reading_another_topology_are_an_error_on_every_rank(case, message, hook):
+    for r in run_ranks(_rank_disagree, 4, case, hook, timeout=120):
+        assert message in r, r
 
 
 def _rank_bad_env():
