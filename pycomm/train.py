@@ -114,7 +114,7 @@ class TrainLoop:
                 **error_field(error),
                 "accumulate_steps": k,
                 "max_grad_norm": max_grad_norm,
-                "scaler": None if scaler is None else type(scaler).__name__,
+                "scaler": _scaler_config(scaler) if error is None else None,
             },
             ddp.process_group,
         )
@@ -334,3 +334,22 @@ def _check_settings(
             "torch.amp.GradScaler or None"
         )
     return k
+
+
+def _scaler_config(scaler: Optional[Any]) -> Optional[dict[str, Any]]:
+    """What the ranks' loss scalers must agree on (a rank scaling otherwise trains apart):
+    the class, whether it is enabled, its scale and how it grows and backs off."""
+    if scaler is None:
+        return None
+    config: dict[str, Any] = {"class": type(scaler).__name__}
+    for name in ("is_enabled", "get_scale", "get_growth_factor", "get_backoff_factor",
+                 "get_growth_interval"):  # fmt: skip
+        method = getattr(scaler, name, None)
+        if callable(method):
+            try:
+                config[name.removeprefix("get_")] = method()
+            except AttributeError:  # a disabled GradScaler keeps no growth settings
+                pass
+        if config.get("is_enabled") is False:
+            break
+    return config

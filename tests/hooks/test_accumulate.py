@@ -508,6 +508,12 @@ def _rank_loop_settings_differ():
         "bad on rank 1": lambda: pycomm.TrainLoop(
             ddp, opt, max_grad_norm=1.0 if rank == 0 else -1.0
         ),
+        "another loss scale": lambda: pycomm.TrainLoop(
+            ddp, opt, scaler=torch.amp.GradScaler("cpu", init_scale=2.0**16 if rank else 16.0)
+        ),
+        "a scaler disabled": lambda: pycomm.TrainLoop(
+            ddp, opt, scaler=torch.amp.GradScaler("cpu", enabled=rank == 0)
+        ),
     }
     errors = {}
     for name, fn in cases.items():
@@ -524,6 +530,9 @@ def test_loop_settings_that_differ_between_ranks_are_an_error_on_every_rank():
         "clip on one rank": "ranks disagree on max_grad_norm: rank 0 has 0.1, rank 1 has None",
         "another window": "ranks disagree on accumulate_steps: rank 0 has 2, rank 1 has 1",
         "bad on rank 1": "on rank 1: pycomm.TrainLoop: max_grad_norm=-1.0, expected a positive",
+        "another loss scale": "ranks disagree on scaler: rank 0 has {'class': 'GradScaler', "
+        "'is_enabled': True, 'scale': 16.0",
+        "a scaler disabled": "rank 1 has {'class': 'GradScaler', 'is_enabled': False}",
     }
     for errors in run_ranks(_rank_loop_settings_differ, 2, timeout=60):
         for name, text in expect.items():
