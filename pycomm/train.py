@@ -214,6 +214,7 @@ class TrainLoop:
     def _optimizer_step(self) -> None:
         scaler = self.scaler
         if scaler is not None:
+            scale_before = float(scaler.get_scale())
             scaler.unscale_(self.optimizer)
         grads = self._grads()
         dense = [g for g in grads if not g.is_sparse]
@@ -249,6 +250,7 @@ class TrainLoop:
             if scaler is not None:
                 scaler.step(self.optimizer)  # finds the inf itself and skips
                 scaler.update()
+                self._rescale(scale_before, float(scaler.get_scale()))
             self.optimizer.zero_grad()
             self._tick()
             return
@@ -267,11 +269,21 @@ class TrainLoop:
         if scaler is not None:
             scaler.step(self.optimizer)
             scaler.update()
+            self._rescale(scale_before, float(scaler.get_scale()))
         else:
             self.optimizer.step()
         self.optimizer.zero_grad()
         self.optimizer_steps += 1
         self._tick()
+
+    def _rescale(self, before: float, after: float) -> None:
+        """The hook's residuals into the units of the next step's gradients, scaled by the
+        loss scale ``after`` instead of ``before`` (a power of two apart: exact)."""
+        if after != before and before > 0:
+            hook = getattr(self.ddp, STATE_ATTR, None)
+            scale = getattr(hook, "scale_residuals", None)
+            if scale is not None:
+                scale(after / before)
 
     def _tick(self) -> None:
         if self._bar is not None:

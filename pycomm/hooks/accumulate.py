@@ -175,6 +175,12 @@ class AccumulateState(HookState):
         get = getattr(self.inner, "reduced_sqnorm", None)
         return get() if get is not None else None
 
+    def scale_residuals(self, factor: float) -> None:
+        """The inner hook's (the window's sums are reduced by then)."""
+        scale = getattr(self.inner, "scale_residuals", None)
+        if scale is not None:
+            scale(factor)
+
     def options(self) -> dict[str, Any]:
         inner = self.inner.options() if hasattr(self.inner, "options") else {}
         return {"accumulate_steps": self.accumulate_steps, "inner": self.inner_name, **inner}

@@ -440,6 +440,10 @@ class AutoState(HookState):
     def reduced_sqnorm(self) -> Optional[float]:
         return None if self.chosen is None else self.chosen.reduced_sqnorm()
 
+    def scale_residuals(self, factor: float) -> None:
+        if self.chosen is not None:  # (the warm-up measures exact all-reduces)
+            self.chosen.scale_residuals(factor)
+
     @property
     def stats(self) -> dict[str, Any]:
         """The warm-up's counters plus the chosen hook's (its own stats, such as

@@ -156,6 +156,14 @@ class CompressedState(HookState):
             self.commit()
         return self.store.residuals
 
+    def scale_residuals(self, factor: float) -> None:
+        for res in self.residuals.values():  # (committed first: the latest step's)
+            for t in res.values():
+                t.mul_(factor)
+        for res in (self.store.pending or {}).values():  # loaded, not placed yet
+            for t in res.values():
+                t.mul_(factor)
+
     @property
     def layout(self) -> Optional[list[tuple[int, ...]]]:
         """The hook's buckets as parameter positions (None before the first compressed step

@@ -97,6 +97,11 @@ class PowerSGDHookState(HookState):
     def options(self) -> dict[str, Any]:
         return dict(self._options)
 
+    def scale_residuals(self, factor: float) -> None:
+        # torch's error feedback; P and Q are orthogonalized from step to step: scale-free
+        for error in self.torch_state.error_dict.values():
+            error.mul_(factor)
+
     def state_dict(self) -> dict[str, Any]:
         # PowerSGDState's own pickling state: error feedback, P/Q memories, iteration, RNG;
         # its numpy RandomState as tensors and numbers, which torch.load(weights_only=True)

@@ -207,6 +207,16 @@ class HookState:
         in its decode pass (no extra pass over the gradients); None when it did not."""
         return None
 
+    def scale_residuals(self, factor: float) -> None:
+        """Multiply what the hook carries from step to step in the gradients' units (its
+        error-feedback residuals) by ``factor``. ``TrainLoop`` calls it between two steps when
+        a GradScaler's scale changes (by ``factor``), so that they stay in the units of the
+        next step's scaled gradients. A hook with no such state does nothing (the default).
+
+        Example:
+            >>> state.scale_residuals(0.5)  # the loss scale was halved
+        """
+
     def state_dict(self) -> dict[str, Any]:
         """Counters, config fingerprint, and the rank and world size the state belongs to
         (error-feedback residuals differ per rank); subclasses add their tensors."""

@@ -673,3 +673,43 @@ def test_powersgd_skips_one_non_finite_step_and_keeps_its_memories(k):
     for r in run_ranks(_rank_powersgd_nan, 2, k, timeout=120):
         assert r["skipped"] == [4], r
         assert r["moved before"] and r["kept"] and r["finite"] and r["params finite"], r
+
+
+# --- a GradScaler whose scale changes: the residuals follow it ---------------------------
+
+
+def _rank_changing_scale(hook, options, k):
+    """The same run without a scaler and with one that doubles its scale every step (a power
+    of two: the scaled gradients, codes and residuals are exact multiples of the unscaled)."""
+    data = _batches(dist.get_rank(), k * 8, seed=23)
+
+    def run(scaler):
+        ddp = pycomm.wrap(
+            _model(), hook=hook, accumulate_steps=k, bucket_cap_mb=0.004, hook_options=options
+        )
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
+        loop = pycomm.TrainLoop(ddp, opt, scaler=scaler)
+        for x, y in data:
+            loop.step(lambda x=x, y=y: torch.nn.functional.mse_loss(ddp(x), y))
+        return _flat(ddp.module)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # onebit's advice on SGD
+        plain = run(None)
+        scaled = run(torch.amp.GradScaler("cpu", init_scale=16.0, growth_interval=1))
+    return plain, scaled
+
+
+@pytest.mark.parametrize(
+    "hook, options, k",
+    [
+        ("int8", {}, 1),
+        ("onebit", {"start_iter": 2}, 2),
+        ("powersgd", {"start_powerSGD_iter": 2, "matrix_approximation_rank": 1}, 1),
+    ],
+)
+def test_residuals_follow_a_changing_loss_scale(hook, options, k):
+    """TrainLoop rescales the error feedback with the GradScaler's scale: without it each
+    growth weighted the residual carried over half as much as the new gradient."""
+    for plain, scaled in run_ranks(_rank_changing_scale, 2, hook, options, k, timeout=120):
+        assert torch.equal(plain, scaled)
