@@ -108,6 +108,21 @@ def _atomic_save(obj: Any, path: str) -> None:
         pass
 
 
+def _check_arguments(what: str, path: Any, ddp: Any, optimizer: Any) -> None:
+    if not isinstance(path, (str, os.PathLike)):
+        raise TypeError(
+            f"pycomm.checkpoint.{what}: path is a {type(path).__name__}, expected a str or "
+            "os.PathLike"
+        )
+    if not isinstance(ddp, DDP):
+        raise TypeError(f"pycomm.checkpoint.{what}: ddp is a {type(ddp).__name__}, expected a DDP")
+    if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(
+            f"pycomm.checkpoint.{what}: optimizer is a {type(optimizer).__name__}, expected a "
+            "torch.optim.Optimizer or None"
+        )
+
+
 def _remove(name: str) -> None:
     try:
         os.remove(name)
@@ -177,8 +192,7 @@ def save(
     Example:
         >>> pycomm.checkpoint.save("ckpt.pt", ddp, optimizer, step=step)
     """
-    if not isinstance(ddp, DDP):
-        raise TypeError(f"pycomm.checkpoint.save: ddp is a {type(ddp).__name__}, expected a DDP")
+    _check_arguments("save", path, ddp, optimizer)
     path = os.fspath(path)
     group, rank, world = _group(ddp)
     state = _hook(ddp)
@@ -346,8 +360,7 @@ def load(path: PathLike, ddp: DDP, optimizer: Optional[torch.optim.Optimizer]) -
         >>> extra = pycomm.checkpoint.load("ckpt.pt", ddp, optimizer)
         >>> start = extra["step"]
     """
-    if not isinstance(ddp, DDP):
-        raise TypeError(f"pycomm.checkpoint.load: ddp is a {type(ddp).__name__}, expected a DDP")
+    _check_arguments("load", path, ddp, optimizer)
     path = os.fspath(path)
     group, rank, world = _group(ddp)
     read: dict[str, Any] = {}

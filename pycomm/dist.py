@@ -12,6 +12,7 @@ import datetime
 import gc
 import inspect
 import logging
+import math
 import operator
 import os
 import re
@@ -302,6 +303,11 @@ def to_timedelta(timeout: Timeout, name: str = "timeout") -> Optional[datetime.t
     if isinstance(timeout, datetime.timedelta):
         td = timeout
     elif isinstance(timeout, (int, float)) and not isinstance(timeout, bool):
+        if not math.isfinite(timeout) or timeout > 10**9:
+            raise ValueError(
+                f"{name}={timeout!r} ({_ARGUMENT}) is invalid; expected a finite number of "
+                "seconds (at most 1e9), or None for torch's default"
+            )
         td = datetime.timedelta(seconds=float(timeout))
     else:
         raise ValueError(
@@ -399,6 +405,11 @@ def init(
 
     name, _ = resolve_backend(backend)
     td = to_timedelta(timeout)
+    if init_method is not None and not isinstance(init_method, str):
+        raise ValueError(
+            f"init_method={init_method!r} ({_ARGUMENT}) is invalid; expected a torch init URL "
+            "string (tcp://host:port, file:///path, env://) or None"
+        )
     kwargs: dict[str, Any] = {}
     if td is not None:
         kwargs["timeout"] = td

@@ -327,6 +327,10 @@ def launch(
         raise ValueError(f"fn={fn!r} (argument) is invalid; expected a callable")
     if isinstance(nprocs, bool) or not isinstance(nprocs, int) or nprocs < 1:
         raise ValueError(f"nprocs={nprocs!r} (argument) is invalid; expected an integer >= 1")
+    if setup is not None and not callable(setup):
+        raise ValueError(
+            f"setup={setup!r} (argument) is invalid; expected a callable setup(rank) or None"
+        )
     name, _ = resolve_backend(backend)  # warns for 'tcp' here, once, in the caller's process
     if name == "nccl" and nprocs > torch.cuda.device_count():
         raise ValueError(

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from pycomm._validate import check_int
+from pycomm._validate import check_bool, check_int
 from pycomm.hooks import advice
 from pycomm.hooks.accumulate import AccumulateState
 from pycomm.hooks.config import agree, error_field
@@ -103,6 +103,9 @@ class TrainLoop:
             k = _check_settings(ddp, self._stage, accumulate_steps, max_grad_norm, scaler)
             if batch_size is not None:
                 check_int("pycomm.TrainLoop", "batch_size", batch_size)
+            check_bool("pycomm.TrainLoop", "progress", progress)
+            if total is not None:
+                check_int("pycomm.TrainLoop", "total", total)
         except (TypeError, ValueError) as e:
             error = e
         # every rank's settings compared (one rank clipping, or accumulating over another

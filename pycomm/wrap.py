@@ -436,8 +436,21 @@ def wrap(
             "pycomm.wrap: module is already a DistributedDataParallel; wrapping it again "
             "would all-reduce every gradient twice: use pycomm.register(ddp, ...) on it"
         )
+    if not isinstance(module, torch.nn.Module):
+        raise TypeError(
+            f"pycomm.wrap: module is a {type(module).__name__}, expected a torch.nn.Module"
+        )
     if not dist.is_initialized():
         raise RuntimeError("pycomm.wrap: no process group; call pycomm.init() first")
+    if (
+        process_group is not None
+        and process_group is not dist.GroupMember.NON_GROUP_MEMBER
+        and not isinstance(process_group, dist.ProcessGroup)
+    ):
+        raise TypeError(
+            f"pycomm.wrap: process_group={process_group!r}, expected a "
+            "torch.distributed.ProcessGroup or None (the default group)"
+        )
     if process_group is dist.GroupMember.NON_GROUP_MEMBER:
         raise ValueError(
             f"pycomm.wrap: this rank (global rank {dist.get_rank()}) is not in process_group "

@@ -237,6 +237,8 @@ def register_hook(
     _check_state_and_hook(where, state, hook)
     if not isinstance(auto, bool):
         raise ValueError(f"{where}: auto={auto!r}, expected True or False")
+    if not isinstance(description, str):
+        raise ValueError(f"{where}: description={description!r}, expected a str (one line)")
     if auto and codec is None and name != "allreduce":
         raise ValueError(
             f"{where}: auto=True without a codec; expected codec=... (auto predicts a hook's "

@@ -323,6 +323,9 @@ BAD = [
     ({}, {"timeout": -1}, "timeout", -1, ARG),
     ({}, {"timeout": 0}, "timeout", 0, ARG),
     ({}, {"timeout": "5"}, "timeout", "5", ARG),
+    ({}, {"timeout": float("nan")}, "timeout", float("nan"), ARG),
+    ({}, {"timeout": float("inf")}, "timeout", float("inf"), ARG),
+    ({}, {"init_method": 5}, "init_method", 5, ARG),
 ]
 
 

@@ -242,6 +242,10 @@ def test_invalid_fn_and_backend():
         pycomm.launch(_rank_report, 2, 1.0, backend="bogus")
     with pytest.raises(ValueError, match="timeout"):
         pycomm.launch(_rank_report, 2, 1.0, timeout=-1)
+    with pytest.raises(ValueError, match="timeout=nan .* expected a finite number"):
+        pycomm.launch(_rank_report, 2, 1.0, timeout=float("nan"))
+    with pytest.raises(ValueError, match="setup=5 .* expected a callable setup"):
+        pycomm.launch(_rank_report, 2, 1.0, setup=5)
     assert launched_children() == []
 
 

@@ -275,6 +275,7 @@ def my_hook(state, bucket):
         (("mine", MyState, 3), {}, "hook=3, expected a function hook"),
         (("mine", MyState, lambda state: None), {}, r"cannot take \(state, bucket\)"),
         (("mine", MyState, my_hook), {"auto": True}, "auto=True without a codec"),
+        (("mine", MyState, my_hook), {"description": 5}, "description=5, expected a str"),
         (("mine",), {}, "expected codec=..., or state=... and hook=..."),
         (("mine",), {"codec": lambda block: PlainCodec(block)}, "cannot be built without"),
         (("mine",), {"codec": 3}, "codec=3, expected a Codec class or factory"),

@@ -466,6 +466,10 @@ def _rank_bad_input():
             lambda: ddp(torch.randn(2, WIDTH)).sum(0)
         ),
         "wrap_k": lambda: pycomm.wrap(_model(), accumulate_steps=0),
+        "progress": lambda: pycomm.TrainLoop(ddp, opt, progress="yes"),
+        "total": lambda: pycomm.TrainLoop(ddp, opt, total=-3),
+        "save_path": lambda: pycomm.checkpoint.save(5, ddp, opt),
+        "save_opt": lambda: pycomm.checkpoint.save("ckpt.pt", ddp, 5),
     }
     for name, fn in cases.items():
         try:
@@ -488,6 +492,10 @@ def test_bad_input_names_the_argument():
         "closure": ("TypeError", "closure is a int"),
         "vector_loss": ("TypeError", "expected a scalar loss"),
         "wrap_k": ("ValueError", "accumulate_steps=0"),
+        "progress": ("ValueError", "progress='yes', expected True or False"),
+        "total": ("ValueError", "total=-3"),
+        "save_path": ("TypeError", "path is a int, expected a str or os.PathLike"),
+        "save_opt": ("TypeError", "optimizer is a int, expected a torch.optim.Optimizer"),
     }
     for name, (kind, text) in expect.items():
         assert errors[name] is not None, name

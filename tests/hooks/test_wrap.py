@@ -194,6 +194,8 @@ def _rank_api_errors():
                 for name, value in _PSGD_BAD
             },
             "no_state": lambda: pycomm.hook_state(DDP(_model())),
+            "not_a_module": lambda: pycomm.wrap(5),
+            "not_a_group": lambda: pycomm.wrap(_model(), process_group=5),
             "not_ddp": lambda: pycomm.register(model),
         }
     )
@@ -225,6 +227,14 @@ def test_api_errors():
         kind, message = out[f"psgd {name}={value!r}"]
         assert kind == "ValueError" and f"pycomm powersgd hook: {name}={value!r}" in message
     assert out["no_state"][0] == "ValueError" and "no pycomm hook" in out["no_state"][1]
+    assert out["not_a_module"] == (
+        "TypeError",
+        "pycomm.wrap: module is a int, expected a torch.nn.Module",
+    )
+    assert (
+        out["not_a_group"][0] == "TypeError"
+        and "process_group=5, expected" in (out["not_a_group"][1])
+    )
     assert out["not_ddp"][0] == "TypeError"
     assert out["twice"][0] == "RuntimeError" and "already has a pycomm hook" in out["twice"][1]
 
