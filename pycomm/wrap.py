@@ -199,6 +199,26 @@ def _check_grad_dtypes(ddp: DDP, state: HookState) -> None:
 _ACCUMULATED = (torch.float32, torch.bfloat16, torch.float16)
 
 
+def _refuse_join(ddp: DDP, k: int) -> None:
+    """DDP's ``join()`` (uneven inputs) refused on a model with the accumulate stage: a rank
+    that runs out of data shadows every micro-step's all-reduce with zero buckets, which the
+    stage sums into its window (its partial sum sent without bucket views, a second join
+    epoch out of step). Every rank enters ``join()`` at the same point, so every rank raises
+    there, before any collective."""
+
+    def refused(*_args: Any, **_kwargs: Any) -> Any:
+        raise RuntimeError(
+            f"pycomm: join() on a model with accumulate_steps={k} is not supported: a rank "
+            "that runs out of inputs would shadow every micro-step's all-reduce, which the "
+            "accumulate stage sums into its window. Give every rank the same number of "
+            "micro-steps (e.g. DistributedSampler(drop_last=True)), or use accumulate_steps=1 "
+            "with join()"
+        )
+
+    ddp.join = refused  # DDP's own join() and the Join context's join_hook()
+    ddp.join_hook = refused
+
+
 def _attach(ddp: DDP, state: HookState, fn: Callable, accumulate_steps: int) -> HookState:
     settle_at_exit()
     state.bind()
@@ -226,6 +246,7 @@ def _attach(ddp: DDP, state: HookState, fn: Callable, accumulate_steps: int) -> 
             bucket_view=ddp.gradient_as_bucket_view,
         )
         fn = accumulate_hook
+        _refuse_join(ddp, accumulate_steps)
     if isinstance(auto, AutoState):  # forward and the start of backward, for its measurements
         ddp.register_forward_pre_hook(lambda _module, _args: auto.forward_start())
         ddp.register_forward_hook(lambda _module, _args, _out: auto.forward_done())

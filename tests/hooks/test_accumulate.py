@@ -721,3 +721,18 @@ def test_residuals_follow_a_changing_loss_scale(hook, options, k):
     growth weighted the residual carried over half as much as the new gradient."""
     for plain, scaled in run_ranks(_rank_changing_scale, 2, hook, options, k, timeout=120):
         assert torch.equal(plain, scaled)
+
+
+def _rank_join():
+    ddp = pycomm.wrap(_model(), accumulate_steps=2)
+    try:
+        with ddp.join():
+            ddp(torch.randn(2, WIDTH)).sum().backward()
+        return None
+    except RuntimeError as e:
+        return str(e)
+
+
+def test_join_with_the_accumulate_stage_is_refused_on_every_rank():
+    for message in run_ranks(_rank_join, 2, timeout=60):
+        assert message is not None and "join() on a model with accumulate_steps=2" in message
