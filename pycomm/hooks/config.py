@@ -45,8 +45,13 @@ def resolved_config(state: HookState, fn: Optional[Callable] = None) -> dict[str
         'pycomm.hooks.codec.Int8Codec'
     """
     identity = state.identity()
-    # the codec's format after the options: a difference in both is named as the option
-    late = {k: identity.pop(k) for k in ("codec format",) if k in identity}
+    # what the options decide after them (the codec's format, auto's candidates, which its
+    # allow option lists): a difference in both is named as the option
+    late = {
+        k: identity.pop(k)
+        for k in list(identity)
+        if k == "codec format" or k.startswith("auto candidate ")
+    }
     fields: dict[str, Any] = {"hook": state.hook_name, **identity}
     if fn is not None:
         fields["hook function"] = qualified_name(fn)

@@ -99,6 +99,11 @@ def _rank_mismatches():
     out["bad accumulate_steps on rank 1"] = _error(
         lambda: pycomm.wrap(_model(), hook="int8", accumulate_steps=2 if rank == 0 else 0)
     )
+    # 6. auto allowed other hooks on rank 1: named as its option, not as a candidate
+    allow = ["allreduce", "int8"] if rank == 0 else ["allreduce", "bf16"]
+    out["auto allow"] = _error(
+        lambda: pycomm.wrap(_model(), hook="auto", hook_options={"allow": allow})
+    )
     return out
 
 
@@ -124,6 +129,7 @@ def test_resolved_differences_are_named_on_every_rank():
     )
     assert e["bad value on rank 1"].startswith("ValueError: pycomm.wrap: on rank 1: ")
     assert "block=0" in e["bad value on rank 1"]
+    assert "ranks disagree on hook option 'allow'" in e["auto allow"], e["auto allow"]
     assert "on rank 1: " in e["bad accumulate_steps on rank 1"]
     assert "accumulate_steps" in e["bad accumulate_steps on rank 1"]
 
