@@ -45,6 +45,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import pycomm
 from pycomm._validate import check_hook_args
 from pycomm.checkpoint import load_rank_state, save_rank_state
+from pycomm.hooks.config import agree, error_field
 
 __all__ = ["load_state", "prepare_model", "save_state"]
 
@@ -85,15 +86,15 @@ def prepare_model(
         >>> model = pycomm.ray.prepare_model(Net(), hook="int8", hook_options={"block": 64},
         ...                                  parallel_strategy_kwargs={"bucket_cap_mb": 8})
     """
-    options = check_hook_args("pycomm.ray.prepare_model", hook, hook_options)
-    strategy = prepare_kwargs.get("parallel_strategy", "ddp")
-    if strategy != "ddp":
-        raise ValueError(
-            f"pycomm.ray.prepare_model: parallel_strategy={strategy!r}, expected 'ddp': "
-            "pycomm's hooks are DistributedDataParallel communication hooks ('fsdp' shards and "
-            "reduce-scatters by itself, None wraps nothing). Pass parallel_strategy='ddp' (the "
-            "default), or call ray.train.torch.prepare_model without pycomm"
-        )
+    error: Optional[Exception] = None
+    options: dict[str, Any] = {}
+    try:
+        options = _checked(hook, hook_options, prepare_kwargs)
+    except (TypeError, ValueError) as e:
+        error = e
+    # Ray's workers share a process group by now: a refusal on one worker is raised on every
+    # worker, before Ray's DDP waits for it
+    agree("pycomm.ray.prepare_model", error_field(error))
     prepared = ray.train.torch.prepare_model(model, **prepare_kwargs)
     if not isinstance(prepared, DDP):
         world = ray.train.get_context().get_world_size()
@@ -107,6 +108,20 @@ def prepare_model(
     steps = options.pop("accumulate_steps", 1)  # register's own argument, not the hook's
     pycomm.register(prepared, hook=hook, accumulate_steps=steps, hook_options=options)
     return prepared
+
+
+def _checked(hook: Any, hook_options: Any, prepare_kwargs: dict[str, Any]) -> dict[str, Any]:
+    """:func:`prepare_model`'s own checks on this worker; the hook's options."""
+    options = check_hook_args("pycomm.ray.prepare_model", hook, hook_options)
+    strategy = prepare_kwargs.get("parallel_strategy", "ddp")
+    if strategy != "ddp":
+        raise ValueError(
+            f"pycomm.ray.prepare_model: parallel_strategy={strategy!r}, expected 'ddp': "
+            "pycomm's hooks are DistributedDataParallel communication hooks ('fsdp' shards and "
+            "reduce-scatters by itself, None wraps nothing). Pass parallel_strategy='ddp' (the "
+            "default), or call ray.train.torch.prepare_model without pycomm"
+        )
+    return options
 
 
 def save_state(model: torch.nn.Module, directory: Union[str, os.PathLike]) -> Optional[str]:

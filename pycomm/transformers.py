@@ -10,7 +10,7 @@ loaded, before the first forward, so the callback needs the trainer itself, whic
 ``register`` gives it.
 
 - Registration: at ``on_train_begin``, through :func:`pycomm.register` (the cross-rank checks
-  included), on every ``train()`` call (each builds a new DDP).
+  included); a second ``train()`` on the DDP the Trainer keeps goes on with the same hook.
 - Checkpoints: at ``on_save`` each rank writes its own hook state into the folder the Trainer
   just wrote, ``<output_dir>/checkpoint-<step>/pycomm_hook_state_<rank>.pt`` (as the Trainer
   writes ``rng_state_<rank>.pth``). On ``train(resume_from_checkpoint=...)`` each rank loads
@@ -54,6 +54,8 @@ import pycomm
 from pycomm._validate import check_hook_args
 from pycomm.checkpoint import load_rank_state, save_rank_state
 from pycomm.hooks import HookState
+from pycomm.hooks.config import agree, error_field
+from pycomm.wrap import STATE_ATTR
 
 __all__ = ["CommHookCallback", "register"]
 
@@ -111,6 +113,22 @@ def register(
             f"pycomm.transformers.register: trainer is a {type(trainer).__name__}, expected a "
             "transformers.Trainer"
         )
+    error: Optional[Exception] = None
+    options: dict[str, Any] = {}
+    try:
+        options = _checked(trainer, hook, hook_options)
+    except (TypeError, ValueError) as e:
+        error = e
+    # where the ranks' group exists already (torchrun: the TrainingArguments made it), a
+    # refusal on one rank is raised on every rank, not left to the others' first collective
+    agree("pycomm.transformers.register", error_field(error))
+    callback = CommHookCallback(trainer, hook, options)
+    trainer.add_callback(callback)
+    return callback
+
+
+def _checked(trainer: Trainer, hook: Any, hook_options: Any) -> dict[str, Any]:
+    """:func:`register`'s own checks on this rank; the hook's options."""
     options = check_hook_args("pycomm.transformers.register", hook, hook_options)
     if "accumulate_steps" in options:
         raise ValueError(
@@ -123,9 +141,7 @@ def register(
     problem = _refusal(trainer)
     if problem is not None:
         raise ValueError(f"pycomm.transformers.register: {problem}")
-    callback = CommHookCallback(trainer, hook, options)
-    trainer.add_callback(callback)
-    return callback
+    return options
 
 
 class CommHookCallback(TrainerCallback):
@@ -145,6 +161,7 @@ class CommHookCallback(TrainerCallback):
         self.hook = hook
         self.hook_options = dict(hook_options)
         self.state: Optional[HookState] = None
+        self.registered: Optional[HookState] = None  # the state registered by this callback
         self._said_single = False
 
     def _checkpoint_dir(self, args: Any, step: int) -> str:
@@ -169,7 +186,12 @@ class CommHookCallback(TrainerCallback):
                 )
                 self._said_single = True
             return
-        self.state = pycomm.register(model, hook=self.hook, hook_options=self.hook_options)
+        mine = self.registered
+        if mine is not None and getattr(model, STATE_ATTR, None) is mine:
+            self.state = mine  # another train() on the DDP the Trainer keeps: the same hook
+        else:
+            self.state = pycomm.register(model, hook=self.hook, hook_options=self.hook_options)
+            self.registered = self.state
         if state.global_step > 0:  # resumed: the Trainer loaded checkpoint-<global_step>
             folder = self._checkpoint_dir(args, state.global_step)
             if not load_rank_state(self.state, folder, missing="ignore"):

@@ -62,6 +62,11 @@ def test_trainer_matches_plain_resumes_bitwise_and_refuses(tmp_path):
         assert "accumulate_steps=2" in r["accumulate"]
         assert "gradient_accumulation_steps=k" in r["accumulate"]
         assert "hook_options=3, expected a dict" in r["options_type"]
+        assert (
+            "on rank 1: pycomm.transformers.register: hook_options has accumulate_steps=2"
+            in (r["one_rank"])
+        )
+        assert r["twice"] == [True, 18]  # two train() calls of 9 steps, one hook
         assert "TrainingArguments(deepspeed=" in r["deepspeed"]
         assert "Drop deepspeed=" in r["deepspeed"]
         assert "TrainingArguments(fsdp=True)" in r["fsdp"] and "Drop fsdp=" in r["fsdp"]

@@ -138,6 +138,14 @@ def main(out_dir: str, mode: str) -> None:
         ours, cb = fit(f"{tmp}/allreduce", "allreduce")
         res["allreduce"] = torch.equal(plain, ours)
         res["allreduce_steps"] = cb.state.stats["steps"]
+        # a second train() on the same Trainer (it keeps its DDP): the same hook goes on
+        model = Net()
+        trainer = Trainer(model=model, args=args(f"{tmp}/twice"), train_dataset=data())
+        cb = pycomm.transformers.register(trainer, hook="int8")
+        trainer.train()
+        first = cb.state
+        trainer.train()
+        res["twice"] = [cb.state is first, cb.state.stats["steps"]]
         res["params"] = ours.tolist()
 
         # refusals
@@ -146,6 +154,12 @@ def main(out_dir: str, mode: str) -> None:
             lambda: pycomm.transformers.register(trainer, "int8", {"accumulate_steps": 2})
         )
         res["options_type"] = error(lambda: pycomm.transformers.register(trainer, "int8", 3))
+        # a bad option on one rank only: the same error on both
+        res["one_rank"] = error(
+            lambda: pycomm.transformers.register(
+                trainer, "int8", {"accumulate_steps": 2} if rank == 1 else {}
+            )
+        )
         trainer.args.deepspeed = {"train_batch_size": "auto"}  # deepspeed is not installed here
         res["deepspeed"] = error(lambda: pycomm.transformers.register(trainer, "int8"))
         res["fsdp"] = error(

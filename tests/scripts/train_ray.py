@@ -81,6 +81,9 @@ def _worker(config: dict) -> None:
         res["none"] = _error(lambda: pycomm.ray.prepare_model(_net(), parallel_strategy=None))
         res["options"] = _error(lambda: pycomm.ray.prepare_model(_net(), "int8", [64]))
         res["bad_hook"] = _error(lambda: pycomm.ray.prepare_model(_net(), hook="int9"))
+        res["one_worker"] = _error(  # bad on worker 1 only: the same error on both
+            lambda: pycomm.ray.prepare_model(_net(), "int8", [64] if rank == 1 else None)
+        )
 
         model = pycomm.ray.prepare_model(_net(), hook="int8")
         opt = train(model, 2)
