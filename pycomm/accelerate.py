@@ -24,7 +24,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from pycomm._validate import hook_options_of
 from pycomm.checkpoint import gather_hook_state, load_hook_state
 from pycomm.hooks import HookState
-from pycomm.hooks.config import agree, error_field
+from pycomm.hooks.config import checked_everywhere
 from pycomm.wrap import HookArg
 from pycomm.wrap import register as _register
 
@@ -55,16 +55,11 @@ def register(
         >>> state = pycomm.accelerate.register(accelerator, model, hook="int8",
         ...                                    hook_options={"block": 128})
     """
-    error: Optional[Exception] = None
-    try:
-        hook_options = _checked(accelerator, model, accumulate_steps, hook_options, options)
-    except (TypeError, ValueError) as e:
-        error = e
     # a refusal on one rank is raised on every rank (the others would wait for it in
     # pycomm.register's comparison)
-    agree(
+    hook_options = checked_everywhere(
         "pycomm.accelerate.register",
-        error_field(error),
+        lambda: _checked(accelerator, model, accumulate_steps, hook_options, options),
         model.process_group if isinstance(model, DDP) else None,
     )
     return _register(model, hook=hook, accumulate_steps=accumulate_steps, hook_options=hook_options)

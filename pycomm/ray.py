@@ -45,7 +45,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import pycomm
 from pycomm._validate import check_hook_args
 from pycomm.checkpoint import load_rank_state, save_rank_state
-from pycomm.hooks.config import agree, error_field
+from pycomm.hooks.config import checked_everywhere
 
 __all__ = ["load_state", "prepare_model", "save_state"]
 
@@ -86,15 +86,11 @@ def prepare_model(
         >>> model = pycomm.ray.prepare_model(Net(), hook="int8", hook_options={"block": 64},
         ...                                  parallel_strategy_kwargs={"bucket_cap_mb": 8})
     """
-    error: Optional[Exception] = None
-    options: dict[str, Any] = {}
-    try:
-        options = _checked(hook, hook_options, prepare_kwargs)
-    except (TypeError, ValueError) as e:
-        error = e
     # Ray's workers share a process group by now: a refusal on one worker is raised on every
     # worker, before Ray's DDP waits for it
-    agree("pycomm.ray.prepare_model", error_field(error))
+    options = checked_everywhere(
+        "pycomm.ray.prepare_model", lambda: _checked(hook, hook_options, prepare_kwargs)
+    )
     prepared = ray.train.torch.prepare_model(model, **prepare_kwargs)
     if not isinstance(prepared, DDP):
         world = ray.train.get_context().get_world_size()

@@ -54,7 +54,7 @@ import pycomm
 from pycomm._validate import check_hook_args
 from pycomm.checkpoint import load_rank_state, save_rank_state
 from pycomm.hooks import HookState
-from pycomm.hooks.config import agree, error_field
+from pycomm.hooks.config import checked_everywhere
 from pycomm.wrap import STATE_ATTR
 
 __all__ = ["CommHookCallback", "register"]
@@ -113,15 +113,11 @@ def register(
             f"pycomm.transformers.register: trainer is a {type(trainer).__name__}, expected a "
             "transformers.Trainer"
         )
-    error: Optional[Exception] = None
-    options: dict[str, Any] = {}
-    try:
-        options = _checked(trainer, hook, hook_options)
-    except (TypeError, ValueError) as e:
-        error = e
     # where the ranks' group exists already (torchrun: the TrainingArguments made it), a
     # refusal on one rank is raised on every rank, not left to the others' first collective
-    agree("pycomm.transformers.register", error_field(error))
+    options = checked_everywhere(
+        "pycomm.transformers.register", lambda: _checked(trainer, hook, hook_options)
+    )
     callback = CommHookCallback(trainer, hook, options)
     trainer.add_callback(callback)
     return callback

@@ -19,7 +19,7 @@ Example:
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, TypeVar
 
 import torch.distributed as dist
 
@@ -27,7 +27,7 @@ from pycomm.dist import all_gather_objects
 from pycomm.hooks.registry import qualified_name
 from pycomm.hooks.state import HookState
 
-__all__ = ["agree", "error_field", "resolved_config"]
+__all__ = ["agree", "checked_everywhere", "error_field", "resolved_config"]
 
 # The field a rank sets when it could not resolve its configuration (its hook or options are
 # bad there): (exception type name, message); raised on every rank.
@@ -94,6 +94,30 @@ def agree(where: str, fields: dict[str, Any], group: Optional[dist.ProcessGroup]
         raise ValueError(
             f"{where}: ranks disagree on {key}: rank 0 has {a!r}, rank {first} has {b!r}"
         )
+
+
+T = TypeVar("T")
+
+
+def checked_everywhere(
+    where: str, check: Callable[[], T], group: Optional[dist.ProcessGroup] = None
+) -> T:
+    """``check()`` on this rank, its ValueError or TypeError raised on every rank of ``group``
+    (naming the rank when not every rank raised it): an adapter's own checks of its arguments,
+    so that a refusal on one rank is not left to the others' next collective. Without a
+    process group, this rank's alone. Returns what ``check()`` returned.
+
+    Example:
+        >>> options = checked_everywhere("pycomm.ray.prepare_model", lambda: dict(opts))
+    """
+    error: Optional[Exception] = None
+    result: Any = None
+    try:
+        result = check()
+    except (TypeError, ValueError) as e:
+        error = e
+    agree(where, error_field(error), group)
+    return result
 
 
 def _raise_error(where: str, values: list) -> None:
