@@ -406,6 +406,11 @@ class FSDPCompression(HookState):
         self.all_gathers = dict(all_gathers or {})
         self.all_gather_exchange = all_gather_exchange
         self._fresh = copy.deepcopy(exchange.state_dict())  # what a format 1 loads into
+        # set by compress: the options resolved and the hook's defaults, each module's
+        # parameter shapes (all in the fingerprint)
+        self.resolved: Optional[dict[str, Any]] = None
+        self.defaults: Optional[dict[str, Any]] = None
+        self.shapes: Optional[dict[str, list]] = None
 
     @property
     def stats(self) -> dict[str, Any]:
@@ -444,16 +449,35 @@ class FSDPCompression(HookState):
         }
 
     def options(self) -> dict[str, Any]:
-        return {"hook": self.hook, **self.hook_options}
+        """The hook and its options as resolved (defaults filled in): a state saved with
+        ``{"block": 64}`` loads where the default 64 was left out, and the other way."""
+        return {"hook": self.hook, **(self.resolved or self.hook_options)}
 
     def fingerprint(self) -> dict[str, Any]:
         gather = None
         if self.all_gather is not None:
             gather = {"codec": self.all_gather, "options": dict(self.all_gather_options)}
         fp = {**super().fingerprint(), "modules": sorted(self.modules), "all_gather": gather}
+        if self.shapes is not None:  # each module's parameters: another model is refused
+            fp["module shapes"] = self.shapes
         if self.hsdp:  # the ranks of a node (absent: not HSDP, as before it existed)
             fp["hsdp ranks per node"] = next(iter(self.modules.values())).local_size
         return fp
+
+    def check_fingerprint(self, state: dict[str, Any]) -> None:
+        """As every hook's, with the options compared as resolved: a state that left a default
+        out (written before the options were resolved) stands for that default; a state
+        written before the module shapes were recorded is checked without them."""
+        fingerprint = state.get("fingerprint")
+        if isinstance(fingerprint, dict):
+            fingerprint = dict(fingerprint)
+            options = fingerprint.get("options")
+            if isinstance(options, dict) and self.defaults is not None:
+                fingerprint["options"] = {"hook": self.hook, **self.defaults, **options}
+            if "module shapes" not in fingerprint and self.shapes is not None:
+                fingerprint["module shapes"] = self.shapes
+            state = {**state, "fingerprint": fingerprint}
+        super().check_fingerprint(state)
 
     @property
     def hsdp(self) -> bool:
@@ -858,9 +882,33 @@ def compress(
         len(installed),
         opts,
     )
-    return FSDPCompression(
+    comm = FSDPCompression(
         hook, opts, installed, exchange, all_gather, gather_options, gathers, gather_exchange
     )
+    # the defaults: what compress fills in itself (error_feedback off outside HSDP) over the
+    # hook's own
+    comm.resolved = _resolved_options(spec, opts)
+    comm.defaults = _resolved_options(spec, {k: v for k, v in opts.items() if k not in options})
+    comm.shapes = {name: [list(p.shape) for p in m.parameters()] for name, m in modules}
+    return comm
+
+
+def _resolved_options(spec: Any, opts: dict[str, Any]) -> dict[str, Any]:
+    """The hook's options ``opts`` with its defaults filled in, as a checkpoint's fingerprint
+    holds them (a dtype by its name)."""
+    own = {k: v for k, v in opts.items() if k != "start_iter"}
+    with unbound():
+        resolved = spec.state(None, **own).options()
+    if "start_iter" in opts:
+        resolved["start_iter"] = opts["start_iter"]
+    return _named_options(resolved)
+
+
+def _named_options(options: dict[str, Any]) -> dict[str, Any]:
+    """Options as a checkpoint stores them: a dtype by its name."""
+    return {
+        k: str(v).split(".")[-1] if isinstance(v, torch.dtype) else v for k, v in options.items()
+    }
 
 
 def _agreed(
@@ -899,11 +947,13 @@ def _agreed(
             # (>= 2, for DDP's bucket rebuild) does not apply
             own = {k: v for k, v in opts.items() if k != "start_iter"}
             if "start_iter" in opts:
-                fields["hook option 'start_iter'"] = check_int(
+                check_int(
                     "pycomm.fsdp.compress", "hook_options['start_iter']", opts["start_iter"], 0
                 )
             with unbound():
                 fields.update(resolved_config(spec.state(None, **own)))
+            if "start_iter" in opts:  # the value given, over the default resolved_config has
+                fields["hook option 'start_iter'"] = opts["start_iter"]
         else:
             fields["hook"] = hook
         gather = _check_all_gather(all_gather, all_gather_options)

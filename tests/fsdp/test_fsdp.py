@@ -12,7 +12,7 @@ from fsdp_harness import grads as _grads
 from fsdp_harness import model as _model
 from fsdp_harness import shard as _shard
 from fsdp_harness import straight_and_resumed, train
-from harness import run_ranks
+from harness import error_text, run_ranks
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 import pycomm
@@ -734,6 +734,42 @@ def test_checkpoints_record_the_all_gather():
     )
     for source in ("old", "format 1"):
         assert "all_gather is None in the checkpoint" in out[("int8", source)]
+
+
+def _rank_load_resolved():
+    """A state loads where the same options are spelled out or left to their defaults, and is
+    refused from a model of other shapes under the same module names."""
+    saved = pycomm.fsdp.compress(_shard(_model()), hook="int8").state_dict()
+    out = {}
+    for name, options in (("block", {"block": 64}), ("start_iter", {"start_iter": 2})):
+        comm = pycomm.fsdp.compress(_shard(_model()), hook="int8", hook_options=options)
+        out[name] = error_text(lambda comm=comm: comm.load_state_dict(saved))
+        out[name + " back"] = error_text(
+            lambda comm=comm: pycomm.fsdp.compress(_shard(_model()), hook="int8").load_state_dict(
+                comm.state_dict()
+            )
+        )
+    wider = torch.nn.Sequential(
+        torch.nn.Linear(30, 128), torch.nn.Tanh(), torch.nn.Linear(128, 63), torch.nn.Tanh(),
+        torch.nn.Linear(63, 5),
+    )  # fmt: skip
+    comm = pycomm.fsdp.compress(_shard(wider), hook="int8")
+    out["other model"] = error_text(lambda: comm.load_state_dict(saved))
+    old = copy.deepcopy(saved)  # written before the options were resolved and the shapes kept
+    old["fingerprint"]["options"] = {"hook": "int8"}
+    del old["fingerprint"]["module shapes"]
+    out["old"] = error_text(
+        lambda: pycomm.fsdp.compress(_shard(_model()), hook="int8").load_state_dict(old)
+    )
+    return out
+
+
+def test_checkpoints_compare_resolved_options_and_the_model():
+    out = run_ranks(_rank_load_resolved, 2, timeout=120)[0]
+    for name in ("block", "block back", "start_iter", "start_iter back", "old"):
+        assert out[name] is None, (name, out[name])
+    assert "module shapes[''] is [[64, 30], [64], [63, 64]" in out["other model"]
+    assert "but [[128, 30], [128], [63, 128]" in out["other model"]
 
 
 class _CoarseCodec(pycomm.hooks.OneBitCodec):

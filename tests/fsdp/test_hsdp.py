@@ -6,6 +6,7 @@ import copy
 
 import pytest
 import torch
+import torch.distributed as dist
 from fsdp_harness import data as _data
 from fsdp_harness import model as _model
 from fsdp_harness import shard, straight_and_resumed, train
@@ -126,6 +127,11 @@ def _rank_refusals():
         out["hierarchy"] = error_text(
             lambda: pycomm.fsdp.compress(hsdp, hook="int8", hook_options={"hierarchy": "node"})
         )
+        one = _shard(_model(), node)  # start_iter given on rank 1 alone: named on every rank
+        opts = {"start_iter": 0} if dist.get_rank() == 1 else {}
+        out["start_iter"] = error_text(
+            lambda: pycomm.fsdp.compress(one, hook="int8", hook_options=opts)
+        )
         set_nodes(3)
         out["nodes"] = error_text(lambda: pycomm.fsdp.node_mesh())
     finally:
@@ -142,6 +148,10 @@ def test_refusals_are_clear_and_the_same_on_every_rank():
     assert "expected every module on one mesh" in out["mixed"]
     assert "option hierarchy='node'" in out["hierarchy"]
     assert "pycomm.fsdp.node_mesh: cannot read the topology" in out["nodes"]
+    assert (
+        "ranks disagree on hook option 'start_iter': rank 0 has 2, rank 1 has 0"
+        in (out["start_iter"])
+    )
 
 
 def _rank_replicate():
