@@ -97,6 +97,8 @@ def resolve(hook: str, parent: Optional[dist.ProcessGroup], hierarchy: str) -> O
             f"{b.source}); expected every rank to read the same launcher variables or "
             "pycomm.init(nodes=...)"
         )
+    if hierarchy == "auto" and whole and everyone[0].nodes in (1, dist.get_world_size()):
+        return None  # every rank reads one node, or one rank per node: nothing to split
     nodes: dict[int, list[tuple[int, int]]] = {}
     for r, t in enumerate(everyone):
         nodes.setdefault(t.node_rank, []).append((t.local_rank, r))

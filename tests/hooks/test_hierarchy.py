@@ -6,6 +6,8 @@ import contextlib
 import copy
 import math
 import os
+import subprocess
+import sys
 import warnings
 
 import pytest
@@ -233,6 +235,28 @@ def _rank_disagree(case, hook):
 def test_ranks_reading_another_topology_are_an_error_on_every_rank(case, message, hook):
     for r in run_ranks(_rank_disagree, 4, case, hook, timeout=120):
         assert message in r, r
+
+
+_FAKE_GROUP = """
+import torch.distributed as dist
+from torch.testing._internal.distributed.fake_pg import FakeStore
+from pycomm import hooks
+dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+for name in ("allreduce", "int8", "onebit"):
+    assert hooks.hook_spec(name).state(None).node_plan is None, name
+print("flat")
+"""
+
+
+def test_ranks_reading_one_node_without_local_ranks_run_flat():
+    """Ranks with no launcher variable (init by hand, or torch's fake group, whose gather
+    hands every rank rank 0's topology): every rank reads one node, so 'auto' runs flat
+    rather than checking local ranks no variable gave."""
+    env = {k: v for k, v in os.environ.items() if "LOCAL_" not in k and "GROUP_" not in k}
+    out = subprocess.run(
+        [sys.executable, "-c", _FAKE_GROUP], capture_output=True, text=True, timeout=120, env=env
+    )
+    assert out.returncode == 0 and out.stdout.strip() == "flat", out.stderr[-2000:]
 
 
 def _rank_bad_env():
