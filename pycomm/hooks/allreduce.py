@@ -140,7 +140,7 @@ def exact_allreduce(
 
 
 def sparse_allreduce(
-    state: HookState, bucket: dist.GradBucket
+    state: HookState, bucket: dist.GradBucket, group: Optional[dist.ProcessGroup] = None
 ) -> torch.futures.Future[torch.Tensor]:
     """Reduce a sparse gradient's bucket as DDP does without a hook: divide by N, then one
     asynchronous sparse all-reduce on the state's process group (gloo gathers every rank's
@@ -149,7 +149,8 @@ def sparse_allreduce(
 
     It must take the same place among the group's collectives on every rank: issued from the
     hook call itself (DDP calls the hooks in bucket order on every rank) where the hook issues
-    nothing on that group from callbacks, else in the hook's own chain (powersgd's).
+    nothing on that group from callbacks, else in the hook's own chain, on its own ``group``
+    (powersgd's).
 
     Example:
         >>> if pycomm.hooks.is_sparse(bucket):
@@ -164,7 +165,7 @@ def sparse_allreduce(
     payload = grad._indices().numel() * 8 + grad._values().numel() * grad.element_size()
     state.count(bucket, (n - 1) * payload, bytes_fp32=(n - 1) * payload)
     grad.div_(n)
-    work = dist.all_reduce(grad, group=state.process_group, async_op=True)
+    work = dist.all_reduce(grad, group=group or state.process_group, async_op=True)
 
     def done(fut: torch.futures.Future) -> torch.Tensor:
         return fut.value()[0]  # a new sparse tensor: the input is not reduced in place

@@ -13,6 +13,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as _psgd
 
 from pycomm._validate import check_bool, check_int
 from pycomm.hooks.allreduce import sparse_allreduce
+from pycomm.hooks.groups import new_groups
 from pycomm.hooks.layout import BucketLayout
 from pycomm.hooks.state import HookState, completed, is_sparse, ring_bytes
 
@@ -46,6 +47,10 @@ def _check_options(where: str, options: dict[str, Any]) -> None:
             raise ValueError(f"{where}: {name}={value!r}, expected a finite number >= {low:g}")
 
 
+# the hooks' own groups, kept for the life of the process (see _bound)
+_GROUPS: list[dist.ProcessGroup] = []
+
+
 class PowerSGDHookState(HookState):
     """Wraps ``torch...powerSGD_hook.PowerSGDState``; options are passed through unchanged.
 
@@ -74,6 +79,8 @@ class PowerSGDHookState(HookState):
             )
         _check_options(self.where, {**_OPTIONS, **options})
         self.torch_state = _psgd.PowerSGDState(process_group=process_group, **options)
+        if self._world_size is not None:  # bound already (the group existed): its own group
+            self.torch_state.process_group = self.exchange_group
         # the previous bucket's exchange of this step (see powersgd_hook)
         self.chain: torch.futures.Future = completed(torch.empty(0))
         self._options = {**_OPTIONS, **options}
@@ -85,6 +92,19 @@ class PowerSGDHookState(HookState):
         # into them and resumes bit for bit
         self._stats["rebucketed_steps"] = 0
         self.bucket_layout = BucketLayout(self.where, self._stats)
+
+    def _bound(self) -> None:
+        # torch's hook issues its P and Q all-reduces from callbacks, in this hook's chain: on a
+        # group of their own, which DDP's own collectives on its group (find_unused_parameters'
+        # all-reduce of the used parameters) cannot meet in another order on another rank
+        world = self.process_group or dist.group.WORLD
+        self.exchange_group = world
+        if dist.get_world_size(world) > 1:
+            self.exchange_group = new_groups(world, dist.get_process_group_ranks(world), 1)[0]
+            _GROUPS.append(self.exchange_group)  # never released (from a callback, gloo aborts)
+        torch_state = getattr(self, "torch_state", None)
+        if torch_state is not None:
+            torch_state.process_group = self.exchange_group
 
     def bind_parameters(self, params: list[torch.Tensor]) -> None:
         """Bind the model's dense trainable parameters, in order (``pycomm.wrap`` does).
@@ -136,7 +156,7 @@ class PowerSGDHookState(HookState):
             ))  # fmt: skip
             torch_state["rng"] = restored
         self.torch_state.__setstate__(torch_state)
-        self.torch_state.process_group = self.process_group
+        self.torch_state.process_group = getattr(self, "exchange_group", self.process_group)
 
     def payload_bytes(self, bucket: dist.GradBucket) -> int:
         """Bytes torch's PowerSGD sends for this bucket, following its own compress test."""
@@ -178,8 +198,14 @@ def powersgd_hook(
         layout.end_step()
         state.chain = completed(torch.empty(0))
     if is_sparse(bucket):  # exact, as DDP reduces it (sparse_allreduce counts it)
-        s.maybe_increase_iter(bucket)  # torch's hook counts its iterations at the last bucket
-        return _in_turn(state, lambda: sparse_allreduce(state, bucket))
+
+        def sparse() -> torch.futures.Future[torch.Tensor]:
+            # torch's hook counts its iterations at the last bucket: in turn, once the earlier
+            # buckets' hooks have run, so that each of them saw this step's count on every rank
+            s.maybe_increase_iter(bucket)
+            return sparse_allreduce(state, bucket, s.process_group)
+
+        return _in_turn(state, sparse)
     if layout.bound:
         layout.observe(bucket)
         if s.iter >= s.start_powerSGD_iter:

@@ -442,3 +442,47 @@ def test_sparse_norm_sums_repeated_indices_whatever_the_flag():
     for norms, seen in run_ranks(_rank_flagged_norm, 2, timeout=60):
         assert len(norms) == len(seen) == 4
         torch.testing.assert_close(norms, seen, rtol=1e-6, atol=0)
+
+
+# --- powersgd's compressed steps beside DDP's own collectives ------------------------------
+
+
+class _SparseUnused(torch.nn.Module):
+    """An embedding (a sparse bucket, DDP's last), an MLP, and a layer no step uses."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = torch.nn.Embedding(50, 16, sparse=True)
+        self.a, self.b = torch.nn.Linear(16, 64), torch.nn.Linear(64, 64)
+        self.c, self.unused = torch.nn.Linear(64, 3), torch.nn.Linear(64, 64)
+
+    def forward(self, i):
+        return self.c(torch.tanh(self.b(torch.tanh(self.a(self.emb(i).mean(1))))))
+
+
+def _rank_powersgd_unused(k):
+    g = torch.Generator().manual_seed(dist.get_rank())
+    ddp = pycomm.wrap(
+        _SparseUnused(), hook="powersgd", accumulate_steps=k, bucket_cap_mb=0.01,
+        find_unused_parameters=True,
+        hook_options={"start_powerSGD_iter": 2, "matrix_approximation_rank": 1},
+    )  # fmt: skip
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    loop = pycomm.TrainLoop(ddp, opt, max_grad_norm=1.0)
+    for _ in range(8 * k):
+        x, y = torch.randint(0, 50, (8, 5), generator=g), torch.randn(8, 3, generator=g)
+        loop.step(lambda x=x, y=y: torch.nn.functional.mse_loss(ddp(x), y))
+    state = pycomm.hook_state(ddp)
+    stats = (state.inner if k > 1 else state).stats
+    return torch.cat([p.detach().reshape(-1) for p in ddp.module.parameters()]), stats
+
+
+@pytest.mark.parametrize("k", [1, 2])
+def test_powersgd_compresses_beside_find_unused_parameters(k):
+    """DDP all-reduces the used-parameter map on its group while torch's PowerSGD issues its
+    P and Q all-reduces from callbacks: on one group the ranks met them in other orders (a
+    hang); powersgd's own group keeps them apart."""
+    (a, stats), (b, _) = run_ranks(_rank_powersgd_unused, 2, k, timeout=90)
+    assert torch.equal(a, b) and torch.isfinite(a).all()
+    assert stats["compression"] > 1.5
