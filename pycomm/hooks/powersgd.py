@@ -13,7 +13,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as _psgd
 
 from pycomm._validate import check_bool, check_int
 from pycomm.hooks.allreduce import sparse_allreduce
-from pycomm.hooks.groups import new_groups
+from pycomm.hooks.groups import phase_groups
 from pycomm.hooks.layout import BucketLayout
 from pycomm.hooks.state import HookState, completed, is_sparse, ring_bytes
 
@@ -45,10 +45,6 @@ def _check_options(where: str, options: dict[str, Any]) -> None:
             or value < low
         ):
             raise ValueError(f"{where}: {name}={value!r}, expected a finite number >= {low:g}")
-
-
-# the hooks' own groups, kept for the life of the process (see _bound)
-_GROUPS: list[dist.ProcessGroup] = []
 
 
 class PowerSGDHookState(HookState):
@@ -97,11 +93,12 @@ class PowerSGDHookState(HookState):
         # torch's hook issues its P and Q all-reduces from callbacks, in this hook's chain: on a
         # group of their own, which DDP's own collectives on its group (find_unused_parameters'
         # all-reduce of the used parameters) cannot meet in another order on another rank
+        # (the first of the parent's phase groups, created once per parent and shared: one
+        # hook's exchange runs in a backward at a time)
         world = self.process_group or dist.group.WORLD
         self.exchange_group = world
         if dist.get_world_size(world) > 1:
-            self.exchange_group = new_groups(world, dist.get_process_group_ranks(world), 1)[0]
-            _GROUPS.append(self.exchange_group)  # never released (from a callback, gloo aborts)
+            self.exchange_group = phase_groups(self.process_group).groups[0]
         torch_state = getattr(self, "torch_state", None)
         if torch_state is not None:
             torch_state.process_group = self.exchange_group
