@@ -219,3 +219,21 @@ def error_text(call: Callable[[], Any]) -> str | None:
     except (ValueError, TypeError, RuntimeError) as e:
         return f"{type(e).__name__}: {e}"
     return None
+
+
+def errors_of(calls: dict[str, Callable[[], Any]]) -> dict[str, tuple[str, str] | None]:
+    """What each call raises, as (type name, message), or None: a rank's answers for a table
+    of bad inputs.
+
+    Example:
+        >>> errors_of({"int": lambda: int("x")})["int"][0]
+        'ValueError'
+    """
+    out: dict[str, tuple[str, str] | None] = {}
+    for name, call in calls.items():
+        try:
+            call()
+            out[name] = None
+        except Exception as e:  # noqa: BLE001 - the test inspects type and message
+            out[name] = (type(e).__name__, str(e))
+    return out

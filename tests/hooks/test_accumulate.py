@@ -10,7 +10,7 @@ import warnings
 import pytest
 import torch
 import torch.distributed as dist
-from harness import run_ranks
+from harness import errors_of, run_ranks
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import pycomm
@@ -451,7 +451,6 @@ def test_resume_mid_window_is_bitwise_equal(view):
 
 
 def _rank_bad_input():
-    errors = {}
     ddp = pycomm.wrap(_model(), accumulate_steps=K)
     opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
     cases = {
@@ -471,13 +470,7 @@ def _rank_bad_input():
         "save_path": lambda: pycomm.checkpoint.save(5, ddp, opt),
         "save_opt": lambda: pycomm.checkpoint.save("ckpt.pt", ddp, 5),
     }
-    for name, fn in cases.items():
-        try:
-            fn()
-            errors[name] = None
-        except Exception as e:  # noqa: BLE001 - the test compares types and messages
-            errors[name] = (type(e).__name__, str(e))
-    return errors
+    return errors_of(cases)
 
 
 def test_bad_input_names_the_argument():
@@ -523,14 +516,7 @@ def _rank_loop_settings_differ():
             ddp, opt, scaler=torch.amp.GradScaler("cpu", enabled=rank == 0)
         ),
     }
-    errors = {}
-    for name, fn in cases.items():
-        try:
-            fn()
-            errors[name] = None
-        except Exception as e:  # noqa: BLE001 - the test compares types and messages
-            errors[name] = (type(e).__name__, str(e))
-    return errors
+    return errors_of(cases)
 
 
 def test_loop_settings_that_differ_between_ranks_are_an_error_on_every_rank():

@@ -5,7 +5,7 @@ import re
 import pytest
 import torch
 import torch.distributed as dist
-from harness import run_ranks
+from harness import errors_of, run_ranks
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as torch_psgd
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -155,18 +155,6 @@ def test_mismatch_raises_on_every_rank(kind, pattern):
         assert re.search(pattern, m), m
 
 
-def _errors(calls):
-    """What each call raises, as (type name, message), or None."""
-    out = {}
-    for name, call in calls.items():
-        try:
-            call()
-            out[name] = None
-        except Exception as e:  # noqa: BLE001 - the test inspects type and message
-            out[name] = (type(e).__name__, str(e))
-    return out
-
-
 # torch's PowerSGD options that torch takes and fails on (or trains on silently) later
 _PSGD_BAD = [
     ("matrix_approximation_rank", 0),
@@ -180,7 +168,7 @@ _PSGD_BAD = [
 
 def _rank_api_errors():
     model = _model()
-    out = _errors(
+    out = errors_of(
         {
             "unknown_hook": lambda: pycomm.wrap(model, hook="zstd"),
             "zero_steps": lambda: pycomm.wrap(model, accumulate_steps=0),
@@ -242,7 +230,7 @@ def test_api_errors():
 def _rank_grad_dtypes():
     mixed = _model()
     mixed[2].double()  # one float64 layer in an fp32 model
-    out = _errors(
+    out = errors_of(
         {
             "int8": lambda: pycomm.wrap(mixed, hook="int8"),
             "accumulated": lambda: pycomm.wrap(mixed, hook="fp16", accumulate_steps=2),
