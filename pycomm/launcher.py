@@ -144,9 +144,19 @@ def _start_method(start_method: Optional[str]) -> str:
     return value
 
 
+def _job(fn: Callable[..., Any], args: tuple, setup: Optional[Callable[[int], Any]]) -> Any:
+    """What a rank runs, as plain-pickled bytes that the rank unpickles where a failure is
+    reported (a value that pickles here but cannot be rebuilt there is named in the
+    LaunchError, not only in the rank's stderr); or, for what only multiprocessing's pickler
+    carries (its queues and pipes, passed on at the start), the objects themselves."""
+    try:
+        return pickle.dumps((fn, args, setup))
+    except Exception:  # noqa: BLE001 - multiprocessing's pickler names what it cannot send
+        return (fn, args, setup)
+
+
 def _worker(
-    fn: Callable[..., Any],
-    args: tuple,
+    job: Any,
     rank: int,
     nprocs: int,
     port: int,
@@ -154,7 +164,6 @@ def _worker(
     timeout: Optional[float],
     conn: multiprocessing.connection.Connection,
     stack_path: str,
-    setup: Optional[Callable[[int], Any]] = None,
     parent: Optional[dict] = None,
 ) -> None:
     global _stack_file
@@ -176,6 +185,7 @@ def _worker(
         except (OSError, RuntimeError, ValueError):
             _stack_file = None
     try:
+        fn, args, setup = pickle.loads(job) if isinstance(job, bytes) else job
         if setup is not None:
             setup(rank)
         # backend is already resolved ('tcp' -> 'gloo'): launch() warned once, in the parent.
@@ -295,6 +305,9 @@ def launch(
     Each rank is a spawned process that calls :func:`init` (as under torchrun, with the
     parent hosting the rendezvous store), then ``fn(*args)``, then :func:`shutdown`. ``fn``
     and ``args`` must be picklable (``fn`` defined at module level), as must the results.
+    They travel by value (a rank's changes to a tensor argument stay in the rank), except
+    multiprocessing's own queues and pipes, which are passed on as multiprocessing passes
+    them; a value that cannot be rebuilt in a rank is a :class:`LaunchError` naming it.
 
     If a rank raises, exits non-zero or dies, the other ranks are terminated and
     :class:`LaunchError` is raised naming the rank, with its traceback. If ``timeout``
@@ -341,6 +354,7 @@ def launch(
     td = to_timedelta(timeout)
     seconds = td.total_seconds() if td is not None else None
 
+    job = _job(fn, args, setup)
     ctx = multiprocessing.get_context(method)
     parent = None
     if method == "forkserver":
@@ -360,8 +374,7 @@ def launch(
             p = ctx.Process(
                 target=_worker,
                 args=(
-                    fn,
-                    args,
+                    job,
                     rank,
                     nprocs,
                     port,
@@ -369,7 +382,6 @@ def launch(
                     seconds,
                     writer,
                     os.path.join(stack_dir, f"rank{rank}.txt"),
-                    setup,
                     parent,
                 ),
                 name=f"pycomm-rank{rank}",

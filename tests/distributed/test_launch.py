@@ -68,6 +68,21 @@ def _unpicklable_result():
     return lambda: None
 
 
+def _draw(generator):
+    return torch.randn(3, generator=generator).tolist()
+
+
+def _refuse_to_arrive():
+    raise ValueError("this argument cannot be rebuilt in a rank")
+
+
+class _BrokenOnArrival:
+    """Pickles in the parent; unpickling it raises (as a value tied to its process does)."""
+
+    def __reduce__(self):
+        return (_refuse_to_arrive, ())
+
+
 def _exits_zero_early():
     os._exit(0)
 
@@ -208,6 +223,18 @@ def test_unpicklable_result_is_reported():
     with pytest.raises(pycomm.LaunchError, match="picklable") as err:
         run_ranks(_unpicklable_result, 1, timeout=60, fresh=True)
     assert err.value.rank == 0
+    assert launched_children() == []
+
+
+def test_arguments_arrive_by_value_and_a_failure_to_rebuild_them_is_named():
+    g = torch.Generator().manual_seed(7)
+    expected = torch.randn(3, generator=torch.Generator().manual_seed(7)).tolist()
+    # a generator's state travels by value (multiprocessing's pickler sent it through shared
+    # memory that the rank could not map: it died before running fn)
+    assert pycomm.launch(_draw, 2, g, timeout=60) == [expected, expected]
+    with pytest.raises(pycomm.LaunchError) as err:
+        pycomm.launch(_draw, 2, _BrokenOnArrival(), timeout=60)
+    assert "cannot be rebuilt in a rank" in str(err.value) + err.value.traceback
     assert launched_children() == []
 
 
