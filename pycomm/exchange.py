@@ -170,7 +170,8 @@ class Exchange:
             :meth:`state_dict`.
         check_order: how the ranks check that they issue the same calls in the same order
             (the call, the key, the elements, the dtype and the call's place): ``"first"``
-            (default: each key's first call, one object gather each), ``"every"`` (each call,
+            (default: each key's first call since construction or the last
+            :meth:`load_state_dict`, one object gather each), ``"every"`` (each call,
             a 56-bit digest in one small all-reduce, with a wait for its result) or
             ``"off"``. A difference is a ValueError on every rank naming each rank's call.
         **options: the hook's options (``block``, ``error_feedback``, ``residual_dtype``,
@@ -232,7 +233,7 @@ class Exchange:
                     f"{self.where}: check_order={check_order!r}, expected "
                     f"{', '.join(map(repr, _CHECKS))}"
                 )
-        except (ValueError, TypeError) as e:
+        except Exception as e:  # noqa: BLE001 - a user's codec failing on one rank too
             state = None
             fields.update(error_field(e))
         fields["start_iter"] = start_iter
@@ -249,6 +250,9 @@ class Exchange:
         self._codec = getattr(state, "codec", None)
         self._keys: dict[Hashable, int] = {}  # (call, key) -> its position, in order of use
         self._calls: dict[Hashable, int] = {}  # (call, key) -> calls issued (the warm-up)
+        # (call, key) pairs whose order the ranks compared since construction or the last
+        # load (ranks that loaded states of different calls differ at the next call)
+        self._compared: set = set()
         self._last: Optional[Work] = None
 
     def _build(self, codec: Any, group: Any, start_iter: Any, options: dict) -> HookState:
@@ -366,7 +370,7 @@ class Exchange:
 
         def checked():
             x, out = self._check_pair("reduce_scatter", output, input, op)
-            return x, out, self._scale(op, scale, n)
+            return x, out, self._scale(op, scale, n, x.dtype)
 
         (x, out, factor), err = self._checked(checked, (None, None, None))
         how = f"op={op!r}" if scale is None else f"scale={scale!r}"
@@ -383,9 +387,9 @@ class Exchange:
             nbytes = (n - 1) * s * x.element_size()
             state.count(bucket, nbytes, bytes_fp32=fp32)
             fut = self._exact_reduce_scatter(x, out, n, s, factor)
-            return self._issued(fut, output, nbytes, fp32)
+            return self._issued(fut.then(_returning(output)), output, nbytes, fp32)
         fut, nbytes = state.engine.reduce_scatter(
-            out, x, index, factor, state.iter, self.process_group
+            out, x, index, factor, state.iter, self.process_group, n
         )
         state.count(bucket, nbytes, bytes_fp32=fp32)
         return self._issued(fut.then(_returning(output)), output, nbytes, fp32)
@@ -420,11 +424,11 @@ class Exchange:
 
             def place(f: torch.futures.Future) -> torch.Tensor:
                 f.value()
-                output.copy_(gathered.view_as(output))
+                out.copy_(gathered)
                 return output
 
             return self._issued(work.then(place), output, nbytes, fp32)
-        fut, nbytes = state.engine.all_gather(out, x, state.iter, self._gather_rows)
+        fut, nbytes = state.engine.all_gather(out, x, state.iter, self._gather_rows, n)
         state.count(bucket, nbytes, bytes_fp32=fp32)
         return self._issued(fut.then(_returning(output)), output, nbytes, fp32)
 
@@ -479,6 +483,7 @@ class Exchange:
             store.place_loaded()
         self._keys = {k: i for i, k in enumerate(keys)}
         self._calls = dict(zip(self._keys, calls))
+        self._compared = set()
 
     def _loadable(self, state: Any) -> tuple[list, list[int]]:
         """The keys and calls per key of ``state``, once its shape is checked (its hook
@@ -555,6 +560,10 @@ class Exchange:
         except TypeError:
             raise TypeError(f"{where}: key={key!r} is not hashable") from None
         state = self._state
+        if residual is not None and not isinstance(residual, torch.Tensor):
+            raise TypeError(
+                f"{where}: residual is a {type(residual).__name__}, expected a tensor or None"
+            )
         if residual is not None:
             feedback = getattr(state, "error_feedback", False)
             if call != "reduce_scatter" or not feedback:
@@ -571,6 +580,11 @@ class Exchange:
                     f"{where}: residual of {numel} elements of {residual.dtype}, expected "
                     f"{n} chunks of whole blocks of {block} elements of {dtype}, as this "
                     f"configuration keeps it ({kept or 'none'} for {numel} elements)"
+                )
+            if not bool(torch.isfinite(residual).all()):
+                raise ValueError(
+                    f"{where}: residual holds non-finite values, expected finite residuals "
+                    "(a NaN there would reach every later call)"
                 )
         self._settle()
         index = self._keys[(call, key)] = len(self._keys)
@@ -596,9 +610,16 @@ class Exchange:
                 f"{where}: {name} of shape {list(t.shape)} is not contiguous; expected a "
                 "contiguous tensor (the result is written into it)"
             )
+        if t.device.type == "meta":
+            raise ValueError(
+                f"{where}: {name} is on the meta device (shapes without data); expected a "
+                "tensor with data (cpu, or cuda on nccl)"
+            )
         if op not in _OPS:
             raise ValueError(f"{where}: op={op!r}, expected 'mean' or 'sum'")
-        return t.view(-1)
+        # written as torch.distributed's collectives write: in place, outside autograd (a
+        # parameter too, as dist.all_reduce(p) does)
+        return t.detach().view(-1)
 
     def _check_pair(
         self, call: str, output: Any, input: Any, op: str
@@ -623,25 +644,31 @@ class Exchange:
                 f"{where}: {wname} has {whole.numel()} elements, expected {n} x {pname}'s "
                 f"{part.numel()} = {n * part.numel()}"
             )
-        if getattr(self._state, "node_plan", None) is not None:
+        if getattr(self._state, "hierarchy", None) == "node":
+            # asked for; "auto" runs these two flat, over every rank of the group
             raise ValueError(
                 f"{where}: hierarchy='node' runs all_reduce alone; expected hierarchy='flat' "
-                "for reduce_scatter and all_gather"
+                "or 'auto' (flat for reduce_scatter and all_gather)"
             )
         return x, out
 
-    def _scale(self, op: str, scale: Any, n: int) -> float:
-        """The factor each rank's input is multiplied by before the sum."""
+    def _scale(self, op: str, scale: Any, n: int, dtype: torch.dtype) -> float:
+        """The factor each rank's input is multiplied by before the sum (in fp32, or float64
+        for float64 tensors: it must be finite there)."""
         if scale is None:
             return 1.0 / n if op == "mean" else 1.0
+        largest = torch.finfo(torch.float64 if dtype == torch.float64 else torch.float32).max
         if (
             isinstance(scale, bool)
             or not isinstance(scale, (int, float))
             or not math.isfinite(scale)
+            or abs(scale) > largest
         ):
             raise ValueError(
-                f"{self.where}.reduce_scatter: scale={scale!r}, expected a finite float (each "
-                "rank's input is multiplied by it before the sum) or None (op decides)"
+                f"{self.where}.reduce_scatter: scale={scale!r}, expected a finite float of at "
+                f"most {largest:.4g} in magnitude (each rank's input is multiplied by it, in "
+                f"{'float64' if dtype == torch.float64 else 'float32'}, before the sum) or None "
+                "(op decides)"
             )
         return float(scale)
 
@@ -674,7 +701,7 @@ class Exchange:
                 "while the group it was built on does"
             )
         try:
-            first = (call, key) not in self._keys
+            first = (call, key) not in self._compared
         except TypeError:
             first = True
             err = err or TypeError(
@@ -684,6 +711,7 @@ class Exchange:
         self._check_order(call, key, t, first, how, err)
         if err is not None:
             raise err
+        self._compared.add((call, key))
         index = self._keys.setdefault((call, key), len(self._keys))
         done = self._calls.get((call, key), 0)
         self._calls[(call, key)] = done + 1

@@ -959,7 +959,7 @@ def _agreed(
         gather = _check_all_gather(all_gather, all_gather_options)
         if gather is not None:
             fields.update(gather[0])
-    except (ValueError, TypeError) as e:
+    except Exception as e:  # noqa: BLE001 - a user's codec failing on one rank too
         fields.update(error_field(e))
     fields["sharded modules"] = [
         (name, [tuple(p.shape) for p in m.parameters()]) for name, m in modules

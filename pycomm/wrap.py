@@ -119,7 +119,7 @@ def resolve_hook(
         else:
             state, fn = hook_pair(hook)
         fields.update(resolved_config(state, fn))
-    except (ValueError, TypeError) as e:
+    except Exception as e:  # noqa: BLE001 - a user's hook or codec failing on one rank too
         fields.update(error_field(e))
         state = fn = None
     fields["accumulate_steps"] = accumulate_steps

@@ -65,7 +65,12 @@ def error_field(exc: Optional[BaseException]) -> dict[str, Any]:
     or None. Set it (to None) before the configuration's fields, and again on an error: the
     ranks compare it where it stands, so an error on one rank comes before the fields that
     rank could not fill in."""
-    return {ERROR: None if exc is None else (type(exc).__name__, str(exc))}
+    if exc is None:
+        return {ERROR: None}
+    kind = next((k for k, t in _ERRORS.items() if isinstance(exc, t)), "RuntimeError")
+    # an error of another type (a user's codec failing in its constructor): its type named
+    name = type(exc).__name__
+    return {ERROR: (kind, str(exc) if name == kind else f"{name}: {exc}")}
 
 
 def agree(where: str, fields: dict[str, Any], group: Optional[dist.ProcessGroup] = None) -> None:
@@ -127,7 +132,7 @@ def _raise_error(where: str, values: list) -> None:
     rank, (kind, message) = failed[0]
     if len(failed) < len(values) or any(v != failed[0][1] for _, v in failed):
         message = f"{where}: on rank {rank}: {message}"
-    raise _ERRORS.get(kind, ValueError)(message)
+    raise _ERRORS.get(kind, RuntimeError)(message)
 
 
 def _parameter_difference(a: list, b: list, rank: int) -> str:

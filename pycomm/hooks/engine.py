@@ -159,7 +159,7 @@ class Engine:
         exchange is phase 1, so its input's residual is its error feedback, whatever
         ``local_feedback``, which chooses between an all-reduce's two)."""
         if key[2] == PHASE_1 and self.codec.two_phase:
-            return {"r1": self.size * self.chunk(key[1])}
+            return {"r1": key[1]}  # the input, its N chunks padded to whole blocks
         sizes = self.residual_sizes(key[1])
         if key[2] == PHASE_1:
             return {name: numel for name, numel in sizes.items() if name == "r1"}
@@ -292,12 +292,14 @@ class Engine:
         scale: float,
         step: int,
         group: Optional[dist.ProcessGroup],
+        size: Optional[int] = None,
     ) -> tuple[torch.futures.Future, int]:
         """``out`` (s elements) becomes this rank's chunk of the sum over the ranks of
         ``scale`` times ``x`` (N chunks of s), through the codec: phase 1 alone, with the
         phase-1 residual of ``index`` (``(index, N * c, PHASE_1)``, each chunk padded to c, a
-        whole number of blocks), on ``group``. Returns (the future of ``out``, bytes sent)."""
-        codec, n, s = self.codec, self.size, out.numel()
+        whole number of blocks), on ``group`` of ``size`` ranks (default the bound exchange's).
+        Returns (the future of ``out``, bytes sent)."""
+        codec, n, s = self.codec, self.size if size is None else size, out.numel()
         c = -(-s // codec.block) * codec.block  # each chunk padded to whole blocks
         if c != s:
             padded = torch.zeros(n * c, dtype=x.dtype, device=x.device)
@@ -327,12 +329,14 @@ class Engine:
         x: torch.Tensor,
         step: int,
         gather: Callable[[torch.Tensor, torch.Tensor], torch.futures.Future],
+        size: Optional[int] = None,
     ) -> tuple[torch.futures.Future, int]:
         """``out`` (N chunks of ``x.numel()``) becomes every rank's ``x``, rank j's at chunk
         j, each encoded (no residual) and decoded, this rank's own too, so that every rank
-        holds the same bits; ``gather(rows, row)`` gathers every rank's packed row. Returns
-        (the future of ``out``, bytes sent)."""
-        codec, n, m = self.codec, self.size, x.numel()
+        holds the same bits; ``gather(rows, row)`` gathers every rank's packed row from the
+        ``size`` ranks (default the bound exchange's). Returns (the future of ``out``, bytes
+        sent)."""
+        codec, n, m = self.codec, self.size if size is None else size, x.numel()
         c = -(-m // codec.block) * codec.block
         codes, scales = codec.encode(x, None, 1.0, c)
         row = codec.pack(codes, scales, 1)

@@ -14,7 +14,7 @@ from harness import run_ranks
 
 import pycomm
 from pycomm.exchange import rank_order_sum
-from pycomm.hooks import Codec, HalfCodec, register_hook, unregister_hook
+from pycomm.hooks import Codec, HalfCodec, Int8Codec, register_hook, unregister_hook
 
 
 class UserBf16(HalfCodec):
@@ -414,6 +414,23 @@ def _rank_node_and_warmup():
         node_err = float((t - exact).norm() / exact.norm())
         same = all(torch.equal(t, o) for o in _gathered(t))
         refused = _error(lambda: ex.reduce_scatter(torch.empty(10), torch.empty(40), key="r"))
+        # the default, hierarchy='auto': all_reduce by the nodes, the other two flat over all
+        auto = pycomm.Exchange("int8")
+        x = torch.randn(4 * 300, generator=g)
+        shard, full = torch.empty(300), torch.empty(4 * 300)
+        auto.reduce_scatter(shard, x.clone(), key="x").wait()
+        exact = _exact_mean(x).view(4, 300)[dist.get_rank()]
+        rs_err = float((shard - exact).norm() / exact.norm())
+        auto.all_gather(full, shard, key="w").wait()
+        ag_err = float((full.view(4, 300)[dist.get_rank()] - shard).norm() / shard.norm())
+        ag_same = all(torch.equal(full, o) for o in _gathered(full))
+        saved = auto.state_dict()  # the reduce-scatter's residual: N chunks of the input
+        again = pycomm.Exchange("int8")
+        again.load_state_dict(saved)
+        a, b = torch.empty(300), torch.empty(300)
+        auto.reduce_scatter(a, x.clone(), key="x").wait()
+        again.reduce_scatter(b, x.clone(), key="x").wait()
+        flat = (rs_err, ag_err, ag_same, torch.equal(a, b))
     finally:
         set_nodes(None)
     warm = pycomm.Exchange("int8", start_iter=1)
@@ -423,14 +440,16 @@ def _rank_node_and_warmup():
         exact = _exact_mean(u)
         warm.all_reduce(u, key="u").wait()
         errs.append(float((u - exact).norm() / exact.norm()))
-    return node_err, same, refused, errs
+    return node_err, same, refused, errs, flat
 
 
 def test_node_hierarchy_and_warm_up():
-    for node_err, same, refused, errs in run_ranks(_rank_node_and_warmup, 4, timeout=90):
+    for node_err, same, refused, errs, flat in run_ranks(_rank_node_and_warmup, 4, timeout=90):
         assert same and 0 < node_err < 3e-2
         assert "hierarchy='node' runs all_reduce alone" in refused
         assert errs[0] < 1e-6 < errs[1] < 3e-2  # exact, then int8
+        rs_err, ag_err, ag_same, resumed = flat
+        assert 0 < rs_err < 3e-2 and 0 < ag_err < 3e-2 and ag_same and resumed
 
 
 def _rank_warm_up_per_key():
@@ -678,3 +697,94 @@ def test_a_refused_state_changes_nothing():
         assert "keys=None, expected a list of (call, key) pairs" in out["keys"]
         assert "got dict without an 'exchange' dict" in out["not a dict"]
         assert "holds non-finite values" in out["nan"]
+
+
+class _FailsOnRank1(Int8Codec):
+    """A user's codec whose constructor fails on rank 1 alone, with an error of its own."""
+
+    def __init__(self, block: int = 64, ratio: float = 0.5) -> None:
+        self.k = int(1 / ratio)
+        super().__init__(block)
+
+
+def _rank_tensor_kinds():
+    """Parameters are written as dist.all_reduce writes them (in place, outside autograd);
+    a meta tensor, a scale past fp32 and a bad residual for load_key are refused; a codec
+    failing in its constructor on one rank is an error on every rank; the exact
+    reduce-scatter's future holds ``output``."""
+    rank = dist.get_rank()
+    g = torch.Generator().manual_seed(rank)
+    out = {}
+    for codec in ("allreduce", "int8"):
+        ex, twin = pycomm.Exchange(codec), pycomm.Exchange(codec)
+        t = torch.randn(8, 40, generator=g)
+        p = torch.nn.Parameter(t.clone())
+        shard = torch.empty(4, 40)
+        pshard = torch.nn.Parameter(torch.empty(4, 40))
+        full, pfull = torch.empty(8, 40), torch.nn.Parameter(torch.empty(8, 40))
+        ex.all_reduce(t, key="t", op="sum").wait()
+        twin.all_reduce(p, key="t", op="sum").wait()
+        ex.reduce_scatter(shard, t, key="s").wait()
+        twin.reduce_scatter(pshard, p, key="s").wait()
+        ex.all_gather(full, shard, key="g").wait()
+        gathered = twin.all_gather(pfull, pshard, key="g").get_future().wait()
+        same = [torch.equal(t, p), torch.equal(shard, pshard), torch.equal(full, pfull)]
+        out[codec] = same + [gathered is pfull, p.requires_grad and p.grad_fn is None]
+    exact = pycomm.Exchange("allreduce")
+    o = torch.empty(1, 37)
+    out["future"] = exact.reduce_scatter(o, torch.ones(2, 37), key="f").get_future().wait() is o
+    ex = pycomm.Exchange("int8")
+    out["meta"] = _error(lambda: ex.all_reduce(torch.empty(8, device="meta"), key="m"))
+    out["scale"] = _error(
+        lambda: ex.reduce_scatter(torch.empty(64), torch.ones(128), key="r", scale=1e39)
+    )
+    out["still works"] = float(ex.all_reduce(torch.ones(64), key="x").wait()[0])
+    out["stats"] = ex.stats["steps"]
+    fresh = pycomm.Exchange("int8")
+    out["list residual"] = _error(lambda: fresh.load_key("k", 1, residual=[0.0] * 128))
+    out["nan residual"] = _error(
+        lambda: fresh.load_key("k", 1, residual=torch.full((128,), float("nan")))
+    )
+    register_hook("fails_on_rank1", codec=_FailsOnRank1)
+    try:
+        out["codec fails"] = _error(
+            lambda: pycomm.Exchange("fails_on_rank1", ratio=0 if rank == 1 else 0.5)
+        )
+    finally:
+        unregister_hook("fails_on_rank1")
+    return out
+
+
+def test_tensors_of_every_kind_and_a_codec_failing_on_one_rank():
+    for out in run_ranks(_rank_tensor_kinds, 2, timeout=60):
+        assert out["allreduce"] == [True] * 5 and out["int8"] == [True] * 5
+        assert out["future"]
+        assert "tensor is on the meta device" in out["meta"]
+        assert "scale=1e+39, expected a finite float of at most 3.403e+38" in out["scale"]
+        assert out["still works"] == 1.0 and out["stats"] == 1
+        assert "residual is a list, expected a tensor or None" in out["list residual"]
+        assert "residual holds non-finite values" in out["nan residual"]
+        assert out["codec fails"] == (
+            "RuntimeError: pycomm.Exchange: on rank 1: ZeroDivisionError: division by zero"
+        )
+
+
+def _rank_mixed_checkpoints():
+    """Ranks that load states of different calls: the next call is refused on every rank
+    (one rank exact in its warm-up, the other compressing, would pair other collectives)."""
+    rank = dist.get_rank()
+    ex = pycomm.Exchange("int8", start_iter=2)
+    states = []
+    for _ in range(3):
+        ex.all_reduce(torch.ones(256), key="t").wait()
+        states.append(ex.state_dict())
+    other = pycomm.Exchange("int8", start_iter=2)
+    other.load_state_dict(states[0 if rank == 0 else 2])
+    return _error(lambda: other.all_reduce(torch.ones(256), key="t"))
+
+
+def test_ranks_resuming_from_different_calls_are_refused():
+    a, b = run_ranks(_rank_mixed_checkpoints, 2, timeout=60)
+    assert a == b
+    assert 'ranks disagree on the order of calls: rank 0 has "call 1: all_reduce' in a
+    assert 'rank 1 has "call 3: all_reduce' in a
