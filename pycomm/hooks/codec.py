@@ -472,7 +472,8 @@ def check_codec(codec: Any, where: str = "pycomm.hooks.check_codec", device: Any
     where = f"{where}: codec {type(codec).__name__}"
     block, code_dtype, scale_dtype = _check_attributes(where, codec)
     # Two blocks, or more where blocks are short: decode_sum below writes 3 elements fewer.
-    m, rows = block * max(2, -(-8 // block)), 2
+    # Three rows: the sum of more than two (three ranks and more).
+    m, rows = block * max(2, -(-8 // block)), 3
     cb = _check_bytes(where, codec, "code_bytes", m, code_dtype)
     sb = _check_bytes(where, codec, "scale_bytes", m, scale_dtype)
     if cb + sb == 0:
@@ -487,6 +488,7 @@ def check_codec(codec: Any, where: str = "pycomm.hooks.check_codec", device: Any
     if codes.dtype != code_dtype or codes.shape[0] != rows:
         _fail(where, f"split() gave codes {codes.dtype} {list(codes.shape)}, expected {rows} rows")
     ones = [_check_row(where, codec, codes, scales, r, y[r], out_res[r]) for r in range(rows)]
+    _check_in_place(where, codec, x, residual, m, packed, out_res)
     _check_sum(where, codec, codes, scales, ones, m)
     _check_chunks(where, codec, m, cb, sb, dev)
     _check_nonfinite(where, codec, m, dev)
@@ -537,6 +539,42 @@ def _check_encode(
     if not torch.equal(residual, before):
         _fail(where, "encode(..., residual_out) changed residual, expected it only read")
     return packed, out_res
+
+
+def _check_in_place(
+    where: str,
+    codec: Any,
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    m: int,
+    packed: torch.Tensor,
+    out_res: torch.Tensor,
+) -> None:
+    """Each row encoded again with ``residual_out=None`` (the engine's default: the residual
+    updated in place): the same packed row, and the same new residual in place as written to
+    ``residual_out`` before."""
+    for r in range(x.shape[0]):
+        res = residual[r].clone()
+        call = f"encode(x of {m - 1}, residual, 0.5, {m}) in place (residual_out=None)"
+        codes, scales = _run(where, call, codec.encode, x[r], res, 0.5, m, None)
+        row = _run(where, "pack(codes, scales, 1)", codec.pack, codes, scales, 1)
+        if not torch.equal(row.reshape(-1), packed[r]):
+            _fail(
+                where,
+                f"{call} gave other codes or scales than with residual_out, expected the "
+                "same: encode must be a function of its arguments (a codec's own random "
+                "state or counter would differ on resume, and between the two calls)",
+            )
+        if not torch.allclose(res, out_res[r], rtol=1e-6, atol=1e-7, equal_nan=True):
+            unchanged = torch.equal(res, residual[r])
+            _fail(
+                where,
+                f"{call} "
+                + ("left the residual as it was" if unchanged else "wrote another residual")
+                + " where encode(..., residual_out) wrote y - decode(codes); expected the same "
+                "residual, in place: the engine passes residual_out=None by default, so error "
+                "feedback would never run",
+            )
 
 
 def _check_row(

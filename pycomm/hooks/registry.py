@@ -106,8 +106,9 @@ def _codec_state(
             f"({', '.join(CompressedState.option_names)}); expected other parameter names"
         )
     title = "".join(part.title() for part in name.split("_"))
+    label = getattr(factory, "__name__", None) or repr(factory)  # a functools.partial has none
     body: dict[str, Any] = {
-        "__doc__": f"State of the registered codec hook {name!r} ({factory.__name__}).",
+        "__doc__": f"State of the registered codec hook {name!r} ({label}).",
         "__module__": getattr(factory, "__module__", __name__),
         "hook_name": name,
         "codec_factory": staticmethod(factory),

@@ -4,7 +4,9 @@ HookState instance or a (state, fn) pair gets the cross-rank check, accumulation
 checkpoints; every pycomm bucket satisfies the Bucket protocol."""
 
 import ast
+import functools
 import importlib
+import itertools
 import os
 
 import pytest
@@ -97,6 +99,26 @@ def _count_nothing(self, codes, scales, scale, out):
     return PlainCodec.decode_sum(self, codes, scales, scale, out) * torch.tensor([1.0, 0.0])
 
 
+def _out_only(self, x, residual, scale, numel, residual_out=None):
+    # the new residual written to residual_out alone: in place (the engine's default) the
+    # residual stays as it was, and error feedback never runs
+    spare = residual_out if residual is None or residual_out is not None else residual.clone()
+    return PlainCodec.encode(self, x, residual, scale, numel, spare)
+
+
+def _decode_two_rows(self, codes, scales, scale, out):
+    return PlainCodec.decode_sum(self, codes[:2], scales, scale, out)  # a third rank lost
+
+
+_CALLS = itertools.count()
+
+
+def _counted(self, x, residual, scale, numel, residual_out=None):
+    # a counter of the codec's own in its codes (as a private random generator would be)
+    codes, _ = PlainCodec.encode(self, x, residual, scale, numel, residual_out)
+    return codes * (1 + 1e-7 * next(_CALLS)), None
+
+
 def _meta_codes(self, x, residual, scale, numel, residual_out=None):
     codes, _ = PlainCodec.encode(self, x, residual, scale, numel, residual_out)
     return codes.to("meta"), None
@@ -158,7 +180,13 @@ _BAD = [
         ),
         r"scale_bytes\(24\) returned 4, expected 3 \* scale_bytes\(8\) = 12",
     ),  # fmt: skip
-    (_broken(decode_sum=_decode_noisy), "decode_sum of the same 2 rows wrote other bits"),
+    (_broken(decode_sum=_decode_noisy), "decode_sum of the same 3 rows wrote other bits"),
+    (_broken(encode=_out_only), r"in place \(residual_out=None\) left the residual as it was"),
+    (
+        _broken(decode_sum=_decode_two_rows),
+        r"decode_sum\(codes of 3 rows, scales, 0.5, out\) wrote",
+    ),
+    (_broken(encode=_counted), "gave other codes or scales than with residual_out"),
     (
         _broken(encode=_half_uncast),
         "x of 7 torch.bfloat16, residual of None.* returned codes of dtype torch.bfloat16",
@@ -210,6 +238,15 @@ def test_a_codec_breaking_the_protocol_is_refused_at_registration(codec, pattern
         if "broken" in hook_names():
             unregister_hook("broken")
     assert "register_hook('broken'): codec Broken" in str(info.value)
+
+
+def test_a_factory_without_a_name_registers():
+    register_hook("partial_plain", codec=functools.partial(PlainCodec, block=2))
+    try:
+        state = hook_spec("partial_plain").state(None)
+        assert state.codec.block == 2 and "functools.partial" in type(state).__doc__
+    finally:
+        unregister_hook("partial_plain")
 
 
 def test_pack_refuses_codes_that_are_not_a_whole_row_per_chunk():
