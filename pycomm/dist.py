@@ -25,6 +25,7 @@ from typing import Any, Optional, Union
 import torch
 import torch.distributed as dist
 
+from pycomm._validate import check_int
 from pycomm.topology import set_nodes
 
 __all__ = [
@@ -400,8 +401,8 @@ def init(
         if nodes is not None:
             _set_nodes(nodes, info.world_size)
         return info
-    if nodes is not None:  # checked before any socket opens
-        _set_nodes(nodes, world_size or int(_env("WORLD_SIZE") or _env("SLURM_NTASKS") or 1))
+    if nodes is not None:  # its type; that it divides the world once the world is known
+        check_int("pycomm.init", "nodes", nodes, source="argument")
 
     name, _ = resolve_backend(backend)
     td = to_timedelta(timeout)
@@ -410,6 +411,8 @@ def init(
             f"init_method={init_method!r} ({_ARGUMENT}) is invalid; expected a torch init URL "
             "string (tcp://host:port, file:///path, env://) or None"
         )
+    if init_method is not None and init_method.startswith("file://"):
+        _check_file_url(init_method)
     kwargs: dict[str, Any] = {}
     if td is not None:
         kwargs["timeout"] = td
@@ -421,9 +424,13 @@ def init(
         local = _env("OMPI_COMM_WORLD_LOCAL_RANK") or _env("MPI_LOCALRANKID") or _env("LOCAL_RANK")
         lr = int(local) if local is not None and local.isdigit() else 0
         logger.info("initialized mpi process group: rank %d of %d", r, ws)
+        if nodes is not None:
+            _set_nodes(nodes, ws)
         return DistInfo(r, ws, lr, "mpi", torch.device("cpu"))
 
     info = _resolve(name, rank, world_size, have_init_method=init_method is not None)
+    if nodes is not None:  # checked before any socket opens
+        _set_nodes(nodes, info.world_size)
 
     if init_method is not None:
         kwargs.update(init_method=init_method, rank=info.rank, world_size=info.world_size)
@@ -640,6 +647,20 @@ def shutdown() -> None:
         gc.collect()
         dist.destroy_process_group()
         logger.debug("process group destroyed")
+
+
+def _check_file_url(url: str) -> None:
+    """A ``file://`` init URL whose folder exists: torch's FileStore waits for a missing one
+    holding the GIL, past any timeout."""
+    path = url[len("file://") :].split("?", 1)[0]
+    folder = os.path.dirname(path) or "."
+    if not path or os.path.isdir(path) or not os.path.isdir(folder):
+        raise ValueError(
+            f"init_method={url!r} ({_ARGUMENT}) is invalid; expected file:///path with a file "
+            f"path in an existing folder ({path or '(empty)'!r}: "
+            + ("a folder" if path and os.path.isdir(path) else f"no folder {folder!r}")
+            + ")"
+        )
 
 
 def _set_nodes(nodes: Any, world_size: int) -> None:

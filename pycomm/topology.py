@@ -54,7 +54,9 @@ def _env(name: str) -> Optional[str]:
     return value if value is not None and value.strip() != "" else None
 
 
-def _int(name: str, raw: str, source: str, expected: str) -> int:
+def _int(name: str, raw: Optional[str], source: str, expected: str) -> int:
+    if raw is None:
+        raise ValueError(f"{name} ({source}) is not set; expected {expected}")
     try:
         return int(raw)
     except ValueError:
@@ -107,10 +109,8 @@ def topology() -> Topology:
     if _env("GROUP_RANK") is not None:
         src = "torchrun environment"
         node = _int("GROUP_RANK", _env("GROUP_RANK"), src, "an integer node rank")
-        local = _int("LOCAL_RANK", _env("LOCAL_RANK") or "", src, "an integer local rank")
-        lw = _int(
-            "LOCAL_WORLD_SIZE", _env("LOCAL_WORLD_SIZE") or "", src, "an integer number of ranks"
-        )
+        local = _int("LOCAL_RANK", _env("LOCAL_RANK"), src, "an integer local rank")
+        lw = _int("LOCAL_WORLD_SIZE", _env("LOCAL_WORLD_SIZE"), src, "an integer number of ranks")
         raw_nodes = _env("GROUP_WORLD_SIZE")
         nodes = (
             _int("GROUP_WORLD_SIZE", raw_nodes, src, "an integer node count")
@@ -122,17 +122,32 @@ def topology() -> Topology:
         src = "SLURM environment"
         node = _int("SLURM_NODEID", _env("SLURM_NODEID"), src, "an integer node id")
         nodes = _int("SLURM_NNODES", _env("SLURM_NNODES"), src, "an integer node count")
-        local = _int("SLURM_LOCALID", _env("SLURM_LOCALID") or "", src, "an integer local id")
+        if not 1 <= nodes <= world:
+            raise ValueError(
+                f"SLURM_NNODES={nodes} ({src}) is invalid; expected an int in [1, {world}] "
+                f"(world_size={world})"
+            )
+        local = _int("SLURM_LOCALID", _env("SLURM_LOCALID"), src, "an integer local id")
         raw = _env("SLURM_TASKS_PER_NODE")
         lw = _slurm_tasks_per_node(raw, node) if raw is not None else max(1, world // nodes)
         return _checked(Topology(nodes, node, local, lw, "SLURM"), world)
     raw = _env("LOCAL_WORLD_SIZE")
     if raw is not None:
         lw = _int("LOCAL_WORLD_SIZE", raw, "environment", "an integer number of ranks")
-        if lw >= 1 and world % lw == 0:
-            return _checked(
-                Topology(world // lw, rank // lw, rank % lw, lw, "LOCAL_WORLD_SIZE"), world
+        if lw < 1 or world % lw:
+            raise ValueError(
+                f"LOCAL_WORLD_SIZE={lw} (environment) does not split world_size={world} into "
+                "equal nodes; expected a divisor of the world size (or GROUP_RANK, "
+                "GROUP_WORLD_SIZE and LOCAL_RANK as torchrun sets them, for nodes of other sizes)"
             )
+        local = _env("LOCAL_RANK")
+        if local is not None and local != str(rank % lw):
+            raise ValueError(
+                f"LOCAL_RANK={local!r} (environment) is not rank {rank} % LOCAL_WORLD_SIZE={lw} "
+                f"= {rank % lw}; expected ranks numbered node by node (or GROUP_RANK set, as "
+                "torchrun sets it)"
+            )
+        return _checked(Topology(world // lw, rank // lw, rank % lw, lw, "LOCAL_WORLD_SIZE"), world)
     return Topology(1, 0, rank, world, "one node (no launcher variable names nodes)")
 
 
@@ -143,8 +158,9 @@ def _checked(t: Topology, world: int) -> Topology:
         (
             "local_world_size",
             t.local_world_size,
-            1 <= t.local_world_size <= world,
-            f"an int in [1, {world}]",
+            1 <= t.local_world_size <= world - (t.nodes - 1),
+            f"an int in [1, {world - (t.nodes - 1)}] (world_size={world} over {t.nodes} nodes "
+            "of one rank or more)",
         ),
         (
             "local_rank",

@@ -326,6 +326,17 @@ BAD = [
     ({}, {"timeout": float("nan")}, "timeout", float("nan"), ARG),
     ({}, {"timeout": float("inf")}, "timeout", float("inf"), ARG),
     ({}, {"init_method": 5}, "init_method", 5, ARG),
+    # torch's FileStore waits for a missing folder holding the GIL, past any timeout
+    (
+        {},
+        {"init_method": "file:///no-such-dir/rdzv"},
+        "init_method",
+        "file:///no-such-dir/rdzv",
+        ARG,
+    ),
+    ({}, {"init_method": "file:///tmp"}, "init_method", "file:///tmp", ARG),
+    ({}, {"nodes": 2, "rank": 0, "world_size": "4"}, "world_size", "4", ARG),
+    ({**OK_TR, "WORLD_SIZE": "abc"}, {"nodes": 1}, "WORLD_SIZE", "abc", TR),
 ]
 
 
@@ -348,6 +359,42 @@ def test_bad_value_names_variable_value_and_source(no_sockets, env, kwargs, name
 
 
 # ---------------------------------------------------------------------- real process group
+
+
+@pytest.mark.parametrize(
+    "env, message",
+    [
+        (
+            {"SLURM_NODEID": "0", "SLURM_NNODES": "0", "SLURM_LOCALID": "0"},
+            "SLURM_NNODES=0 (SLURM environment) is invalid; expected an int in [1, 1]",
+        ),
+        ({"LOCAL_WORLD_SIZE": "2"}, "LOCAL_WORLD_SIZE=2 (environment) does not split world_size=1"),
+        (
+            {"LOCAL_WORLD_SIZE": "1", "LOCAL_RANK": "1"},
+            "LOCAL_RANK='1' (environment) is not rank 0 % LOCAL_WORLD_SIZE=1 = 0",
+        ),
+        (
+            {"GROUP_RANK": "0", "LOCAL_WORLD_SIZE": "1"},
+            "LOCAL_RANK (torchrun environment) is not set",
+        ),
+        (
+            {
+                "GROUP_RANK": "0",
+                "GROUP_WORLD_SIZE": "1",
+                "LOCAL_RANK": "0",
+                "LOCAL_WORLD_SIZE": "2",
+            },
+            "local_world_size=2 (from torchrun) is impossible; expected an int in [1, 1]",
+        ),
+    ],
+    ids=["slurm-no-nodes", "lws-not-dividing", "local-rank-off", "no-local-rank", "lws-too-big"],
+)
+def test_topology_refuses_variables_that_cannot_describe_the_job(env, message):
+    pycomm.init()  # one process, before the variables (init reads some of them too)
+    os.environ.update(env)
+    with pytest.raises(ValueError) as err:
+        pycomm.topology()
+    assert message in str(err.value)
 
 
 def test_single_process_init_and_double_shutdown():
