@@ -114,6 +114,8 @@ def _check_arguments(what: str, path: Any, ddp: Any, optimizer: Any) -> None:
             f"pycomm.checkpoint.{what}: path is a {type(path).__name__}, expected a str or "
             "os.PathLike"
         )
+    if os.fspath(path) in ("", b""):
+        raise ValueError(f"pycomm.checkpoint.{what}: path='' is empty, expected a file path")
     if not isinstance(ddp, DDP):
         raise TypeError(f"pycomm.checkpoint.{what}: ddp is a {type(ddp).__name__}, expected a DDP")
     if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
@@ -200,6 +202,7 @@ def save(
 
     def write_hook() -> None:
         _check_extra(extra)
+        _check_target(path)
         if state is not None:
             _atomic_save(state.state_dict(), _hook_file(path, rank, save_id))
 
@@ -252,6 +255,20 @@ def save(
     logger.info("pycomm.checkpoint: saved %s (rank %d of %d, id %s)", path, rank, world, save_id)
 
 
+def _check_target(path: str) -> None:
+    """``path`` names a regular file or none yet: a folder, a device or a pipe there would be
+    replaced by the checkpoint (``os.replace``)."""
+    if path.endswith(os.sep) or (os.path.lexists(path) and not os.path.isfile(path)):
+        what = "a folder" if os.path.isdir(path) or path.endswith(os.sep) else "not a regular file"
+        raise ValueError(
+            f"path={path!r} is {what}; expected the path of a checkpoint file (written anew, "
+            "or replacing the file there)"
+        )
+
+
+_SAVED_KEYS = ("world_size", "parameters", "hook", "id", "model", "optimizer", "extra")
+
+
 def _check_parameters(path: str, saved: list, mine: list) -> None:
     if saved == mine:
         return
@@ -280,6 +297,16 @@ def _check_optimizer(path: str, saved: Optional[dict], optimizer: torch.optim.Op
             f"pycomm.checkpoint.load: {path} is of another optimizer: its parameter groups "
             f"hold {sizes} parameters, this optimizer's hold {mine}"
         )
+    for i, (theirs, ours) in enumerate(zip(saved["param_groups"], optimizer.param_groups)):
+        # another optimizer class: its hyperparameters (SGD's momentum in an Adam) would be
+        # loaded, and torch fail half-way with the model already changed
+        foreign = sorted(set(theirs) - set(ours))
+        if foreign:
+            raise ValueError(
+                f"pycomm.checkpoint.load: {path} is of another optimizer: its parameter group "
+                f"{i} has options {foreign} that this {type(optimizer).__name__}'s has not "
+                f"({sorted(k for k in ours if k != 'params')})"
+            )
 
 
 def _read(
@@ -300,6 +327,12 @@ def _read(
             f"pycomm.checkpoint.load: {path} is not a pycomm checkpoint (format "
             f"{ckpt.get('format') if isinstance(ckpt, dict) else type(ckpt).__name__!r}, "
             f"expected {FORMAT!r})"
+        )
+    missing = [key for key in _SAVED_KEYS if key not in ckpt]
+    if missing:
+        raise ValueError(
+            f"pycomm.checkpoint.load: {path} lacks {missing} (damaged, or not written by "
+            "pycomm.checkpoint.save); expected a whole checkpoint"
         )
     _check_parameters(path, ckpt["parameters"], params_signature(ddp.module))
     state, saved_hook = _hook(ddp), ckpt["hook"]

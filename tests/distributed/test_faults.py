@@ -15,6 +15,7 @@ import pickle
 import re
 import shutil
 import socket
+import stat
 import subprocess
 import sys
 import tempfile
@@ -598,6 +599,27 @@ def _rank_load(path, hook):
     result["other_hook"] = _load_error(path, other, torch.optim.SGD(other.parameters(), lr=0.1))
     plain = DDP(_model(seed=7))
     result["no_hook"] = _load_error(path, plain, torch.optim.SGD(plain.parameters(), lr=0.1))
+    # another optimizer class (torch failed half-way, the model already loaded)
+    other = pycomm.wrap(_model(seed=7), hook=hook)
+    result["other_optimizer"] = _load_error(path, other, torch.optim.Adam(other.parameters()))
+    result["other_optimizer_untouched"] = torch.equal(
+        next(other.module.parameters()), next(_model(seed=7).parameters())
+    )
+    # a file with the format but not the rest; a path that is no regular file; an empty one
+    folder = os.path.dirname(path)
+    torn = os.path.join(folder, f"torn{dist.get_rank()}.pt")
+    torch.save({"format": pycomm.checkpoint.FORMAT}, torn)
+    result["torn"] = _load_error(torn, ddp, opt)
+    fifo = os.path.join(folder, "fifo")
+    if dist.get_rank() == 0:
+        os.mkfifo(fifo)
+    dist.barrier()
+    try:
+        pycomm.checkpoint.save(fifo, ddp, opt)
+        result["fifo"] = None
+    except ValueError as e:
+        result["fifo"] = (str(e), stat.S_ISFIFO(os.stat(fifo).st_mode))
+    result["empty"] = _load_error("", ddp, opt)
     result["no_hook_untouched"] = torch.equal(
         next(plain.module.parameters()), next(_model(seed=7).parameters())
     )
@@ -639,7 +661,19 @@ def test_checkpoint_save_load_atomic_and_mismatches(tmp_path):
         assert r["other_hook"][0] == "ValueError"
         assert "'int8' in the checkpoint but 'allreduce'" in r["other_hook"][1]
         assert r["no_hook"][0] == "ValueError" and "no pycomm hook" in r["no_hook"][1]
-        assert r["no_hook_untouched"]
+        assert r["no_hook_untouched"] and r["other_optimizer_untouched"]
+        assert r["other_optimizer"][0] == "ValueError"
+        assert (
+            "is of another optimizer: its parameter group 0 has options ['dampening'"
+            in (r["other_optimizer"][1])
+        )
+        assert r["torn"][0] == "ValueError" and "lacks ['world_size', 'parameters'" in r["torn"][1]
+        message, still_a_fifo = r["fifo"]
+        assert still_a_fifo and "fifo' is not a regular file; expected the path" in message
+        assert r["empty"] == (
+            "ValueError",
+            "pycomm.checkpoint.load: path='' is empty, expected a file path",
+        )
     # each rank got its own hook state back (error-feedback residuals differ between ranks)
     assert not _same(results[0]["hook"], results[1]["hook"])
     other_world = results[0]["other_world"]
@@ -664,9 +698,10 @@ def _rank_one_rank_fails(path, case):
         dist.barrier()
         ddp = pycomm.wrap(_model(seed=3), hook="int8")
         opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
-    elif case == "save: rank 0's path is a folder":
+    elif case == "save: the path is a folder":
         if rank == 0:
             os.makedirs(path)
+        dist.barrier()
     elif case == "save: an extra value load cannot read":
         extra["args"] = _Unloadable()
     before = _params(ddp)
@@ -692,7 +727,8 @@ class _Unloadable:
     [
         ("load: rank 1's hook file is gone", "FileNotFoundError", r"on rank 1: .* names the hook "
          r"state of rank 1 in .*hook1.*, which is missing"),
-        ("save: rank 0's path is a folder", "IsADirectoryError", r"save: on rank 0: .*Is a dir"),
+        ("save: the path is a folder", "ValueError", r"save: path='.*ckpt.pt' is a folder; "
+         "expected the path of a checkpoint file"),
         ("save: an extra value load cannot read", "ValueError", r"save: extra value "
          r"args=_Unloadable cannot be loaded back with weights_only=True"),
     ],
