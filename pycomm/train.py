@@ -100,6 +100,7 @@ class TrainLoop:
         self._stage = stage if isinstance(stage, AccumulateState) else None
         k, error = 1, None
         try:
+            _check_optimizer(ddp, optimizer)
             k = _check_settings(ddp, self._stage, accumulate_steps, max_grad_norm, scaler)
             if batch_size is not None:
                 check_int("pycomm.TrainLoop", "batch_size", batch_size)
@@ -299,6 +300,18 @@ class TrainLoop:
         if self._bar is not None:
             self._bar.close()
             self._bar = None
+
+
+def _check_optimizer(ddp: DDP, optimizer: torch.optim.Optimizer) -> None:
+    """``optimizer`` steps some of ``ddp``'s trainable parameters (one that holds none of them
+    would never change the model)."""
+    mine = {id(p) for p in ddp.parameters() if p.requires_grad}
+    if mine and not any(id(p) in mine for g in optimizer.param_groups for p in g["params"]):
+        raise ValueError(
+            "pycomm.TrainLoop: optimizer holds none of ddp's trainable parameters, expected "
+            "the optimizer of this model (torch.optim.SGD(ddp.parameters(), ...)): its steps "
+            "would never change the model"
+        )
 
 
 def _check_settings(

@@ -82,12 +82,17 @@ def _registered_fn(state: HookState) -> Optional[Callable]:
     return None
 
 
-def _positive_number(value: Any) -> bool:
+# DDP hands the reducer int(bucket_cap_mb * 2**20) bytes, an int64
+_MAX_BUCKET_CAP_MB = float(2**63 - 1) / 2**20 * (1 - 1e-12)
+
+
+def _bucket_cap(value: Any) -> bool:
+    """A bucket_cap_mb DDP can take: a positive number whose bytes fit in int64."""
     return (
         not isinstance(value, bool)
         and isinstance(value, (int, float))
         and math.isfinite(value)
-        and value > 0
+        and 0 < value <= _MAX_BUCKET_CAP_MB
     )
 
 
@@ -482,10 +487,13 @@ def wrap(
     problem = _state_problem(process_group, hook)
     fields, state, fn = resolve_hook(hook, hook_options, accumulate_steps, process_group)
     cap = ddp_kwargs.get("bucket_cap_mb", None if state is None else state.default_bucket_cap_mb)
-    if fields.get(ERROR) is None and cap is not None and not _positive_number(cap):
+    if fields.get(ERROR) is None and cap is not None and not _bucket_cap(cap):
         fields.update(
             error_field(
-                ValueError(f"pycomm.wrap: bucket_cap_mb={cap!r}, expected a positive number of MB")
+                ValueError(
+                    f"pycomm.wrap: bucket_cap_mb={cap!r}, expected a positive number of MB, at "
+                    f"most {_MAX_BUCKET_CAP_MB:.4g} (its bytes an int64)"
+                )
             )
         )
     agree(

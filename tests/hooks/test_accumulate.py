@@ -453,11 +453,15 @@ def test_resume_mid_window_is_bitwise_equal(view):
 def _rank_bad_input():
     ddp = pycomm.wrap(_model(), accumulate_steps=K)
     opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    plain = DDP(_model())
     cases = {
         "conflict": lambda: pycomm.TrainLoop(ddp, opt, accumulate_steps=2),
         "norm": lambda: pycomm.TrainLoop(ddp, opt, max_grad_norm=-1.0),
         "norm_nan": lambda: pycomm.TrainLoop(ddp, opt, max_grad_norm=float("nan")),
-        "k_zero": lambda: pycomm.TrainLoop(DDP(_model()), opt, accumulate_steps=0),
+        "k_zero": lambda: pycomm.TrainLoop(
+            plain, torch.optim.SGD(plain.parameters(), lr=0.1), accumulate_steps=0
+        ),
+        "other_model": lambda: pycomm.TrainLoop(ddp, torch.optim.SGD(_model().parameters())),
         "not_ddp": lambda: pycomm.TrainLoop(_model(), opt),
         "not_opt": lambda: pycomm.TrainLoop(ddp, "sgd"),
         "closure": lambda: pycomm.TrainLoop(ddp, opt).step(3),
@@ -480,6 +484,7 @@ def test_bad_input_names_the_argument():
         "norm": ("ValueError", "max_grad_norm=-1.0"),
         "norm_nan": ("ValueError", "max_grad_norm=nan"),
         "k_zero": ("ValueError", "accumulate_steps=0"),
+        "other_model": ("ValueError", "optimizer holds none of ddp's trainable parameters"),
         "not_ddp": ("TypeError", "ddp is a Sequential"),
         "not_opt": ("TypeError", "optimizer is a str"),
         "closure": ("TypeError", "closure is a int"),

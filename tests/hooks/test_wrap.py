@@ -110,6 +110,8 @@ def _rank_mismatch(kind):
         ddp_kwargs[kind] = 1 + rank
     if kind == "one rank's bucket_cap_mb" and rank == 1:
         ddp_kwargs["bucket_cap_mb"] = "x"
+    if kind == "one rank's huge bucket_cap_mb" and rank == 1:
+        ddp_kwargs["bucket_cap_mb"] = 1e300  # DDP's reducer failed on its int64 bytes
     if kind == "one rank's options" and rank == 1:
         options = "ab"
     try:
@@ -144,6 +146,11 @@ def _rank_mismatch(kind):
         (
             "one rank's bucket_cap_mb",
             "on rank 1: pycomm.wrap: bucket_cap_mb='x', expected a positive number of MB",
+        ),
+        (
+            "one rank's huge bucket_cap_mb",
+            r"on rank 1: pycomm.wrap: bucket_cap_mb=1e\+300, expected a positive number of MB, "
+            r"at most 8.796e\+12 \(its bytes an int64\)",
         ),
     ],
 )
