@@ -62,6 +62,7 @@ Example:
 from __future__ import annotations
 
 import copy
+import functools
 import logging
 import math
 import weakref
@@ -394,9 +395,9 @@ class FSDPCompression(HookState):
         all_gathers: Optional[dict[str, ModuleAllGather]] = None,
         all_gather_exchange: Optional[Exchange] = None,
     ) -> None:
-        # the rank that owns the state: in the mesh, or under HSDP in every rank
-        hsdp = any(isinstance(m, NodeAllReduce) for m in modules.values())
-        super().__init__(None if hsdp else exchange.process_group)
+        # the rank that owns the state, among every rank (a mesh of some ranks numbers them
+        # again from 0: two ranks' states would share a file, and load each other's)
+        super().__init__(None)
         self.hook = hook
         self.hook_options = options
         self.modules = modules
@@ -1010,6 +1011,14 @@ def _install(name: str, setter: Any, comm: Any) -> None:
         ) from e
 
 
+def _divide_factor(module: FSDPModule) -> Optional[float]:
+    """The factor ``module.set_gradient_divide_factor`` set (torch keeps it on the module's
+    parameter groups and has no getter for it), or None (FSDP2's mean)."""
+    groups = getattr(module._get_fsdp_state(), "_fsdp_param_groups", None) or []
+    factors = {getattr(g, "gradient_divide_factor", None) for g in groups}
+    return factors.pop() if len(factors) == 1 else None
+
+
 def _install_node_all_reduce(
     modules: list[tuple[str, FSDPModule]], exchange: Exchange, local_size: int
 ) -> dict[str, NodeAllReduce]:
@@ -1017,7 +1026,7 @@ def _install_node_all_reduce(
     own on a GPU, so that the cross-node exchange overlaps the next module's backward."""
     installed: dict[str, NodeAllReduce] = {}
     for name, module in modules:
-        hook = NodeAllReduce(name, exchange, local_size)
+        hook = NodeAllReduce(name, exchange, local_size, functools.partial(_divide_factor, module))
         device = next((p.device for p in module.parameters()), torch.device("cpu"))
         stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         module.set_all_reduce_hook(hook, stream=stream)

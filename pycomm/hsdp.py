@@ -21,7 +21,7 @@ Example:
 from __future__ import annotations
 
 import copy
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -142,9 +142,15 @@ class NodeAllReduce:
     reduce-scatter output, this rank's shard of the node's reduction, averaged across the nodes
     through ``exchange`` (keyed by the module's name), in place.
 
+    FSDP2 hands it the node's mean (its reduce-scatter averages inside the node), or, once
+    ``set_gradient_divide_factor(f)`` is set on the module, the node's sum divided by f (before
+    or after the hook): the hook then sums across the nodes, so that the gradient is the sum
+    over every rank divided by f, as FSDP2's own HSDP makes it.
+
     Attributes:
         name: the module's name in the model ("" for the root).
         exchange: the :class:`pycomm.Exchange` across the nodes (one for every module).
+        divide_factor: returns the module's gradient divide factor (None: FSDP2's mean).
         iter: all-reduces run (one per synchronized backward).
         collectives: per collective, ``calls``, ``bytes_sent`` and ``bytes_fp32``:
             ``all_reduce``, the cross-node exchange (and an fp32 ring all-reduce of the shard
@@ -158,8 +164,15 @@ class NodeAllReduce:
         >>> module.set_all_reduce_hook(NodeAllReduce("layers.0", exchange, local_size=2))
     """
 
-    def __init__(self, name: str, exchange: Exchange, local_size: int) -> None:
+    def __init__(
+        self,
+        name: str,
+        exchange: Exchange,
+        local_size: int,
+        divide_factor: Optional[Callable[[], Optional[float]]] = None,
+    ) -> None:
         self.name, self.exchange, self.local_size = name, exchange, local_size
+        self.divide_factor = divide_factor
         self.calls = 0
         self.collectives: dict[str, dict[str, int]] = {
             "reduce_scatter": {"calls": 0, "bytes_sent": 0, "bytes_fp32": 0},
@@ -182,7 +195,10 @@ class NodeAllReduce:
         }
 
     def __call__(self, output: torch.Tensor) -> None:
-        work = self.exchange.all_reduce(output, key=self.name)
+        factor = None if self.divide_factor is None else self.divide_factor()
+        work = self.exchange.all_reduce(
+            output, key=self.name, op="mean" if factor is None else "sum"
+        )
         work.wait()
         self.calls += 1
         ar, rs = self.collectives["all_reduce"], self.collectives["reduce_scatter"]

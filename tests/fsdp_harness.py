@@ -3,7 +3,7 @@ fsdp/test_hsdp.py) share."""
 
 import torch
 import torch.distributed as dist
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import FSDPModule, fully_shard
 
 
 def model(seed: int = 0) -> torch.nn.Module:
@@ -25,6 +25,14 @@ def shard(m: torch.nn.Module, per_block: bool = True, **kw) -> torch.nn.Module:
             fully_shard(m[i], **kw)
     fully_shard(m, **kw)
     return m
+
+
+def set_divide_factor(m: torch.nn.Module, factor: float) -> None:
+    """``set_gradient_divide_factor`` on every FSDP module of ``m`` (FSDP2 sets it on the
+    module's own parameters alone)."""
+    for sub in m.modules():
+        if isinstance(sub, FSDPModule):
+            sub.set_gradient_divide_factor(factor)
 
 
 def data(n: int, seed: int = 0) -> list:

@@ -251,15 +251,17 @@ _ABSENT = object()
 
 def first_difference(a: Any, b: Any, path: str = "") -> Optional[tuple[str, str, str]]:
     """The first place where ``a`` and ``b`` differ, descending into dicts in sorted key
-    order: ``(path, a's value, b's value)`` as a message names them (``options['block']``,
-    ``'32'``, ``'64'``; ``absent`` for a missing key), or None when they are equal.
+    order (``"hook"`` first): ``(path, a's value, b's value)`` as a message names them
+    (``options['block']``, ``'32'``, ``'64'``; ``absent`` for a missing key), or None when
+    they are equal.
 
     Example:
         >>> first_difference({"options": {"block": 32}}, {"options": {"block": 64}})
         ("options['block']", '32', '64')
     """
     if isinstance(a, dict) and isinstance(b, dict):
-        for key in sorted(set(a) | set(b), key=repr):
+        # "hook" first: another hook is named before the options it does not have
+        for key in sorted(set(a) | set(b), key=lambda k: (k != "hook", repr(k))):
             sub = f"{path}[{key!r}]" if path else str(key)
             found = first_difference(a.get(key, _ABSENT), b.get(key, _ABSENT), sub)
             if found is not None:

@@ -189,3 +189,12 @@ def test_fsdp_compares_what_each_rank_resolved():
         "has 32" in ranks[0]["other default"]
     )
     assert ranks[0]["spelled default"] is None
+
+
+def test_a_checkpoint_of_another_hook_names_the_hook_before_its_options():
+    from pycomm.hooks.state import first_difference
+
+    saved = {"options": {"block": 64, "hook": "int8"}, "world_size": 2}
+    mine = {"options": {"hook": "bf16"}, "world_size": 2}
+    assert first_difference(saved, mine) == ("options['hook']", "'int8'", "'bf16'")
+    assert first_difference(saved, saved) is None

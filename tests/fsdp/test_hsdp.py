@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 from fsdp_harness import data as _data
 from fsdp_harness import model as _model
-from fsdp_harness import shard, straight_and_resumed, train
+from fsdp_harness import set_divide_factor, shard, straight_and_resumed, train
 from harness import error_text, run_ranks
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
@@ -75,6 +75,28 @@ def test_int8_weights_inside_the_node_and_gradients_across():
     assert last["all_gather"]["calls"] > 0 and last["all_reduce"]["calls"] == 3 * 3
     ag = last["all_gather"]
     assert ag["bytes_sent"] < 0.3 * ag["bytes_fp32"]
+
+
+def _rank_divided(hook, factor):
+    """HSDP with ``set_gradient_divide_factor(factor)`` on every module: the first step's
+    gradients, and FSDP2's own over every rank (its mean)."""
+    set_nodes(2)
+    try:
+        ref = train(_shard(_model()), None, 1)
+        m = _shard(_model(), pycomm.fsdp.node_mesh())
+        set_divide_factor(m, factor)
+        comm = pycomm.fsdp.compress(m, hook=hook)
+        return ref[1][0], train(m, comm, 1)[1][0]
+    finally:
+        set_nodes(None)
+
+
+@pytest.mark.parametrize("hook", ["allreduce", "int8"])
+def test_a_gradient_divide_factor_sums_across_the_nodes(hook):
+    # factor 2 (gloo's in-node reduce-scatter takes AVG, not PREMUL_SUM): the sum over the 4
+    # ranks / 2, twice FSDP2's mean (the nodes' mean of it was half of that)
+    for ref, ours in run_ranks(_rank_divided, 4, hook, 2.0, timeout=120):
+        torch.testing.assert_close(ours, ref * 2, rtol=1e-6, atol=1e-7)
 
 
 def test_accumulation_with_fsdp_no_sync():
@@ -202,11 +224,20 @@ def _rank_sub_mesh():
     ref = train(_shard(_model(), mesh), None, 2, 1)
     m = _shard(_model(), mesh)
     comm = pycomm.fsdp.compress(m, hook="allreduce")
-    return ref, train(m, comm, 2, 1), comm.hsdp
+    out = train(m, comm, 2, 1)
+    # each rank's state its own (the mesh numbers its 2 ranks 0 and 1 again): its own file,
+    # and another rank's state refused
+    everyone = [None] * 4
+    dist.all_gather_object(everyone, comm.state_dict())
+    owner = everyone[dist.get_rank() ^ 2]  # the rank at this rank's place in the other mesh
+    return ref, out, comm.hsdp, (comm.rank, error_text(lambda: comm.load_state_dict(owner)))
 
 
 def test_a_mesh_of_some_ranks_not_from_node_mesh_is_reduced_within_them():
-    for ref, (p, grads, stats), hsdp in run_ranks(_rank_sub_mesh, 4, timeout=120):
+    results = run_ranks(_rank_sub_mesh, 4, timeout=120)
+    for rank, (ref, (p, grads, stats), hsdp, (owner, refused)) in enumerate(results):
+        assert owner == rank
+        assert f"cannot load the hook state of rank {rank ^ 2} on rank {rank}" in refused
         assert not hsdp and "all_reduce" not in stats[-1]
         for a, b in zip(grads, ref[1]):
             torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
