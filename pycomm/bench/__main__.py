@@ -47,10 +47,14 @@ import torch
 import pycomm
 from pycomm.bench import link as _link
 from pycomm.bench.args import (
+    RANK_RUNTIME_BYTES,
     add_import_argument,
+    available_memory,
+    check_memory,
     check_output_paths,
     positive_float,
     positive_int,
+    timeout_seconds,
 )
 from pycomm.bench.models import MODELS, ModelSpec, count_params
 from pycomm.bench.nodes import Nodes
@@ -82,6 +86,12 @@ _GPT_FLAGS = {
 }
 _DEFAULTS = {"width": 1024, "d_model": 256, "heads": 4, "seq_len": 64, "vocab": 8192}
 _DEFAULT_BATCH = {"mlp": 64, "transformer": 4}
+# --step-timeout's ceiling: faulthandler.dump_traceback_later overflows on huge deadlines, and a
+# step of more than 11 days is a hang whatever the model.
+STEP_TIMEOUT_MAX_S = 1e6
+# --bucket-cap-mb's ceiling: DDP takes the bucket in bytes as a 64-bit integer; a terabyte of
+# bucket is one bucket for any model that fits.
+BUCKET_CAP_MAX_MB = 1e6
 
 
 def _non_negative(text: str) -> int:
@@ -171,7 +181,7 @@ def _run_flags(ap: argparse.ArgumentParser) -> None:
     )
     run.add_argument(
         "--bucket-cap-mb",
-        type=positive_float("MB"),
+        type=positive_float("MB", BUCKET_CAP_MAX_MB, why=" (one bucket for any model)"),
         default=None,
         metavar="MB",
         help="DDP bucket size for every hook; default: each hook's own, as pycomm.wrap picks "
@@ -251,7 +261,7 @@ def _timing_flags(ap: argparse.ArgumentParser) -> None:
     _link_flags(timing)
     timing.add_argument(
         "--step-timeout",
-        type=positive_float("seconds"),
+        type=positive_float("seconds", STEP_TIMEOUT_MAX_S, why=" (a longer step is a hang)"),
         default=10.0,
         metavar="S",
         help="a hook's step that lasts longer than max(S, 5x the slowest step so far) + 3x "
@@ -270,7 +280,7 @@ def _timing_flags(ap: argparse.ArgumentParser) -> None:
     )
     timing.add_argument(
         "--timeout",
-        type=positive_float("seconds"),
+        type=timeout_seconds(),
         default=300.0,
         help="seconds before one launch of the ranks is given up; default 300",
     )
@@ -328,6 +338,11 @@ def _output_flags(ap: argparse.ArgumentParser) -> None:
 def _hooks(ap: argparse.ArgumentParser, text: str) -> list[str]:
     known = available_hooks()
     names: list[str] = []
+    if not any(t.strip() for t in text.split(",")):  # an empty shell variable, say
+        ap.error(
+            f"--hooks {text!r}: no hook given; expected comma-separated hook names, default or "
+            "all (--hooks ddp runs the references compute and ddp alone)"
+        )
     for token in (t.strip() for t in text.split(",")):
         if not token:
             continue
@@ -374,7 +389,9 @@ def _spec(ap: argparse.ArgumentParser, args: argparse.Namespace) -> ModelSpec:
 
 
 def _size_flags(spec: ModelSpec) -> str:
-    keys = ["layers", "width"] if spec.kind == "mlp" else ["layers", "d_model", "vocab"]
+    """The flags that set the model's size (the transformer's positions too: seq_len x d_model
+    parameters)."""
+    keys = ["layers", "width"] if spec.kind == "mlp" else ["layers", "d_model", "seq_len", "vocab"]
     return " ".join(f"--{k.replace('_', '-')} {getattr(spec, k)}" for k in keys)
 
 
@@ -415,18 +432,6 @@ def _device_and_backend(ap: argparse.ArgumentParser, args: argparse.Namespace) -
     }
 
 
-def _available_memory() -> Optional[int]:
-    """Bytes of memory available to new processes (MemAvailable), None when unknown."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return None
-
-
 def memory_estimate(params: int, hooks: int, nprocs: int, error_steps: int) -> int:
     """Bytes a run needs, roughly: per rank and hook the parameters, their gradients, DDP's
     buckets and a hook's buffers (4 x fp32 copies), a reference copy for the error, and ~0.5 GB
@@ -436,7 +441,7 @@ def memory_estimate(params: int, hooks: int, nprocs: int, error_steps: int) -> i
         >>> round(memory_estimate(8_396_800, 11, 2, 2) / 1e9, 1)
         4.1
     """
-    per_rank = hooks * 16 * params + (8 * params if error_steps else 0) + 500 * 10**6
+    per_rank = hooks * 16 * params + (8 * params if error_steps else 0) + RANK_RUNTIME_BYTES
     return nprocs * per_rank
 
 
@@ -513,18 +518,17 @@ def _check_memory(
     """An error when the run would not fit in the memory available (on a GPU: the busiest
     one's)."""
     need = memory_estimate(params, hooks, args.nprocs, args.error_steps)
-    have = _available_memory()
+    have = available_memory()
     where = "available"
     if placed["device"] == "cuda":  # the busiest GPU holds ceil(nprocs / gpus) ranks
         share = -(-args.nprocs // placed["gpus"])
         need = need // args.nprocs * share
         have, where = placed["gpu_bytes"], f"on one GPU ({share} rank(s) on it)"
-    if have is not None and need > have:
-        ap.error(
-            f"{_size_flags(spec)}: {params / 1e6:.1f}M parameters, one copy per hook per rank: "
-            f"{hooks} hooks x {args.nprocs} ranks need about {need / 1e9:.1f} GB, "
-            f"{have / 1e9:.1f} GB is {where}; pick fewer --hooks or --nprocs or a smaller model"
-        )
+    what = (
+        f"{_size_flags(spec)}: {params / 1e6:.1f}M parameters, one copy per hook per rank: "
+        f"{hooks} hooks x {args.nprocs} ranks"
+    )
+    check_memory(ap, what, need, have, where)
 
 
 def _link_config(ap: argparse.ArgumentParser, args: argparse.Namespace) -> Optional[dict]:

@@ -37,7 +37,13 @@ from torch.distributed.fsdp import FSDPModule, fully_shard
 import pycomm
 import pycomm.fsdp
 from pycomm.bench import link as _link
-from pycomm.bench.args import check_output_paths, positive_int
+from pycomm.bench.args import (
+    RANK_RUNTIME_BYTES,
+    available_memory,
+    check_memory,
+    check_output_paths,
+    positive_int,
+)
 from pycomm.bench.link import tx_bytes
 from pycomm.bench.models import MODELS, ModelSpec, batches, build, count_params, loss_fn
 from pycomm.bench.nodes import Nodes, uplink
@@ -191,12 +197,58 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--warmup", type=int, default=3, help="untimed steps first (>= start_iter)")
     ap.add_argument("--model", choices=MODELS, default="mlp")
     ap.add_argument("--layers", type=positive_int, default=8)
-    ap.add_argument("--width", type=positive_int, default=1024)
+    ap.add_argument("--width", type=positive_int, default=None, help="MLP: default 1024")
     ap.add_argument("--batch", type=positive_int, default=64)
     ap.add_argument("--link", default=None, help="shape loopback to RATE per rank (tc rate)")
     ap.add_argument("--json", default=None, help="write the results here")
     ap.add_argument(_NETNS_FLAG, action="store_true", help=argparse.SUPPRESS)
     return ap  # fmt: skip
+
+
+def memory_estimate(params: int, hooks: int, nprocs: int) -> int:
+    """Bytes a run needs, roughly: per rank a whole fp32 model (each hook's is built whole
+    before it is sharded, and a block's parameters are gathered whole in its forward and
+    backward: 8 bytes a parameter), each hook's shards of parameters, gradients and the
+    error-feedback residual (12 bytes a parameter over the ranks), and ~0.5 GB of runtime.
+    Activations are not counted.
+
+    Example:
+        >>> round(memory_estimate(8_396_800, 4, 2) / 1e9, 1)
+        1.5
+    """
+    return nprocs * (8 * params + hooks * 12 * params // nprocs + RANK_RUNTIME_BYTES)
+
+
+def _hooks(ap: argparse.ArgumentParser, text: str) -> list[str]:
+    """The hooks --hooks names, in order, each once (as the step-time bench takes them)."""
+    hooks = list(dict.fromkeys(h.strip() for h in text.split(",") if h.strip()))
+    if not hooks:
+        ap.error(
+            f"--hooks {text!r}: no hook given; expected {NATIVE} (FSDP2's own), {NATIVE_HSDP} "
+            f"or one of {', '.join(pycomm.Exchange.codecs())}, comma-separated"
+        )
+    return hooks
+
+
+def _spec(ap: argparse.ArgumentParser, args: argparse.Namespace) -> ModelSpec:
+    """The model of --model, --layers, --width and --batch; --width with the transformer (its
+    sizes are ModelSpec's defaults) is an error, not ignored."""
+    if args.model != "mlp" and args.width is not None:
+        ap.error(f"--width {args.width}: --width is not a flag of --model {args.model}")
+    width = args.width if args.width is not None else 1024
+    return ModelSpec(args.model, layers=args.layers, width=width, batch=args.batch)
+
+
+def _check_memory(
+    ap: argparse.ArgumentParser, args: argparse.Namespace, spec: ModelSpec, params: int, hooks: int
+) -> None:
+    """An error, before any rank starts, when the run would not fit in the memory available."""
+    size = f"--layers {spec.layers}" + (f" --width {spec.width}" if spec.kind == "mlp" else "")
+    what = (
+        f"{size}: {params / 1e6:.1f}M parameters, a whole model and each hook's shards per "
+        f"rank: {hooks} hooks x {args.nprocs} ranks"
+    )
+    check_memory(ap, what, memory_estimate(params, hooks, args.nprocs), available_memory())
 
 
 def summarize(
@@ -248,7 +300,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     ap = _parser()
     args = ap.parse_args(argv)
-    hooks = [h.strip() for h in args.hooks.split(",") if h.strip()]
+    hooks = _hooks(ap, args.hooks)
+    spec = _spec(ap, args)
     if args.nprocs < 2:
         ap.error(f"--nprocs {args.nprocs}: expected at least 2")
     if args.warmup < 2:
@@ -282,6 +335,9 @@ def main(argv: Optional[list[str]] = None) -> int:
                     f"of {', '.join(pycomm.Exchange.codecs())}"
                 )
     check_output_paths(ap, args.json)
+    params = count_params(spec)
+    # with the wire counted (--link, one node), a run without any reduce-scatter as well
+    _check_memory(ap, args, spec, params, len(hooks) + (args.link is not None))
     link: dict[str, Any] = {"rate": args.link, "shaped": False}
     if args.link is not None:
         try:
@@ -303,8 +359,6 @@ def main(argv: Optional[list[str]] = None) -> int:
         if args.nodes == 1:
             link["qdisc"] = _link.shape_loopback(total)
         link["shaped"] = True
-    spec = ModelSpec(args.model, layers=args.layers, width=args.width, batch=args.batch)
-    params = count_params(spec)
     where = f"{args.nodes} nodes, uplinks" if args.nodes > 1 else "link"
     gathers = f", all-gather {args.all_gather or 'FSDP2 own'} for pycomm's hooks"
     print(f"pycomm.bench --fsdp: {spec.describe(params)}, {args.nprocs} ranks, {where} "

@@ -11,6 +11,7 @@ on Debian/Ubuntu ``apt-get install iproute2``).
 
 from __future__ import annotations
 
+import math
 import os
 import re
 import shutil
@@ -44,13 +45,18 @@ _RATE = re.compile(r"^\s*((?:\d+(?:\.\d*)?|\.\d+)(?:e[+-]?\d+)?)\s*([a-z]*)\s*$"
 # Below this a 1 MB burst and 100 ms of queue make the shaping meaningless; above it the
 # kernel's 64-bit tbf rate still copes but loopback on a CPU does not.
 MIN_BITS = 10**5
+# Above this (1 Tbit/s a rank) loopback on a CPU is far slower than the link: nothing is shaped.
+# tc_command hands tc ranks x RATE in bit/s, which its 64-bit bytes/s rate takes up to ~1.5e20
+# bit/s (iproute2's get_rate64), so 1 Tbit/s a rank leaves room for millions of ranks.
+MAX_BITS = 10**12
 
 BURST = "1mb"
 LATENCY = "100ms"
 
 
 def parse_rate(text: str) -> int:
-    """Bits per second of a tc rate (``2.5gbit``, ``500mbit``, ``100MBps``); ValueError if not.
+    """Bits per second of a tc rate (``2.5gbit``, ``500mbit``, ``100MBps``); ValueError if not,
+    or if outside :data:`MIN_BITS` to :data:`MAX_BITS` (an infinite one too).
 
     Example:
         >>> parse_rate("2.5gbit")
@@ -63,7 +69,13 @@ def parse_rate(text: str) -> int:
             f"{text!r} is not a tc rate; expected a number and a unit such as 2.5gbit, "
             f"500mbit, 100mbps ({', '.join(u for u in _UNITS if u)})"
         )
-    bits = int(float(m.group(1)) * _UNITS[unit])
+    value = float(m.group(1)) * _UNITS[unit]  # inf for 1e400gbit
+    if not math.isfinite(value) or value > MAX_BITS:
+        raise ValueError(
+            f"{text!r} is more than {MAX_BITS} bit/s; expected at most 1tbit (beyond it "
+            "loopback on a CPU is slower than the link: nothing would be shaped)"
+        )
+    bits = int(value)
     if bits < MIN_BITS:
         raise ValueError(f"{text!r} is {bits} bit/s; expected at least {MIN_BITS} bit/s")
     return bits

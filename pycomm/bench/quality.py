@@ -36,10 +36,13 @@ import torch
 
 import pycomm
 from pycomm.bench.args import (
+    RANK_RUNTIME_BYTES,
     add_import_argument,
+    available_memory,
+    check_memory,
     check_output_paths,
-    positive_float,
     positive_int,
+    timeout_seconds,
 )
 from pycomm.bench.quality_tasks import (
     DEFAULT_HOOKS,
@@ -110,7 +113,7 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--json", metavar="PATH", help="write every run and the summary here")
     ap.add_argument("--plot", metavar="PATH", help="PNG of the training-loss curves per hook")
     ap.add_argument(
-        "--timeout", type=positive_float("seconds"), default=3600.0, help="seconds; default 3600"
+        "--timeout", type=timeout_seconds(), default=3600.0, help="seconds; default 3600"
     )
     ap.add_argument("--list-tasks", action="store_true", help="list the tasks and exit")
     ap.add_argument(
@@ -277,6 +280,16 @@ def main(argv: Optional[list[str]] = None) -> int:
     if args.nodes > 1 and (not args.fsdp or args.nprocs % args.nodes):
         ap.error(f"--nodes {args.nodes}: expected --fsdp and a divisor of --nprocs {args.nprocs}")
     check_output_paths(ap, args.json, args.plot)
+    # the tasks' models are small: what a rank needs is torch and the data, as in the
+    # step-time bench's estimate
+    check_memory(
+        ap,
+        f"--nprocs {args.nprocs}: about {RANK_RUNTIME_BYTES / 1e9:.1f} GB a rank, "
+        f"{args.nprocs} ranks",
+        args.nprocs * RANK_RUNTIME_BYTES,
+        available_memory(),
+        advice="pick fewer --nprocs",
+    )
     tasks = args.tasks or list(QUICK_TASKS if args.quick else DEFAULT_TASKS)
     hooks = [REFERENCE] + list(dict.fromkeys(h for h in args.hooks if h != REFERENCE))
     if args.tasks is None or any(TASKS[t].kind == "digits" for t in tasks):

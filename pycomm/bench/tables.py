@@ -24,6 +24,7 @@ import fnmatch
 import json
 import os
 import re
+import sys
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
@@ -35,6 +36,20 @@ RESULTS = os.path.join("benchmarks", "results")
 
 _BEGIN = re.compile(r"^<!-- report: (?P<spec>.+?) -->$")
 _END = "<!-- /report -->"
+
+
+# Hooks that a recorded run's command names and that run otherwise today (a default changed, a
+# variant went): the JSON file -> {the name in its command: today's name of the same hook}. The
+# JSON keeps what was run; a block's "From" line gives the command with today's names (the one
+# that runs it again, parsed by today's CLI) and the names the JSON's rows have.
+RENAMED: dict[str, dict[str, str]] = {
+    # int8's block was 256 (int8-b256 today); int8-b64 a variant of block 64, int8's default now
+    "quality_int8_block.json": {"int8": "int8-b256", "int8-b64": "int8"},
+    # int4's block was 64 (int4-b64 today); int4-b128 a variant of block 128, int4's default now
+    "quality_int4_fp8_full.json": {"int4": "int4-b64"},
+    "quality_int4_charlm_plain.json": {"int4": "int4-b64", "int4-b128": "int4"},
+    "quality_int4_b128_full.json": {"int4-b128": "int4"},
+}
 
 
 class ReportError(ValueError):
@@ -460,8 +475,11 @@ def _parse(spec: str, path: str, line: int, text: str) -> Block:
 def blocks(path: str) -> list[Block]:
     """The report blocks of the Markdown page at ``path``, in order (a report comment inside a
     fenced code block is an example, not a block)."""
-    with open(path, encoding="utf-8") as f:
-        lines = f.read().splitlines()
+    try:
+        with open(path, encoding="utf-8") as f:
+            lines = f.read().splitlines()
+    except UnicodeDecodeError as e:  # a binary file, or another encoding
+        raise ReportError(f"{path}: not a UTF-8 text page ({e.reason} at byte {e.start})") from None
     found, start, fenced = [], None, False
     for i, line in enumerate(lines):
         if start is None and line.lstrip().startswith("```"):
@@ -519,7 +537,11 @@ def render(block: Block, root: str) -> str:
     expanded = Block(block.path, block.line, block.renderer, names, block.options, block.text)
     try:
         lines = RENDERERS[block.renderer](expanded, docs)
-    except (KeyError, TypeError, AttributeError) as e:
+    except ReportError:
+        raise
+    # what a JSON of another shape or with other values gives: a missing key, a string where a
+    # number belongs (ValueError: a format code; parse_rate), a time of 0 (ZeroDivisionError)
+    except (KeyError, TypeError, AttributeError, ValueError, ArithmeticError, IndexError) as e:
         raise ReportError(
             f"{block.where}: {', '.join(names)} is not what renderer "
             f"{block.renderer!r} reads ({type(e).__name__}: {e})"
@@ -529,8 +551,47 @@ def render(block: Block, root: str) -> str:
     for (p, _), doc in zip(paths, docs):
         rel = os.path.relpath(os.path.abspath(p), page_dir).replace(os.sep, "/")
         command = doc.get("command") if isinstance(doc, dict) else None
-        sources.append(f"[`{os.path.basename(p)}`]({rel})" + (f": `{command}`" if command else ""))
+        note = ""
+        if command:
+            command, note = rerun(os.path.basename(p), command, f"{block.where}: ")
+        sources.append(
+            f"[`{os.path.basename(p)}`]({rel})" + (f": `{command}`{note}" if command else "")
+        )
     return "\n".join([*lines, "", "<sub>From " + "; ".join(sources) + ".</sub>"])
+
+
+def rerun(name: str, command: str, where: str = "") -> tuple[str, str]:
+    """The command that runs the JSON file ``name`` again today (its ``--hooks`` renamed by
+    :data:`RENAMED`) and a note of the names its rows have ("" when nothing was renamed).
+
+    Example:
+        >>> rerun("quality_int4_b128_full.json", "python -m pycomm.bench.quality --hooks "
+        ...       "allreduce,int4-b128")[0]
+        'python -m pycomm.bench.quality --hooks allreduce,int4'
+    """
+    renamed = RENAMED.get(name)
+    if not renamed:
+        return command, ""
+    words = command.split(" ")
+    at = [i for i, w in enumerate(words) if w == "--hooks" or w.startswith("--hooks=")]
+    hooks = None
+    if at and words[at[-1]] == "--hooks":
+        hooks = words[at[-1] + 1] if at[-1] + 1 < len(words) else None
+    elif at:
+        hooks = words[at[-1]].partition("=")[2]
+    missing = [old for old in renamed if old not in (hooks or "").split(",")]
+    if missing:
+        raise ReportError(
+            f"{where}{name}: RENAMED renames {', '.join(missing)}, which its command does not "
+            f"name in --hooks: {command}"
+        )
+    new = ",".join(renamed.get(h, h) for h in hooks.split(","))
+    if words[at[-1]] == "--hooks":
+        words[at[-1] + 1] = new
+    else:
+        words[at[-1]] = f"--hooks={new}"
+    note = ", its ".join(f"`{old}` is today's `{now}`" for old, now in renamed.items())
+    return " ".join(words), f" (today's hook names: the JSON's {note})"
 
 
 def pages(root: str) -> list[str]:
@@ -585,16 +646,17 @@ def main(argv: Optional[list[str]] = None) -> int:
     if not os.path.isdir(os.path.join(args.root, RESULTS)):
         print(
             f"error: --root {args.root!r} has no {RESULTS} folder; expected the repository's "
-            "root (run from it, or pass --root)"
+            "root (run from it, or pass --root)",
+            file=sys.stderr,
         )
         return 2
     try:
         changed = update(args.pages or pages(args.root), args.root, check=args.check)
     except ReportError as e:
-        print(f"error: {e}")
+        print(f"error: {e}", file=sys.stderr)
         return 2
     except OSError as e:  # a page missing, a folder, unreadable
-        print(f"error: {e.filename}: {e.strerror or e}")
+        print(f"error: {e.filename}: {e.strerror or e}", file=sys.stderr)
         return 2
     for b in changed:
         what = "stale" if args.check else "rewritten"

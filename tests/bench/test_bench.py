@@ -94,6 +94,19 @@ def test_help_lists_every_flag(capsys):
         (("--link", "fast"), "--link: 'fast' is not a tc rate"),
         (("--link", "2.5zbit"), "--link: '2.5zbit' is not a tc rate"),
         (("--link", "0gbit"), "expected at least"),
+        (("--link", "1e400gbit"), "--link: '1e400gbit' is more than 1000000000000 bit/s"),
+        (("--link", "1e30gbit"), "--link: '1e30gbit' is more than 1000000000000 bit/s"),
+        (("--timeout", "1e10"), "--timeout: '1e10' is more than 1e+09 seconds"),
+        (("--timeout", "1e-7"), "--timeout: '1e-7' is less than 1e-06 seconds"),
+        (("--step-timeout", "1e300"), "--step-timeout: '1e300' is more than 1e+06 seconds"),
+        (("--bucket-cap-mb", "1e300"), "--bucket-cap-mb: '1e300' is more than 1e+06 MB"),
+        (("--hooks", ""), "--hooks '': no hook given"),
+        (("--hooks", ","), "--hooks ',': no hook given"),
+        (
+            ("--model", "transformer", "--seq-len", "1000000000"),
+            "--layers 8 --d-model 256 --seq-len 1000000000 --vocab 8192: 256008.4M parameters",
+        ),
+        (("--nprocs", "100000"), " x 100000 ranks need about"),
         (("--timeout", "0"), "--timeout: '0' is not a positive number of seconds"),
         (("--rerun-budget", "-1"), "--rerun-budget: '-1' is not a non-negative number"),
         (("--step-timeout", "-1"), "--step-timeout: '-1' is not a positive number"),
@@ -141,7 +154,24 @@ def test_bad_flags_rejected_before_any_rank_starts(monkeypatch, capsys, args, wo
         ("fsdp", ("--width", "-5"), "--width: '-5' is not a positive integer"),
         ("fsdp", ("--hooks", "fsdp,powersgd"), "--hooks powersgd: not a reduce-scatter"),
         ("fsdp", ("--json", "/"), "--json /: is a folder"),
+        ("fsdp", ("--hooks", ""), "--hooks '': no hook given; expected fsdp"),
+        ("fsdp", ("--hooks", ","), "--hooks ',': no hook given"),
+        (
+            "fsdp",
+            ("--model", "transformer", "--width", "10"),
+            "--width 10: --width is not a flag of --model transformer",
+        ),
+        (
+            "fsdp",
+            ("--width", "200000", "--hooks", "fsdp", "--steps", "1"),
+            "--layers 8 --width 200000: 320001.6M parameters",
+        ),
+        ("fsdp", ("--nprocs", "100000"), "4 hooks x 100000 ranks need about"),
+        ("fsdp", ("--link", "1e400gbit"), "--link 1e400gbit: '1e400gbit' is more than"),
         ("quality", ("--timeout", "-5"), "--timeout: '-5' is not a positive number of seconds"),
+        ("quality", ("--timeout", "1e10"), "--timeout: '1e10' is more than 1e+09 seconds"),
+        ("quality", ("--timeout", "1e-7"), "--timeout: '1e-7' is less than 1e-06 seconds"),
+        ("quality", ("--nprocs", "100000"), "--nprocs 100000: about 0.5 GB a rank, 100000 ranks"),
         ("quality", ("--json", "/nonexistent/q.json"), "--json /nonexistent/q.json: the folder"),
     ],
 )
@@ -163,8 +193,27 @@ def test_the_fsdp_bench_and_the_quality_suite_reject_bad_flags_first(
     assert words in capsys.readouterr().err
 
 
+def test_the_fsdp_bench_runs_each_hook_once_in_order(monkeypatch, capsys):
+    import pycomm.bench.fsdp
+
+    class Launched(Exception):
+        pass
+
+    def launch(fn, nprocs, spec, hooks, *args, **kwargs):
+        raise Launched(hooks)
+
+    monkeypatch.setattr(pycomm, "launch", launch)
+    with pytest.raises(Launched) as launched:
+        pycomm.bench.fsdp.main(["--hooks", "int8,fsdp,int8,fsdp"])
+    assert launched.value.args[0] == ["int8", "fsdp"]
+
+
 def test_rates_parse_like_tc():
     assert link.parse_rate("2.5gbit") == 2_500_000_000
+    assert link.parse_rate("1tbit") == link.MAX_BITS
+    for text in ("1e400gbit", "1.1tbit"):
+        with pytest.raises(ValueError, match=f"'{text}' is more than 1000000000000 bit/s"):
+            link.parse_rate(text)
     assert link.parse_rate("500Mbit") == 500_000_000
     assert link.parse_rate("100mbps") == 800_000_000
     assert link.parse_rate("1gibit") == 2**30

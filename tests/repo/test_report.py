@@ -157,10 +157,10 @@ def test_a_page_or_json_that_cannot_be_read_is_an_error_not_stale(repo, capsys):
     page = _page(repo, "broken")
     page.write_text("# Broken\n\n<!-- report: steps broken.json -->\n<!-- /report -->\n")
     assert tables.main(["--check", "--root", str(repo), str(page)]) == 2
-    assert "broken.json cannot be read as JSON" in capsys.readouterr().out
+    assert "broken.json cannot be read as JSON" in capsys.readouterr().err
     gone = _page(repo, "gone")
     assert tables.main(["--check", "--root", str(repo), str(gone)]) == 2
-    assert f"error: {gone}: No such file" in capsys.readouterr().out
+    assert f"error: {gone}: No such file" in capsys.readouterr().err
 
 
 def test_sweep_orders_runs_by_link_rate(repo):
@@ -318,8 +318,8 @@ def test_printed_is_the_bench_table_of_the_hooks_asked_for(repo):
 
 def test_a_root_without_results_is_an_error(tmp_path, capsys):
     assert tables.main(["--check", "--root", str(tmp_path)]) == 2
-    out = capsys.readouterr().out
-    assert f"--root {str(tmp_path)!r} has no benchmarks/results folder" in out
+    err = capsys.readouterr().err
+    assert f"--root {str(tmp_path)!r} has no benchmarks/results folder" in err
 
 
 def test_every_renderer_says_which_options_it_reads():
