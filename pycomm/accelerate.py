@@ -25,7 +25,8 @@ from pycomm._validate import hook_options_of
 from pycomm.checkpoint import gather_hook_state, load_hook_state
 from pycomm.hooks import HookState
 from pycomm.hooks.config import checked_everywhere
-from pycomm.wrap import HookArg
+from pycomm.train import follow_loss_scale
+from pycomm.wrap import STATE_ATTR, HookArg
 from pycomm.wrap import register as _register
 
 __all__ = ["HookStateCheckpoint", "register"]
@@ -62,7 +63,14 @@ def register(
         lambda: _checked(accelerator, model, accumulate_steps, hook_options, options),
         model.process_group if isinstance(model, DDP) else None,
     )
-    return _register(model, hook=hook, accumulate_steps=accumulate_steps, hook_options=hook_options)
+    state = _register(
+        model, hook=hook, accumulate_steps=accumulate_steps, hook_options=hook_options
+    )
+    # fp16 on a GPU: Accelerate's GradScaler changes the loss scale in optimizer.step()
+    follow_loss_scale(
+        getattr(accelerator, "scaler", None), lambda: getattr(model, STATE_ATTR, None)
+    )
+    return state
 
 
 def _checked(

@@ -21,7 +21,7 @@ Example:
 from __future__ import annotations
 
 import logging
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 try:
     from lightning.pytorch.strategies import DDPStrategy as _LightningDDPStrategy
@@ -32,6 +32,7 @@ except ImportError:  # the standalone package
         raise ImportError("pycomm.lightning needs PyTorch Lightning: pip install lightning") from e
 
 from pycomm.checkpoint import gather_hook_state, load_hook_state
+from pycomm.train import loss_scale, rescale_residuals
 from pycomm.wrap import STATE_ATTR, HookArg, check_args, register
 
 __all__ = ["CHECKPOINT_KEY", "DDPStrategy"]
@@ -96,6 +97,17 @@ class DDPStrategy(_LightningDDPStrategy):
 
     def _hook_state(self) -> Any:
         return getattr(self.model, STATE_ATTR, None) or self.pycomm_state
+
+    def optimizer_step(
+        self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any
+    ) -> Any:
+        # A mixed-precision plugin's GradScaler changes its scale here (growth, or backoff after
+        # an overflow): the hook's residuals follow it, in the units of the next gradients.
+        scaler = getattr(self.precision_plugin, "scaler", None)
+        before = loss_scale(scaler)
+        result = super().optimizer_step(optimizer, closure, model, **kwargs)
+        rescale_residuals(self._hook_state(), before, loss_scale(scaler))
+        return result
 
     def save_checkpoint(
         self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None

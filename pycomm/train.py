@@ -23,6 +23,57 @@ from pycomm.wrap import STATE_ATTR, ddp_parameters
 logger = logging.getLogger(__name__)
 
 
+def loss_scale(scaler: Any) -> Optional[float]:
+    """``scaler``'s current loss scale (a ``torch.amp.GradScaler``), or None without one or
+    with one disabled (a host read of the scale on a GPU).
+
+    Example:
+        >>> loss_scale(torch.amp.GradScaler("cpu", init_scale=16.0))
+        16.0
+    """
+    if scaler is None or not scaler.is_enabled():
+        return None
+    return float(scaler.get_scale())
+
+
+def rescale_residuals(state: Any, before: Optional[float], after: Optional[float]) -> None:
+    """Bring a hook's error-feedback residuals into the units of the next step's gradients
+    when the loss scale went from ``before`` to ``after`` (a power of two apart under a
+    GradScaler: exact): without it each growth would weigh the residual carried over half as
+    much as the new gradient. A state without residuals, or no change, is left alone.
+
+    Example:
+        >>> rescale_residuals(pycomm.hook_state(ddp), 1024.0, 2048.0)
+    """
+    if before and after and after != before:
+        scale = getattr(state, "scale_residuals", None)
+        if scale is not None:
+            scale(after / before)
+
+
+def follow_loss_scale(scaler: Any, state_of: Callable[[], Any]) -> None:
+    """Rescale the residuals of the hook ``state_of()`` returns whenever ``scaler.update()``
+    changes the loss scale: for a GradScaler that a framework steps (Accelerate's, the
+    Hugging Face Trainer's), which pycomm does not call itself. Wraps this scaler's
+    ``update``, once; nothing without a scaler.
+
+    Example:
+        >>> follow_loss_scale(accelerator.scaler, lambda: pycomm.hook_state(model))
+    """
+    if scaler is None or getattr(scaler, "_pycomm_followed", False):
+        return
+    update = scaler.update
+
+    def followed(*args: Any, **kwargs: Any) -> Any:
+        before = loss_scale(scaler)
+        result = update(*args, **kwargs)
+        rescale_residuals(state_of(), before, loss_scale(scaler))
+        return result
+
+    scaler.update = followed
+    scaler._pycomm_followed = True
+
+
 def sparse_sqnorm(grad: torch.Tensor) -> float:
     """The squared L2 norm of the sparse tensor ``grad`` as a dense tensor: its values summed
     per index first. A sum of sparse gradients (accumulation, a gather of every rank's) may
@@ -283,11 +334,7 @@ class TrainLoop:
     def _rescale(self, before: float, after: float) -> None:
         """The hook's residuals into the units of the next step's gradients, scaled by the
         loss scale ``after`` instead of ``before`` (a power of two apart: exact)."""
-        if after != before and before > 0:
-            hook = getattr(self.ddp, STATE_ATTR, None)
-            scale = getattr(hook, "scale_residuals", None)
-            if scale is not None:
-                scale(after / before)
+        rescale_residuals(getattr(self.ddp, STATE_ATTR, None), before, after)
 
     def _tick(self) -> None:
         if self._bar is not None:

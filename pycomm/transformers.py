@@ -55,6 +55,7 @@ from pycomm._validate import check_hook_args
 from pycomm.checkpoint import load_rank_state, save_rank_state
 from pycomm.hooks import HookState
 from pycomm.hooks.config import checked_everywhere
+from pycomm.train import follow_loss_scale
 from pycomm.wrap import STATE_ATTR
 
 __all__ = ["CommHookCallback", "register"]
@@ -188,6 +189,11 @@ class CommHookCallback(TrainerCallback):
         else:
             self.state = pycomm.register(model, hook=self.hook, hook_options=self.hook_options)
             self.registered = self.state
+        # fp16 on a GPU: the Trainer's GradScaler (its accelerator's) changes the loss scale
+        follow_loss_scale(
+            getattr(getattr(self.trainer, "accelerator", None), "scaler", None),
+            lambda: getattr(model, STATE_ATTR, None),
+        )
         if state.global_step > 0:  # resumed: the Trainer loaded checkpoint-<global_step>
             folder = self._checkpoint_dir(args, state.global_step)
             if not load_rank_state(self.state, folder, missing="ignore"):

@@ -504,12 +504,13 @@ def _rank_loop_settings_differ():
     rank = dist.get_rank()
     ddp = pycomm.wrap(_model())
     opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    plain = DDP(_model())
     cases = {
         "clip on one rank": lambda: pycomm.TrainLoop(
             ddp, opt, max_grad_norm=0.1 if rank == 0 else None
         ),
         "another window": lambda: pycomm.TrainLoop(
-            DDP(_model()), opt, accumulate_steps=2 if rank == 0 else 1
+            plain, torch.optim.SGD(plain.parameters()), accumulate_steps=2 if rank == 0 else 1
         ),
         "bad on rank 1": lambda: pycomm.TrainLoop(
             ddp, opt, max_grad_norm=1.0 if rank == 0 else -1.0
@@ -712,6 +713,37 @@ def test_residuals_follow_a_changing_loss_scale(hook, options, k):
     growth weighted the residual carried over half as much as the new gradient."""
     for plain, scaled in run_ranks(_rank_changing_scale, 2, hook, options, k, timeout=120):
         assert torch.equal(plain, scaled)
+
+
+def _rank_followed_scale():
+    """A loop of the caller's own (as Accelerate's and the HF Trainer's optimizer steps are)
+    with a GradScaler: with follow_loss_scale, a scale that doubles every step trains as a
+    constant one, bit for bit; without it, not."""
+    from pycomm.train import follow_loss_scale
+
+    data = _batches(dist.get_rank(), 8, seed=29)
+
+    def run(scaler, follow):
+        ddp = pycomm.wrap(_model(), hook="int8", bucket_cap_mb=0.004)
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
+        if follow:
+            follow_loss_scale(scaler, lambda: pycomm.hook_state(ddp))
+            follow_loss_scale(scaler, lambda: pycomm.hook_state(ddp))  # once is once
+        for x, y in data:
+            scaler.scale(torch.nn.functional.mse_loss(ddp(x), y)).backward()
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad()
+        return _flat(ddp.module)
+
+    constant = run(torch.amp.GradScaler("cpu", init_scale=16.0, growth_interval=10**6), False)
+    growing = lambda: torch.amp.GradScaler("cpu", init_scale=16.0, growth_interval=1)  # noqa: E731
+    return torch.equal(constant, run(growing(), True)), torch.equal(constant, run(growing(), False))
+
+
+def test_follow_loss_scale_keeps_a_callers_loop_bitwise():
+    for followed, unfollowed in run_ranks(_rank_followed_scale, 2, timeout=120):
+        assert followed and not unfollowed
 
 
 def _rank_join():

@@ -142,6 +142,68 @@ def test_lightning_strategy_registers_on_cpu_and_resumes_bitwise(tmp_path):
         assert r["saved_ranks"] == [0, 1]
 
 
+class _SteppingScaler(torch.amp.GradScaler):
+    """A GradScaler whose update() moves the scale between 2^8, 2^9 and 2^10 (powers of two:
+    the scaled gradients, codes and residuals are exact multiples of the unscaled)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.updates = 0
+
+    def update(self, new_scale=None):
+        self.updates += 1
+        super().update(2.0 ** (8 + self.updates % 3))
+
+
+def _rank_lightning_loss_scale():
+    """Lightning's 16-mixed precision plugin, its GradScaler's scale constant or changing every
+    step: the same parameters bit for bit (the residuals follow the scale)."""
+    import lightning.pytorch as L
+    from lightning.pytorch.plugins import MixedPrecision
+
+    from pycomm.lightning import DDPStrategy
+
+    _quiet()
+
+    class Module(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.net = _net()
+
+        def training_step(self, batch, i):
+            x, y = batch
+            return ((self.net(x) - y) ** 2).mean()
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)
+
+    def fit(scaler):
+        m = Module()
+        t = L.Trainer(
+            accelerator="cpu",
+            devices=2,
+            strategy=DDPStrategy(hook="int8", hook_options={"start_iter": 2}),
+            max_epochs=2,
+            plugins=[MixedPrecision("16-mixed", "cpu", scaler=scaler)],
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+        )
+        t.fit(m, torch.utils.data.DataLoader(_data(), batch_size=4))
+        return _flat(m)
+
+    constant = fit(torch.amp.GradScaler("cpu", init_scale=2.0**8, growth_interval=10**6))
+    stepping = _SteppingScaler("cpu", init_scale=2.0**8, growth_interval=10**6)
+    changing = fit(stepping)
+    return torch.equal(constant, changing), stepping.updates
+
+
+def test_lightning_mixed_precision_residuals_follow_the_loss_scale():
+    for same, updates in run_ranks(_rank_lightning_loss_scale, 2, timeout=240):
+        assert updates >= 4 and same
+
+
 # --------------------------------------------------------------------------------- Accelerate
 
 
@@ -319,10 +381,9 @@ def _rank_ddp(tmp):
     )
 
     # static_graph: no no_sync accumulation; pycomm's stage accumulates there, bit for bit
+    static = DDP(_net(), static_graph=True)
     out["static_plain"] = _error(
-        lambda: pycomm.TrainLoop(
-            DDP(_net(), static_graph=True), torch.optim.SGD(_net().parameters()), accumulate_steps=2
-        )
+        lambda: pycomm.TrainLoop(static, torch.optim.SGD(static.parameters()), accumulate_steps=2)
     )
     ref, _ = _train_loop(DDP(_net(), gradient_as_bucket_view=True), 3, 2)
     stage, _ = _train_loop(pycomm.wrap(_net(), accumulate_steps=2, static_graph=True), 3, 2)
