@@ -21,7 +21,7 @@ from typing import Any, Optional
 
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from pycomm._validate import hook_options_of
+from pycomm._validate import check_int, hook_options_of
 from pycomm.checkpoint import gather_hook_state, load_hook_state
 from pycomm.hooks import HookState
 from pycomm.hooks.config import checked_everywhere
@@ -96,10 +96,11 @@ def _checked(
             ", expected none: Accelerate registers only torch's own hooks there (and silently "
             "drops others); leave comm_hook unset and pass hook= here"
         )
+    check_int("pycomm.accelerate.register", "accumulate_steps", accumulate_steps)
     k = getattr(accelerator, "gradient_accumulation_steps", 1)
     if accumulate_steps != 1 and k > 1:
         raise ValueError(
-            f"pycomm.accelerate.register: accumulate_steps={accumulate_steps} with the "
+            f"pycomm.accelerate.register: accumulate_steps={accumulate_steps!r} with the "
             f"accelerator's gradient_accumulation_steps={k}: two accumulators. Pass "
             "accumulate_steps=1 and let accelerator.accumulate() accumulate (it skips DDP's "
             "synchronization until its k-th batch, the end of the dataloader included)"

@@ -298,10 +298,26 @@ def register(
     fields, state, fn = resolve_hook(
         hook, hook_options, accumulate_steps, ddp.process_group, "pycomm.register", options
     )
+    cap = getattr(ddp, "bucket_bytes_cap", None)
+    if fields.get(ERROR) is None and isinstance(cap, int) and cap <= 0:
+        fields.update(
+            error_field(
+                ValueError(
+                    f"pycomm.register: the DDP model's bucket_cap_mb={cap / 2**20:g}, expected a "
+                    "positive number of MB"
+                )
+            )
+        )
     agree(
         "pycomm.register",
         {
             **fields,
+            # DDP's options that change its collectives, read from the model a framework built
+            # (a difference hangs or aborts DDP, or pairs buckets of other sizes in the hook)
+            "DDP option find_unused_parameters": bool(getattr(ddp, "find_unused_parameters", 0)),
+            "DDP option static_graph": bool(getattr(ddp, "static_graph", False)),
+            "DDP option broadcast_buffers": bool(getattr(ddp, "broadcast_buffers", True)),
+            "DDP option bucket_cap_mb": None if cap is None else cap / 2**20,
             "parameters": params_signature(ddp.module),
             "state of the DDP model": problem,
         },

@@ -5,7 +5,7 @@ import re
 import pytest
 import torch
 import torch.distributed as dist
-from harness import errors_of, run_ranks
+from harness import error_text, errors_of, run_ranks
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as torch_psgd
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -160,6 +160,38 @@ def test_mismatch_raises_on_every_rank(kind, pattern):
     for m in messages:
         assert m is not None
         assert re.search(pattern, m), m
+
+
+def _rank_register_ddp_options(kind):
+    """A DDP model a framework built, its options differing across ranks (or bad on one):
+    pycomm.register reads them from the model and names them on every rank."""
+    rank = dist.get_rank()
+    kwargs = {
+        "find_unused_parameters": {"find_unused_parameters": rank == 0},
+        "static_graph": {"static_graph": rank == 1},
+        "bucket_cap_mb": {"bucket_cap_mb": 1 + rank},
+        "negative bucket_cap_mb": {"bucket_cap_mb": -5 if rank == 1 else 25},
+    }[kind]
+    ddp = DDP(_model(), **kwargs)
+    return error_text(lambda: pycomm.register(ddp, hook="int8"))
+
+
+@pytest.mark.parametrize(
+    "kind, text",
+    [
+        ("find_unused_parameters", "ranks disagree on DDP option find_unused_parameters: rank 0 "
+         "has True, rank 1 has False"),
+        ("static_graph", "ranks disagree on DDP option static_graph: rank 0 has False, rank 1 "
+         "has True"),
+        ("bucket_cap_mb", "ranks disagree on DDP option bucket_cap_mb: rank 0 has 1.0, rank 1 "
+         "has 2.0"),
+        ("negative bucket_cap_mb", "pycomm.register: on rank 1: pycomm.register: the DDP model's "
+         "bucket_cap_mb=-5, expected a positive number of MB"),
+    ],
+)  # fmt: skip
+def test_register_compares_the_options_of_a_ddp_a_framework_built(kind, text):
+    messages = run_ranks(_rank_register_ddp_options, 2, kind, timeout=60)
+    assert messages[0] == messages[1] and text in messages[0], messages
 
 
 # torch's PowerSGD options that torch takes and fails on (or trains on silently) later
