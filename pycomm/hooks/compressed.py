@@ -175,7 +175,7 @@ class CompressedState(HookState):
         return self.store.last_sqnorm
 
     def _bound(self) -> None:
-        if self.world_size > 1:
+        if self.world_size > 1 or self.hierarchy == "node":  # "node" on one rank: refused
             self.node_plan = hier.resolve(self.hook_name, self.process_group, self.hierarchy)
             # with the node hierarchy the exchange runs across nodes only, on its own groups
             plan = self.node_plan

@@ -56,7 +56,8 @@ class HookSpec:
         auto: whether ``hook="auto"`` may choose it (``allow=[...]``); its candidates are
             tried in registration order, the most exact first.
         description: one line, shown by ``python -m pycomm.bench --list-hooks``.
-        module: the module that registered it: what the bench's ranks import to know it.
+        module: the module whose top level registered it (the caller of
+            :func:`register_hook`): what the bench's ranks import to know it.
 
     Example:
         >>> pycomm.hooks.hook_spec("int8").state
@@ -222,8 +223,10 @@ def register_hook(
     if codec is not None and not callable(codec):
         raise ValueError(f"{where}: codec={codec!r}, expected a Codec class or factory")
     old = _SPECS.get(name)
-    owner = state if state is not None else codec
-    if old is not None and old.module != (getattr(owner, "__module__", "") or ""):
+    # the module whose top level registers it (a second import of it registers again), not
+    # the codec's: a user's module registering pycomm's Int8Codec under a name of its own
+    module = _caller_module()
+    if old is not None and old.module != module:
         _taken(where, old)  # before the codec's self-check: the name is the first problem
     if codec is not None:
         _check_codec_factory(where, codec)
@@ -245,11 +248,8 @@ def register_hook(
             f"{where}: auto=True without a codec; expected codec=... (auto predicts a hook's "
             "step time from its codec's measured cost and bytes)"
         )
-    module = getattr(state, "__module__", "") or ""
     if old is not None:
-        same = old.module == module and getattr(old.state, "__qualname__", None) == getattr(
-            state, "__qualname__", None
-        )
+        same = getattr(old.state, "__qualname__", None) == getattr(state, "__qualname__", None)
         if not same:
             _taken(where, old)
     spec = HookSpec(name, state, hook, codec, auto, description, module)
@@ -257,6 +257,17 @@ def register_hook(
         state.hook_name = name
     _SPECS[name] = spec
     return spec
+
+
+def _caller_module() -> str:
+    """The module that called :func:`register_hook` (its first frame outside this module)."""
+    frame = inspect.currentframe()
+    try:
+        while frame is not None and frame.f_globals.get("__name__") == __name__:
+            frame = frame.f_back
+        return "" if frame is None else str(frame.f_globals.get("__name__", ""))
+    finally:
+        del frame
 
 
 def _check_codec_factory(where: str, codec: Callable[..., Any]) -> None:
@@ -290,8 +301,8 @@ def _check_state_and_hook(where: str, state: Any, hook: Any) -> None:
 
 def _taken(where: str, old: HookSpec) -> None:
     raise ValueError(
-        f"{where}: the name is taken by {old.state.__module__}.{old.state.__qualname__}; "
-        "expected a new name (or unregister_hook first)"
+        f"{where}: the name is taken by {old.state.__module__}.{old.state.__qualname__}, "
+        f"registered by module {old.module!r}; expected a new name (or unregister_hook first)"
     )
 
 

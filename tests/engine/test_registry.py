@@ -31,6 +31,7 @@ from pycomm.hooks import (
     register_hook,
     unregister_hook,
 )
+from pycomm.hooks.registry import user_modules
 from pycomm.hooks.state import completed
 
 
@@ -307,6 +308,13 @@ def my_hook(state, bucket):
         (("int8", MyState, my_hook), {}, "the name is taken by pycomm.hooks.codec.Int8State"),
         # a taken name is the first problem reported, before the codec's self-check
         (("int8",), {"codec": _broken(code_dtype=torch.int16)}, "the name is taken by pycomm"),
+        # pycomm's own codec under a built-in name, from a user's module: still taken
+        (
+            ("int8",),
+            {"codec": Int8Codec, "defaults": {"start_iter": 50}},
+            "the name is taken by pycomm.hooks.codec.Int8State, registered by module "
+            "'pycomm.hooks'",
+        ),
         (("My-Hook", MyState, my_hook), {}, "name='My-Hook', expected lowercase letters"),
         (("mine", object, my_hook), {}, "state=<class 'object'>, expected a pycomm.hooks.Hook"),
         (("mine", MyState, 3), {}, "hook=3, expected a function hook"),
@@ -327,6 +335,15 @@ def test_registration_errors_name_the_argument(args, kwargs, pattern):
     with pytest.raises(ValueError, match=pattern):
         register_hook(*args, **kwargs)
     assert "mine" not in hook_names()
+
+
+def test_a_users_module_registering_pycomms_codec_is_its_module():
+    spec = register_hook("int8_wide", codec=Int8Codec, description="int8, its own name")
+    try:
+        assert spec.module == __name__ and __name__ in user_modules()
+        assert register_hook("int8_wide", codec=Int8Codec).module == __name__  # imported again
+    finally:
+        unregister_hook("int8_wide")
 
 
 def test_registering_again_from_the_same_module_returns_the_spec():

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from ddp_harness import model as _model
 from ddp_harness import nodes as _nodes
-from harness import run_ranks
+from harness import errors_of, run_ranks
 
 import pycomm
 from pycomm.hooks.groups import group_timeout
@@ -390,3 +390,18 @@ def test_nan_in_one_shard_keeps_every_ranks_residuals(hook):
     for rank, r in enumerate(run_ranks(_rank_nan_in_one_shard, 4, hook, timeout=120)):
         assert r["skipped"] == 1 and r["residuals"] and r["moved"], (rank, r)
         assert r["same"], (rank, r)
+
+
+def _rank_node_on_one_rank():
+    return errors_of(
+        {
+            "int8": lambda: pycomm.wrap(_model(), hook="int8", hook_options={"hierarchy": "node"}),
+            "exchange": lambda: pycomm.Exchange("int8", hierarchy="node"),
+        }
+    )
+
+
+def test_node_on_a_group_of_one_rank_is_refused():
+    for name, (kind, text) in run_ranks(_rank_node_on_one_rank, 1, timeout=60)[0].items():
+        assert kind == "ValueError", name
+        assert "hierarchy='node' needs more than one node with more than one rank each" in text
