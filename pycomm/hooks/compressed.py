@@ -450,7 +450,11 @@ def compressed_hook(
         if state.node_plan is not None:
             return _node(state, bucket, x)
         if state.iter < state.start_iter:
-            return exact_allreduce(state, bucket, x, state.engine.phases.groups[0])
+            group = state.engine.phases.groups[0]
+            if state.bucket_layout.loaded:  # resumed in the warm-up: the saved layout's sums
+                exact = lambda b, t, _i: exact_allreduce(state, b, t, group)  # noqa: E731
+                return state.bucket_layout.run(bucket, x, exact)
+            return exact_allreduce(state, bucket, x, group)
         if state.bucket_layout.bound:
             return state.bucket_layout.run(bucket, x, state.exchange)
         return state.exchange(bucket, x)

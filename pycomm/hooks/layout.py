@@ -107,6 +107,14 @@ class BucketLayout:
             self.steps += 1
             self.current = []
 
+    @property
+    def loaded(self) -> bool:
+        """Whether a layout is set that is not being recorded (a checkpoint's, or the one the
+        first compressed step recorded): exact steps run on it too, so that a resumed DDP's
+        first step, bucketed as a fresh DDP buckets it, sums as the uninterrupted run does
+        (with 3 ranks or more an all-reduce's sums depend on where an element sits)."""
+        return self.bound and self.buckets is not None and not self.recording
+
     def run(self, bucket: dist.GradBucket, x: torch.Tensor, reduce: Reduce):
         """``reduce`` (the two-phase or the 16-bit path) on the hook's layout: directly when
         DDP's bucket is one of the layout's, else through a re-bucketing of this step."""
@@ -116,10 +124,13 @@ class BucketLayout:
                 self.set([])
                 self.recording = True
             self.buckets.append(key)
-            self.index[key] = len(self.buckets) - 1
+            r = self.index[key] = len(self.buckets) - 1
             if bucket.is_last():
                 self.recording = False
-            return reduce(bucket, x, len(self.buckets) - 1)
+            if bucket.index() != r:  # the hook's bucket r from the first step on (DDP numbers
+                # a sparse bucket among them: a dense one after it is DDP's 1, the hook's 0)
+                bucket = _HookBucket(r, x, bucket.is_last(), [self.params[i] for i in key])
+            return reduce(bucket, x, r)
         r = self.index.get(key)
         if r is not None:
             if bucket.index() != r:  # the hook's bucket r, whatever DDP numbers it

@@ -205,7 +205,9 @@ def powersgd_hook(
         return _in_turn(state, sparse)
     if layout.bound:
         layout.observe(bucket)
-        if s.iter >= s.start_powerSGD_iter:
+        # compressed steps on the hook's layout; exact ones too once a layout is loaded (a
+        # resume in the warm-up: the uninterrupted run's sums)
+        if s.iter >= s.start_powerSGD_iter or layout.loaded:
             return layout.run(bucket, bucket.buffer(), lambda b, _x, _i: _reduce(state, b))
     return _reduce(state, bucket)
 

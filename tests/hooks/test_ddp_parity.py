@@ -486,3 +486,40 @@ def test_powersgd_compresses_beside_find_unused_parameters(k):
     (a, stats), (b, _) = run_ranks(_rank_powersgd_unused, 2, k, timeout=90)
     assert torch.equal(a, b) and torch.isfinite(a).all()
     assert stats["compression"] > 1.5
+
+
+class _SparseFirst(torch.nn.Module):
+    """An MLP and, registered last, an embedding: DDP's bucket 0 is the sparse one, and the
+    dense bucket DDP's 1."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b = torch.nn.Linear(16, 32), torch.nn.Linear(32, 3)
+        self.emb = torch.nn.Embedding(50, 16, sparse=True)
+
+    def forward(self, i):
+        return self.b(torch.tanh(self.a(self.emb(i).mean(1))))
+
+
+def _rank_powersgd_sparse_first():
+    g = torch.Generator().manual_seed(dist.get_rank())
+    ddp = pycomm.wrap(
+        _SparseFirst(), hook="powersgd",
+        hook_options={"start_powerSGD_iter": 2, "matrix_approximation_rank": 1},
+    )  # fmt: skip
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    loop = pycomm.TrainLoop(ddp, opt)
+    for _ in range(5):
+        x, y = torch.randint(0, 50, (8, 5), generator=g), torch.randn(8, 3, generator=g)
+        loop.step(lambda x=x, y=y: torch.nn.functional.mse_loss(ddp(x), y))
+    state = pycomm.hook_state(ddp)
+    return sorted(state.torch_state.error_dict), len(state.bucket_layout.buckets)
+
+
+def test_powersgd_keys_its_memories_by_the_hooks_bucket_from_the_first_compressed_step():
+    # torch keys error feedback and P/Q by the bucket's index: the first compressed step (the
+    # layout's recording) passed DDP's bucket 1, the later ones the hook's bucket 0, so the
+    # first step's error feedback was dropped (and a stale entry kept)
+    for keys, buckets in run_ranks(_rank_powersgd_sparse_first, 2, timeout=90):
+        assert keys == list(range(buckets)) and buckets == 1
