@@ -77,6 +77,7 @@ from pycomm.hooks.allreduce import exact_allreduce, per_bucket
 from pycomm.hooks.codec import Codec
 from pycomm.hooks.compressed import CompressedState
 from pycomm.hooks.groups import phase_groups
+from pycomm.hooks.layout import BucketLayout
 from pycomm.hooks.registry import hook_names, hook_spec, spec_identity
 from pycomm.hooks.state import (
     HookState,
@@ -322,6 +323,9 @@ class AutoState(HookState):
         self._plan: Optional[hier.NodePlan] = None
         # per measured iteration: forward end, bucket ready and reduced times, numels
         self.warmup = Warmup()
+        # DDP's buckets during the warm-up (and a checkpoint's): the layout the chosen hook
+        # compresses in, so that a resume just before the decision re-buckets a fresh DDP
+        self.bucket_layout = BucketLayout("pycomm auto hook", {})
         self.device = torch.device("cpu")
         self._dtypes: set[torch.dtype] = set()  # of the gradients: the candidates must take them
         self._group: Optional[dist.ProcessGroup] = None
@@ -382,6 +386,7 @@ class AutoState(HookState):
         """The model's trainable parameters (handed on to the chosen hook: its own bucket
         layout, for bitwise resumes). ``pycomm.wrap`` calls it."""
         self._params = list(params)
+        self.bucket_layout.bind(self._params)
 
     def expect_dtypes(self, dtypes: Sequence[torch.dtype]) -> None:
         """The gradient dtypes the model's buckets will have (``pycomm.register`` passes
@@ -430,6 +435,10 @@ class AutoState(HookState):
         state.bind()
         if self._params is not None and hasattr(state, "bind_parameters"):
             state.bind_parameters(self._params)
+            layout = getattr(state, "bucket_layout", None)
+            seen = self.bucket_layout.saved()  # DDP's latest, after its first step
+            if layout is not None and seen is not None:
+                layout.load([list(k) for k in seen])
         if isinstance(state, CompressedState):
             state.iter = int(decision["decided_at"])  # its exact warm-up is done
         self.chosen, self._chosen_fn, self.decision = state, fn, decision
@@ -499,7 +508,8 @@ class AutoState(HookState):
         """Whether to decide at this bucket: at the first bucket of an iteration (where every
         rank has the same history; later in one, whether its first exchange has completed yet
         differs between ranks) once ``start_iter`` iterations ran and one was measured whole
-        (a resume before the decision measures again); at once on one rank."""
+        (a resume before the decision goes on with the checkpoint's records); at once on one
+        rank."""
         if self.chosen is not None or self.warmup.started(self.iter):
             return False
         if self.world_size == 1:
@@ -519,6 +529,8 @@ class AutoState(HookState):
         ready and reduced times recorded."""
         self.device = x.device
         self._dtypes.add(x.dtype)
+        if self.bucket_layout.bound:
+            self.bucket_layout.observe(bucket)
         done = self.warmup.bucket_ready(self.iter, x.numel())
         fut = exact_allreduce(self, bucket, x, self._group)
 
@@ -531,16 +543,22 @@ class AutoState(HookState):
     def end_iteration(self) -> None:
         """After a warm-up iteration's last bucket."""
         self.iter += 1
+        self.bucket_layout.end_step()
 
     # --- checkpoint ----------------------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
+        saved = self.bucket_layout.saved() if self.chosen is None else None
         return {
             **super().state_dict(),
             "stats": dict(self._stats),  # the warm-up's own; the chosen hook keeps its own
             "iter": self.iter,
             "decision": self.decision,
             "chosen": None if self.chosen is None else self.chosen.state_dict(),
+            # before the decision, the warm-up's records: a resume decides when the
+            # uninterrupted run does
+            "warmup": self.warmup.state_dict() if self.chosen is None else None,
+            "layout": None if saved is None else [list(k) for k in saved],
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -549,6 +567,10 @@ class AutoState(HookState):
         super().load_state_dict(state)
         self.iter = int(state["iter"])
         self.warmup.reset()
+        if state.get("decision") is None and state.get("warmup") is not None:
+            self.warmup.load_state_dict(state["warmup"])
+        if state.get("decision") is None:
+            self.bucket_layout.load(state.get("layout"))
         self.chosen, self._chosen_fn, self.decision = None, None, None
         decision = state.get("decision")
         if decision is not None:

@@ -32,12 +32,42 @@ class Warmup:
         self.reset()
 
     def reset(self) -> None:
-        """Forget every record (after the decision, or a resume)."""
+        """Forget every record (after the decision)."""
         self.fwd: dict[int, tuple[float, float]] = {}  # forward start and end
         self.fwd_start = 0.0
         self.ready: dict[int, list[float]] = {}
         self.done: dict[int, list[float]] = {}
         self.numel: dict[int, list[int]] = {}
+        # the first iteration each process recorded (a fresh DDP's: it rebuilds its buckets
+        # after it), left out of the measurements; the next one recorded joins them
+        self.first: set[int] = set()
+        self._fresh = True
+
+    def state_dict(self) -> dict[str, Any]:
+        """The records, for a checkpoint taken before the decision: a resume decides at the
+        step the uninterrupted run does, on the iterations measured so far.
+
+        Example:
+            >>> Warmup().state_dict()["first"]
+            []
+        """
+        return {
+            "fwd": {i: list(v) for i, v in self.fwd.items()},
+            "ready": {i: list(v) for i, v in self.ready.items()},
+            "done": {i: list(v) for i, v in self.done.items()},
+            "numel": {i: list(v) for i, v in self.numel.items()},
+            "first": sorted(self.first),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict` (times of another process: each measurement is a
+        difference within one iteration); this process's first iteration is left out too."""
+        self.reset()
+        self.fwd = {int(i): (float(v[0]), float(v[1])) for i, v in state["fwd"].items()}
+        self.ready = {int(i): [float(t) for t in v] for i, v in state["ready"].items()}
+        self.done = {int(i): [float(t) for t in v] for i, v in state["done"].items()}
+        self.numel = {int(i): [int(n) for n in v] for i, v in state["numel"].items()}
+        self.first = {int(i) for i in state["first"]}
 
     def forward_start(self) -> None:
         """Mark the start of a training forward."""
@@ -55,15 +85,19 @@ class Warmup:
     def bucket_ready(self, it: int, numel: int) -> list[float]:
         """Record that a bucket of ``numel`` elements of iteration ``it`` is ready now; returns
         the list its reduced time is appended to."""
+        if self._fresh and it not in self.ready:
+            self.first.add(it)
+            self._fresh = False
         self.ready.setdefault(it, []).append(time.perf_counter())
         self.numel.setdefault(it, []).append(numel)
         return self.done.setdefault(it, [])
 
     def measured_iters(self, current: int) -> list[int]:
-        """The iterations measured whole: all but the first recorded (DDP rebuilds its
-        buckets after it; iteration 0, or the first after a resume) and ``current``."""
-        first = min(self.ready, default=None)
-        return sorted(i for i in self.ready if i not in (first, current) and self.done.get(i))
+        """The iterations measured whole: all but the first each process recorded (DDP
+        rebuilds its buckets after it; iteration 0, or the first after a resume) and
+        ``current``."""
+        skip = self.first | {current}
+        return sorted(i for i in self.ready if i not in skip and self.done.get(i))
 
     def measured(self, current: int, world_size: int) -> dict[str, Any]:
         """The measurements over :meth:`measured_iters` (the fastest of each number)."""

@@ -2,6 +2,7 @@
 every rank, kept across a resume, and its options checked on every rank before training."""
 
 import contextlib
+import copy
 
 import pytest
 import torch
@@ -312,18 +313,33 @@ def test_nodes_choose_the_hierarchy_too():
         assert torch.equal(params, first[2])
 
 
-def _rank_resume_before_the_decision():
+def _rank_resume_before_the_decision(cut):
+    """Cut at ``cut`` <= start_iter (5): the warm-up's records and DDP's buckets are in the
+    checkpoint, so the resumed run decides at 5, as the uninterrupted one, and compresses in
+    its layout (the fresh DDP's first step re-bucketed)."""
     data = _data(8)
+
+    def build():
+        ddp = pycomm.wrap(_model(), hook="auto", bucket_cap_mb=0.004)
+        return ddp, torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9)
+
     with _injected([SLOW]):
-        ddp = pycomm.wrap(_model(), hook="auto", bucket_cap_mb=0.004)
-        opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
-        _train(ddp, opt, data[:5])  # the warm-up is over, the decision not taken yet
-        saved = pycomm.hook_state(ddp).state_dict()
-        ddp = pycomm.wrap(_model(), hook="auto", bucket_cap_mb=0.004)
-        pycomm.hook_state(ddp).load_state_dict(saved)
-        opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
-        _train(ddp, opt, data[5:])
-    return saved["decision"], pycomm.hook_state(ddp).stats
+        ddp, opt = build()
+        _train(ddp, opt, data)
+        straight = torch.cat([p.detach().reshape(-1) for p in ddp.module.parameters()])
+        ddp, opt = build()
+        _train(ddp, opt, data[:cut])
+        saved = copy.deepcopy(
+            {"model": ddp.module.state_dict(), "opt": opt.state_dict(),
+             "hook": pycomm.hook_state(ddp).state_dict()}
+        )  # fmt: skip
+        ddp, opt = build()
+        ddp.module.load_state_dict(saved["model"])
+        opt.load_state_dict(saved["opt"])
+        pycomm.hook_state(ddp).load_state_dict(saved["hook"])
+        _train(ddp, opt, data[cut:])
+    resumed = torch.cat([p.detach().reshape(-1) for p in ddp.module.parameters()])
+    return saved["hook"]["decision"], pycomm.hook_state(ddp).stats, torch.equal(straight, resumed)
 
 
 def _rank_one():
@@ -332,12 +348,15 @@ def _rank_one():
     return pycomm.hook_state(ddp).stats
 
 
-def test_resume_before_the_decision_measures_again_and_one_rank_needs_no_measurement():
-    for before, stats in run_ranks(_rank_resume_before_the_decision, 2, timeout=120):
+@pytest.mark.parametrize("cut", [4, 5])
+def test_resume_before_the_decision_decides_when_the_run_would(cut):
+    for before, stats, same in run_ranks(_rank_resume_before_the_decision, 2, cut, timeout=120):
         assert before is None
-        # iteration 5 is the fresh DDP's first (not measured), 6 is measured: decided at 7
-        assert stats["auto"]["decided_at"] == 7 and stats["auto"]["choice"] == "int4"
-        assert stats["steps"] == 8
+        assert stats["auto"]["decided_at"] == 5 and stats["auto"]["choice"] == "int4"
+        assert stats["steps"] == 8 and same
+
+
+def test_one_rank_needs_no_measurement():
     (stats,) = run_ranks(_rank_one, 1, timeout=60)
     assert stats["auto"]["choice"] == "allreduce" and stats["auto"]["decided_at"] == 0
     assert stats["bytes_sent"] == 0 and stats["steps"] == 2
