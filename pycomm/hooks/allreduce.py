@@ -6,6 +6,7 @@ import torch
 import torch.distributed as dist
 
 from pycomm.hooks import hierarchy as hier
+from pycomm.hooks.layout import BucketLayout
 from pycomm.hooks.state import (
     HookState,
     check_bucket,
@@ -24,6 +25,11 @@ class AllreduceState(HookState):
     ``"node"`` (fp32 reduce-scatter inside each node, all-reduce across nodes on 1/L of the
     bucket, all-gather inside the node; see :mod:`pycomm.hooks.hierarchy`).
 
+    With the model's parameters bound (``pycomm.wrap`` binds them), a checkpoint records DDP's
+    buckets (after its first step), and a resumed run reduces its fresh DDP's first step in
+    them: with 3 ranks or more an all-reduce's sums depend on where an element sits, so that
+    step sums as the uninterrupted run's does.
+
     Example:
         >>> state = AllreduceState(process_group=None, hierarchy="node")
         >>> ddp.register_comm_hook(state, allreduce_hook)
@@ -37,6 +43,24 @@ class AllreduceState(HookState):
     ) -> None:
         self.hierarchy = hier.check_hierarchy(self.hook_name, hierarchy)
         super().__init__(process_group)
+        self.bucket_layout = BucketLayout(self.where, self._stats)
+
+    def bind_parameters(self, params: list[torch.Tensor]) -> None:
+        """The model's trainable parameters in ``module.parameters()`` order: names DDP's
+        buckets, for the layout a checkpoint records. ``pycomm.wrap`` calls it."""
+        self.bucket_layout.bind(params)
+
+    def state_dict(self) -> dict[str, Any]:
+        saved = self.bucket_layout.saved()
+        return {
+            **super().state_dict(),
+            "layout": None if saved is None else [list(k) for k in saved],
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.check_fingerprint(state)
+        self.bucket_layout.load(state.get("layout"))  # checked before anything changes
+        super().load_state_dict(state)
 
     def _bound(self) -> None:
         self.node_plan = hier.resolve(self.hook_name, self.process_group, self.hierarchy)
@@ -70,6 +94,8 @@ def allreduce_hook(
         >>> ddp.register_comm_hook(AllreduceState(None), allreduce_hook)
     """
 
+    layout = state.bucket_layout
+
     def dense(tensor: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
         plan = state.node_plan
         if plan is not None:
@@ -77,9 +103,14 @@ def allreduce_hook(
             return hier.node_reduce(
                 state, plan, bucket, tensor, bucket.index(), cross, prescale=1.0 / state.world_size
             )
+        if layout.bound:
+            layout.observe(bucket)
+            if layout.loaded:  # resumed: the checkpoint's buckets (DDP's own once rebuilt)
+                exact = lambda b, t, _i: exact_allreduce(state, b, t, state.process_group)  # noqa: E731
+                return layout.run(bucket, tensor, exact)
         return exact_allreduce(state, bucket, tensor, state.process_group)
 
-    return per_bucket(state, bucket, dense)
+    return per_bucket(state, bucket, dense, end=layout.end_step)
 
 
 def per_bucket(

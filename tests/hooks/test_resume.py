@@ -102,8 +102,12 @@ def test_resume_is_bitwise_equal_to_an_uninterrupted_run(hook, options, accumula
 
 @pytest.mark.parametrize(
     "hook, options",
-    [("int8", {"start_iter": 6}), ("powersgd", {**_PSGD, "start_powerSGD_iter": 6})],
-    ids=["int8", "powersgd"],
+    [
+        ("int8", {"start_iter": 6}),
+        ("powersgd", {**_PSGD, "start_powerSGD_iter": 6}),
+        ("allreduce", {}),  # exact throughout: the checkpoint's buckets for the fresh DDP's step
+    ],
+    ids=["int8", "powersgd", "allreduce"],
 )
 def test_resume_in_the_warm_up_is_bitwise_on_three_ranks(hook, options):
     """With 3 ranks an exact all-reduce's sums depend on where an element sits in the bucket:
