@@ -159,6 +159,11 @@ class AccumulateState(HookState):
         self._used_loaded: set[int] = set()
         if accumulate_steps > 1:
             _watch(self)
+            # the inner hook sees DDP's k-th iterations alone, after DDP's first (whose buckets
+            # DDP rebuilds): the first it sees is a layout a checkpoint may record
+            layout = getattr(inner_state, "bucket_layout", None)
+            if layout is not None and layout.steps == 0:
+                layout.steps = 1
 
     # --- what the loop reads ------------------------------------------------------------
 
