@@ -2,10 +2,13 @@
 hooks/test_hierarchy.py, hooks/test_auto.py) share; call them inside a rank."""
 
 import contextlib
+import copy
 import os
 
 import torch
 import torch.distributed as dist
+
+import pycomm
 
 _TORCHRUN = ("GROUP_RANK", "GROUP_WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
 
@@ -61,3 +64,30 @@ def nodes(layout, launcher="torchrun"):
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+
+
+def flat(m: torch.nn.Module) -> torch.Tensor:
+    """Every parameter, flat."""
+    return torch.cat([p.detach().reshape(-1) for p in m.parameters()])
+
+
+def straight_and_resumed(build, train, data: list, cut: int) -> tuple:
+    """``build()``'s (ddp, optimizer) trained by ``train(ddp, optimizer, batches)`` on
+    ``data`` straight; then again, its model, optimizer and hook state saved after ``cut``
+    batches, rebuilt, loaded and trained on the rest. Returns (the straight run's parameters,
+    the resumed run's, the saved hook state, the resumed ddp)."""
+    ddp, opt = build()
+    train(ddp, opt, data)
+    straight = flat(ddp.module)
+    ddp, opt = build()
+    train(ddp, opt, data[:cut])
+    saved = copy.deepcopy(
+        {"model": ddp.module.state_dict(), "opt": opt.state_dict(),
+         "hook": pycomm.hook_state(ddp).state_dict()}
+    )  # fmt: skip
+    ddp, opt = build()
+    ddp.module.load_state_dict(saved["model"])
+    opt.load_state_dict(saved["opt"])
+    pycomm.hook_state(ddp).load_state_dict(saved["hook"])
+    train(ddp, opt, data[cut:])
+    return straight, flat(ddp.module), saved["hook"], ddp

@@ -2,13 +2,13 @@
 every rank, kept across a resume, and its options checked on every rank before training."""
 
 import contextlib
-import copy
 
 import pytest
 import torch
 import torch.distributed as dist
 from ddp_harness import model as _model
 from ddp_harness import nodes as _nodes
+from ddp_harness import straight_and_resumed
 from harness import run_ranks
 
 import pycomm
@@ -324,22 +324,8 @@ def _rank_resume_before_the_decision(cut):
         return ddp, torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9)
 
     with _injected([SLOW]):
-        ddp, opt = build()
-        _train(ddp, opt, data)
-        straight = torch.cat([p.detach().reshape(-1) for p in ddp.module.parameters()])
-        ddp, opt = build()
-        _train(ddp, opt, data[:cut])
-        saved = copy.deepcopy(
-            {"model": ddp.module.state_dict(), "opt": opt.state_dict(),
-             "hook": pycomm.hook_state(ddp).state_dict()}
-        )  # fmt: skip
-        ddp, opt = build()
-        ddp.module.load_state_dict(saved["model"])
-        opt.load_state_dict(saved["opt"])
-        pycomm.hook_state(ddp).load_state_dict(saved["hook"])
-        _train(ddp, opt, data[cut:])
-    resumed = torch.cat([p.detach().reshape(-1) for p in ddp.module.parameters()])
-    return saved["hook"]["decision"], pycomm.hook_state(ddp).stats, torch.equal(straight, resumed)
+        straight, resumed, saved, ddp = straight_and_resumed(build, _train, data, cut)
+    return saved["decision"], pycomm.hook_state(ddp).stats, torch.equal(straight, resumed)
 
 
 def _rank_one():

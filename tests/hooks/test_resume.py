@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from ddp_harness import model as _model
+from ddp_harness import straight_and_resumed
 from harness import error_message as error
 from harness import run_ranks
 
@@ -134,21 +135,8 @@ def _rank_resume_mid_window(hook, cut):
         for x, y in batches:
             loop.step(lambda x=x, y=y: torch.nn.functional.mse_loss(ddp(x), y))
 
-    ddp, opt = build()
-    train(ddp, opt, data)
-    straight = _flat(ddp.module)
-    ddp, opt = build()
-    train(ddp, opt, data[:cut])
-    saved = copy.deepcopy(
-        {"model": ddp.module.state_dict(), "opt": opt.state_dict(),
-         "hook": pycomm.hook_state(ddp).state_dict()}
-    )  # fmt: skip
-    ddp, opt = build()
-    ddp.module.load_state_dict(saved["model"])
-    opt.load_state_dict(saved["opt"])
-    pycomm.hook_state(ddp).load_state_dict(saved["hook"])
-    train(ddp, opt, data[cut:])
-    return torch.equal(straight, _flat(ddp.module))
+    straight, resumed, _, _ = straight_and_resumed(build, train, data, cut)
+    return torch.equal(straight, resumed)
 
 
 @pytest.mark.parametrize("hook", ["int8", "allreduce"])
