@@ -81,12 +81,10 @@ def test_lightning_strategy_refuses_what_would_go_wrong():
 # ---------------------------------------------------------------------------------- Lightning
 
 
-def _rank_lightning(tmp):
+def _lightning_module():
+    """A LightningModule over ``_net()``: MSE loss, SGD with momentum (built in a rank, where
+    Lightning is imported)."""
     import lightning.pytorch as L
-
-    from pycomm.lightning import CHECKPOINT_KEY, DDPStrategy
-
-    _quiet()
 
     class Module(L.LightningModule):
         def __init__(self):
@@ -100,8 +98,18 @@ def _rank_lightning(tmp):
         def configure_optimizers(self):
             return torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)
 
+    return Module()
+
+
+def _rank_lightning(tmp):
+    import lightning.pytorch as L
+
+    from pycomm.lightning import CHECKPOINT_KEY, DDPStrategy
+
+    _quiet()
+
     def fit(strategy, epochs, ckpt=None, save=None):
-        m = Module()
+        m = _lightning_module()
         t = L.Trainer(
             accelerator="cpu",
             devices=2,
@@ -165,20 +173,8 @@ def _rank_lightning_loss_scale():
 
     _quiet()
 
-    class Module(L.LightningModule):
-        def __init__(self):
-            super().__init__()
-            self.net = _net()
-
-        def training_step(self, batch, i):
-            x, y = batch
-            return ((self.net(x) - y) ** 2).mean()
-
-        def configure_optimizers(self):
-            return torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)
-
     def fit(scaler):
-        m = Module()
+        m = _lightning_module()
         t = L.Trainer(
             accelerator="cpu",
             devices=2,
