@@ -222,7 +222,10 @@ class TrainLoop:
             raise RuntimeError(
                 f"pycomm.TrainLoop: the accumulate stage is at micro-step "
                 f"{self._stage.micro_step} of its own count but this loop at "
-                f"{self.micro_steps}: the model ran backward outside the loop"
+                f"{self.micro_steps}: either the model ran backward outside the loop, or a "
+                "parameter got no gradient in the last backward, so DDP never handed its "
+                "bucket to the hook (construct DDP with find_unused_parameters=True when a "
+                "step can leave parameters unused)"
             )
         sync = final or self._stage is not None or k == 1
         with contextlib.nullcontext() if sync else self.ddp.no_sync():

@@ -759,3 +759,25 @@ def _rank_join():
 def test_join_with_the_accumulate_stage_is_refused_on_every_rank():
     for message in run_ranks(_rank_join, 2, timeout=60):
         assert message is not None and "join() on a model with accumulate_steps=2" in message
+
+
+def _rank_unused_without_find_unused(bucket_view):
+    rank = dist.get_rank()
+    model = TwoHeads()  # head b is never used
+    ddp = pycomm.wrap(
+        model, hook="allreduce", accumulate_steps=K, gradient_as_bucket_view=bucket_view
+    )
+    loop = pycomm.TrainLoop(ddp, torch.optim.SGD(ddp.parameters(), lr=0.1))
+    try:
+        for x, y in _batches(rank, K * 2, seed=3):
+            loop.step(lambda x=x, y=y: torch.nn.functional.mse_loss(ddp(x), y))
+        return None
+    except RuntimeError as e:
+        return str(e)
+
+
+@pytest.mark.parametrize("bucket_view", [False, True])
+def test_a_parameter_no_step_uses_names_find_unused_parameters(bucket_view):
+    # plain DDP refuses this too; the refusal must point at DDP's remedy on every rank
+    for message in run_ranks(_rank_unused_without_find_unused, 2, bucket_view, timeout=60):
+        assert message is not None and "find_unused_parameters=True" in message, message
