@@ -532,7 +532,13 @@ class AutoState(HookState):
         if self.bucket_layout.bound:
             self.bucket_layout.observe(bucket)
         done = self.warmup.bucket_ready(self.iter, x.numel())
-        fut = exact_allreduce(self, bucket, x, self._group)
+        if self.bucket_layout.loaded:  # resumed: the checkpoint's buckets (DDP's once rebuilt),
+            # so that with 3 ranks or more the fresh DDP's first step sums as the run would
+            fut = self.bucket_layout.run(
+                bucket, x, lambda b, t, _i: exact_allreduce(self, b, t, self._group)
+            )
+        else:
+            fut = exact_allreduce(self, bucket, x, self._group)
 
         def reduced(f: torch.futures.Future) -> torch.Tensor:
             done.append(time.perf_counter())

@@ -334,9 +334,15 @@ def _rank_one():
     return pycomm.hook_state(ddp).stats
 
 
-@pytest.mark.parametrize("cut", [4, 5])
-def test_resume_before_the_decision_decides_when_the_run_would(cut):
-    for before, stats, same in run_ranks(_rank_resume_before_the_decision, 2, cut, timeout=120):
+@pytest.mark.parametrize(
+    "nprocs, cut",
+    # 3 ranks: an all-reduce's sums depend on where an element sits in the bucket, and the
+    # resumed DDP's first step buckets as a fresh DDP does (cut 2: in the measured warm-up)
+    [(2, 4), (2, 5), (3, 2), (3, 4)],
+)
+def test_resume_before_the_decision_decides_when_the_run_would(nprocs, cut):
+    results = run_ranks(_rank_resume_before_the_decision, nprocs, cut, timeout=180)
+    for before, stats, same in results:
         assert before is None
         assert stats["auto"]["decided_at"] == 5 and stats["auto"]["choice"] == "int4"
         assert stats["steps"] == 8 and same
