@@ -695,7 +695,7 @@ class Exchange:
         a non-finite decode), and the call's order checked across ranks (``check_order``).
         ``err``: this rank's refusal of the call's arguments, raised here, on every rank
         wherever the order check compares the call (a key's first call, or every call)."""
-        if not dist.is_initialized():
+        if not _alive(self.process_group):
             raise RuntimeError(
                 f"{self.where}.{call}: the process group was destroyed; an Exchange lives "
                 "while the group it was built on does"
@@ -807,6 +807,18 @@ class Exchange:
             return out
 
         return work.get_future().then(total)
+
+
+def _alive(group: Optional[dist.ProcessGroup]) -> bool:
+    """Whether ``group`` (None: the default group) is still a group of this process (not
+    destroyed with ``dist.destroy_process_group``)."""
+    if not dist.is_initialized():
+        return False
+    try:
+        dist.get_process_group_ranks(group or dist.group.WORLD)
+    except (KeyError, ValueError, RuntimeError):
+        return False
+    return True
 
 
 def _sent(state: HookState) -> tuple[int, int]:

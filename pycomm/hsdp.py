@@ -29,7 +29,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from pycomm.dist import all_gather_objects
 from pycomm.exchange import Exchange
-from pycomm.hooks.groups import group_timeout
+from pycomm.hooks.groups import new_groups
 from pycomm.topology import Topology, topology
 
 __all__ = ["NodeAllReduce", "cross_group", "is_node_group", "node_mesh"]
@@ -41,10 +41,10 @@ _CROSS: dict[int, tuple[dist.ProcessGroup, dist.ProcessGroup]] = {}
 _NODE_GROUPS: dict[int, dist.ProcessGroup] = {}
 
 
-def _new_group(ranks: list[int]) -> dist.ProcessGroup:
-    """A group of ``ranks`` created by them alone, with the default group's timeout."""
-    timeout = group_timeout(dist.group.WORLD)
-    return dist.new_group(ranks, timeout=timeout, use_local_synchronization=True)
+def _new_group(parts: list[list[int]]) -> dist.ProcessGroup:
+    """The group of the part of ``parts`` (disjoint, together every rank) that holds this rank,
+    with the default group's timeout. Collective over the default group."""
+    return new_groups(dist.group.WORLD, parts, count=1)[0]
 
 
 def node_mesh(device_type: Optional[str] = None) -> DeviceMesh:
@@ -87,7 +87,7 @@ def node_mesh(device_type: Optional[str] = None) -> DeviceMesh:
         )
     if device_type is None:
         device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
-    group = _new_group(sorted(nodes[everyone[dist.get_rank()].node_rank]))
+    group = _new_group([sorted(nodes[n]) for n in sorted(nodes)])
     _NODE_GROUPS[id(group)] = group
     return DeviceMesh.from_group(group, device_type)
 
@@ -131,8 +131,7 @@ def cross_group(shard_group: dist.ProcessGroup) -> dist.ProcessGroup:
             f"{dist.get_world_size()} ranks into equal, disjoint groups (pycomm.fsdp."
             "node_mesh() gives each node's)"
         )
-    place = mine.index(dist.get_rank())
-    cross = _new_group([g[place] for g in distinct])
+    cross = _new_group([[g[p] for g in distinct] for p in range(len(mine))])
     _CROSS[id(shard_group)] = (shard_group, cross)
     return cross
 

@@ -63,7 +63,9 @@ class Workspace:
         buffers of both ranks already exceed this kind of machine's share of the last-level
         cache."""
         ws = self.buffers.get(key)
-        if ws is None:
+        if ws is None:  # one key per index, as the residuals: another size replaces it
+            for old in [k for k in self.buffers if k[0] == key[0] and len(k) == len(key)]:
+                del self.buffers[old]
             u8 = dict(dtype=torch.uint8, device=device)
             ws = self.buffers[key] = {
                 "send": torch.empty(w, row_bytes, **u8),
@@ -79,6 +81,9 @@ class Workspace:
         name = ("chunk_sum",) if device.type == "cpu" else ("chunk_sum", key)
         buf = self.buffers.get(name)
         if buf is None or buf.numel() < c or buf.device != device:
+            for old in [k for k in self.buffers if len(k) == 2 and k[0] == "chunk_sum"]:
+                if old != name and old[1][0] == key[0]:  # the key's index at another size
+                    del self.buffers[old]
             buf = self.buffers[name] = torch.empty(c, dtype=torch.float32, device=device)
         return buf[:c]
 

@@ -13,6 +13,8 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from pycomm.dist import all_gather_objects
+
 
 def completed(t: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
     """A future already holding ``t``: what a hook returns when it does not communicate.
@@ -41,14 +43,62 @@ def group_timeout(group: dist.ProcessGroup) -> Optional[datetime.timedelta]:
     return timeout if isinstance(timeout, datetime.timedelta) else None
 
 
-def new_groups(parent: dist.ProcessGroup, ranks: list[int], count: int = 2) -> tuple:
-    """``count`` new process groups over ``ranks`` (global ranks), with ``parent``'s timeout:
-    new_group() alone would give them torch's default (30 minutes), and a stalled peer must
-    fail them within the timeout the user set, as it fails DDP's own all-reduce."""
+def new_groups(
+    parent: dist.ProcessGroup, parts: list[list[int]], count: int = 2
+) -> tuple[dist.ProcessGroup, ...]:
+    """``count`` new process groups over the part of ``parts`` (disjoint lists of global ranks,
+    together ``parent``'s ranks) that holds this rank, with ``parent``'s timeout: new_group()
+    alone would give them torch's default (30 minutes), and a stalled peer must fail them
+    within the timeout the user set, as it fails DDP's own all-reduce. Collective over
+    ``parent``: every rank of it calls with the same ``parts``.
+
+    A group's rendezvous in torch's store is keyed by its name, and the ranks of a group must
+    agree on it. A parent holding every rank of the job creates each part's groups with every
+    rank (torch names them from a count all ranks keep alike). A smaller parent's ranks create
+    only their own part's (``use_local_synchronization``), and torch names such a group from
+    its ranks and how many groups this rank already holds: ranks that joined different groups
+    before (``dist.new_group([0, 1])`` called by every rank of three, overlapping subgroups)
+    would wait for each other under different names until the timeout. So the ranks of the
+    parent first agree on that number (:func:`_align_group_names`).
+
+    Example:
+        >>> intra = new_groups(dist.group.WORLD, [[0, 1], [2, 3]])  # this rank's pair, twice
+    """
     timeout = group_timeout(parent)
+    me = dist.get_rank()
+    if dist.get_world_size(parent) == dist.get_world_size():
+        mine: tuple[dist.ProcessGroup, ...] = ()
+        for part in parts:
+            made = tuple(dist.new_group(part, timeout=timeout) for _ in range(count))
+            if me in part:
+                mine = made
+        return mine
+    _align_group_names(parent)
+    part = next(p for p in parts if me in p)
     return tuple(
-        dist.new_group(ranks, timeout=timeout, use_local_synchronization=True) for _ in range(count)
+        dist.new_group(part, timeout=timeout, use_local_synchronization=True) for _ in range(count)
     )
+
+
+def _held_groups() -> Optional[int]:
+    """How many process groups this rank holds, as torch counts them when it names a group
+    created with ``use_local_synchronization`` (None: this torch keeps no such count)."""
+    world = getattr(dist.distributed_c10d, "_world", None)  # private, checked by a test
+    names = getattr(world, "pg_names", None)
+    return len(names) if isinstance(names, dict) else None
+
+
+def _align_group_names(parent: dist.ProcessGroup) -> None:
+    """Bring every rank of ``parent`` to the same count of held process groups, so that the
+    groups they create next over the same ranks get the same name: a rank behind creates
+    groups of itself alone (no rendezvous with any other rank) until it catches up."""
+    held = _held_groups()
+    counts = all_gather_objects(held, parent)
+    if any(c is None for c in counts):
+        return
+    me = [dist.get_rank()]
+    for _ in range(max(counts) - held):
+        dist.new_group(me, timeout=group_timeout(parent), use_local_synchronization=True)
 
 
 class Stage:
@@ -60,7 +110,7 @@ class Stage:
     join its own worker thread and abort), so no hook state owns one.
 
     Example:
-        >>> stage = Stage(new_groups(dist.group.WORLD, [0, 1]))
+        >>> stage = Stage(new_groups(dist.group.WORLD, [[0, 1]]))
         >>> stage.groups[0], stage.nccl
     """
 
@@ -85,6 +135,6 @@ def phase_groups(parent: Optional[dist.ProcessGroup]) -> Stage:
     world = parent or dist.group.WORLD
     entry = _PHASE_GROUPS.get(id(world))
     if entry is None or entry[0] is not world:
-        stage = Stage(new_groups(world, dist.get_process_group_ranks(world)))
+        stage = Stage(new_groups(world, [dist.get_process_group_ranks(world)]))
         entry = _PHASE_GROUPS[id(world)] = (world, stage)
     return entry[1]

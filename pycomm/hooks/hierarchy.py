@@ -155,14 +155,13 @@ def _make_plan(world, everyone: list[Topology], nodes: dict) -> NodePlan:
     node_index = order.index(everyone[me].node_rank)
     mine = members[order[node_index]]
     position = mine.index(me)
-    cross = [members[n][position] for n in order]
 
-    def groups(ranks: list[int]) -> tuple:
-        return new_groups(world, [global_ranks[r] for r in ranks])
+    def groups(parts: list[list[int]]) -> tuple:
+        return new_groups(world, [[global_ranks[r] for r in part] for part in parts])
 
-    # every rank creates its node's groups, then its position's: the same order everywhere
-    intra = groups(mine)
-    crossg = groups(cross)
+    # every rank creates the nodes' groups, then the positions': the same order everywhere
+    intra = groups([members[n] for n in order])
+    crossg = groups([[members[n][p] for n in order] for p in range(len(mine))])
     nccl = dist.get_backend(intra[0]) == "nccl"
     return NodePlan(
         nodes=len(order),

@@ -25,7 +25,8 @@ Residuals = dict[str, torch.Tensor]  # "r1": phase-1 residual, "r2": phase-2 res
 
 
 class ResidualStore:
-    """Residuals per bucket key ``(bucket index, numel, dtype)``, as of the last finite step.
+    """Residuals per bucket key ``(bucket index, numel, dtype)``, as of the last finite step;
+    one key per index (a bucket index that comes back with another size starts afresh).
 
     Args:
         where: how error messages start (``pycomm <hook> hook``).
@@ -70,12 +71,24 @@ class ResidualStore:
                     name: torch.zeros(numel, dtype=self.dtype, device=device)
                     for name, numel in sizes.items()
                 }
+            self.forget(key[0])
             self.put(key, res)
         self.touched.add(key)
         if not self.strict:  # updated in place (the codec's residual_out None)
             return res.get("r1"), res.get("r2"), None, None
         nxt = self.next[key]
         return res.get("r1"), res.get("r2"), nxt.get("r1"), nxt.get("r2")
+
+    def forget(self, index: Any) -> None:
+        """Drop the residuals of every key of ``index`` (a bucket, an Exchange key's calls):
+        one that comes back with another size or dtype starts afresh, and the old residual,
+        which no call of the new size can use, is freed rather than kept beside the new one
+        (a key exchanged at many sizes would otherwise keep one residual for each)."""
+        for key in [k for k in self.residuals if k[0] == index]:
+            del self.residuals[key]
+            self.next.pop(key, None)
+            self.touched.discard(key)
+        self.stats["residual_bytes"] = self.nbytes()
 
     def put(self, key: tuple, res: Residuals) -> None:
         """Keep ``res`` as bucket ``key``'s residuals, as a finished step leaves them (also a

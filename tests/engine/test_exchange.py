@@ -788,3 +788,76 @@ def test_ranks_resuming_from_different_calls_are_refused():
     assert a == b
     assert 'ranks disagree on the order of calls: rank 0 has "call 1: all_reduce' in a
     assert 'rank 1 has "call 3: all_reduce' in a
+
+
+def _rank_groups_made_before():
+    """Groups the ranks joined before in different numbers (every rank of 3 calls
+    dist.new_group([0, 1]) and new_group([1, 2]): rank 1 holds both, the others one) must not
+    stall the groups an Exchange or a compressed hook makes for itself: over every rank, over
+    a subgroup, over overlapping subgroups one after the other."""
+    r = dist.get_rank()
+    a, b = dist.new_group([0, 1]), dist.new_group([1, 2])
+    out = {}
+    t = torch.full((1000,), float(r))
+    pycomm.Exchange("int8").all_reduce(t, key="t").wait()
+    out["world"] = t[0].item()
+    for name, group, ranks in (("a", a, (0, 1)), ("b", b, (1, 2))):
+        if r in ranks:
+            u = torch.full((1000,), float(r))
+            pycomm.Exchange("int8", process_group=group).all_reduce(u, key="u").wait()
+            out[name] = u[0].item()
+    torch.manual_seed(0)
+    model = pycomm.wrap(torch.nn.Linear(8, 4), hook="int8", hook_options={"start_iter": 2})
+    x = torch.randn(16, 8, generator=torch.Generator().manual_seed(r))
+    for _ in range(3):  # the third step compressed
+        model.zero_grad()
+        model(x).sum().backward()
+    out["grad"] = model.module.weight.grad.clone()
+    out["compressed"] = pycomm.hook_state(model).stats["bytes_sent"]
+    out["destroyed"] = None
+    if r in (0, 1):  # an Exchange outliving its group is refused, naming it
+        ex = pycomm.Exchange("int8", process_group=a)
+        dist.destroy_process_group(a)
+        for call in (lambda: ex.all_reduce(torch.ones(8), key="t"),
+                     lambda: ex.all_gather(torch.empty(16), torch.ones(8), key="g")):  # fmt: skip
+            out["destroyed"] = (out["destroyed"] or []) + [_error(call)]
+    return out
+
+
+def test_groups_made_before_in_any_order_do_not_stall_an_exchange():
+    outs = run_ranks(_rank_groups_made_before, 3, timeout=90)
+    assert [o["world"] for o in outs] == [1.0] * 3  # the mean of 0, 1 and 2 (exact in int8)
+    assert [o.get("a") for o in outs] == [0.5, 0.5, None]
+    assert [o.get("b") for o in outs] == [None, 1.5, 1.5]
+    assert all(torch.equal(outs[0]["grad"], o["grad"]) for o in outs)
+    assert all(o["compressed"] > 0 for o in outs)
+    for o in outs[:2]:
+        assert len(o["destroyed"]) == 2
+        for text in o["destroyed"]:
+            assert "the process group was destroyed; an Exchange lives while the group" in text
+    assert outs[2]["destroyed"] is None
+
+
+def _rank_one_key_at_many_sizes(codec):
+    """A key exchanged at many sizes keeps one residual, the latest size's: what one of
+    another size cannot use is freed, not kept beside it."""
+    ex = pycomm.Exchange(codec, error_feedback=True)
+    g = torch.Generator().manual_seed(dist.get_rank())
+    single = pycomm.Exchange(codec, error_feedback=True)
+    for n in (3000, 1000, 2000, 5000, 2000):
+        ex.all_reduce(torch.randn(n, generator=g), key="a").wait()
+        ex.reduce_scatter(torch.empty(n), torch.randn(2 * n, generator=g), key="rs").wait()
+    single.all_reduce(torch.randn(2000, generator=g), key="a").wait()
+    single.reduce_scatter(torch.empty(2000), torch.randn(4000, generator=g), key="rs").wait()
+    return {
+        "a": (ex.residual_bytes("a"), single.residual_bytes("a")),
+        "rs": (ex.residual_bytes("rs"), single.residual_bytes("rs")),
+        "all": (ex.stats["residual_bytes"], single.stats["residual_bytes"]),
+    }
+
+
+@pytest.mark.parametrize("codec", ["int8", "bf16"])
+def test_a_key_at_many_sizes_keeps_one_residual(codec):
+    for out in run_ranks(_rank_one_key_at_many_sizes, 2, codec, timeout=60):
+        for name, (many, one) in out.items():
+            assert many == one > 0, name
