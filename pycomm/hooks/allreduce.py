@@ -6,6 +6,7 @@ import torch
 import torch.distributed as dist
 
 from pycomm.hooks import hierarchy as hier
+from pycomm.hooks.groups import surfaced
 from pycomm.hooks.layout import BucketLayout
 from pycomm.hooks.state import (
     HookState,
@@ -149,7 +150,7 @@ def per_bucket(
         if alone and state.world_size == 1:
             state.count(bucket, 0, collectives=0)
             return completed(x)
-        return dense(x)
+        return surfaced(dense(x))
     finally:
         if end is not None and bucket.is_last():
             end()

@@ -498,8 +498,8 @@ def check_codec(codec: Any, where: str = "pycomm.hooks.check_codec", device: Any
 def _check_attributes(where: str, codec: Any) -> tuple[int, torch.dtype, Any]:
     """The codec's block, code and scale dtypes, once its attributes and methods are checked."""
     block = getattr(codec, "block", None)
-    if not isinstance(block, int) or isinstance(block, bool) or block < 1:
-        _fail(where, f"block={block!r}, expected a positive int")
+    if not isinstance(block, int) or isinstance(block, bool) or not 1 <= block <= MAX_BLOCK:
+        _fail(where, f"block={block!r}, expected an int in [1, {MAX_BLOCK}]")
     for attr in ("code_bytes", "scale_bytes", "encode", "decode_sum", "pack", "split"):
         if not callable(getattr(codec, attr, None)):
             _fail(where, f"has no method {attr}(), expected the pycomm.hooks.Codec protocol")
@@ -523,7 +523,7 @@ def _check_encode(
     the residuals encode wrote (NaN where it wrote none), once the outputs are checked."""
     rows, dev = x.shape[0], x.device
     cb = codec.code_bytes(m)
-    before = residual.clone()
+    before, x_before = residual.clone(), x.clone()
     out_res = torch.full_like(residual, float("nan"))  # what encode does not write stays NaN
     packed = torch.empty(rows, row_bytes, dtype=torch.uint8, device=dev)
     for r in range(rows):
@@ -538,6 +538,9 @@ def _check_encode(
         _run(where, "pack(codes, scales, 1, out)", pack, codes, scales, 1)
     if not torch.equal(residual, before):
         _fail(where, "encode(..., residual_out) changed residual, expected it only read")
+    if not torch.equal(x, x_before):
+        _fail(where, "encode changed its input x, expected it only read (x is the caller's "
+              "gradient or tensor)")  # fmt: skip
     return packed, out_res
 
 

@@ -28,6 +28,23 @@ def completed(t: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
     return fut
 
 
+def surfaced(fut: torch.futures.Future[torch.Tensor]) -> torch.futures.Future[torch.Tensor]:
+    """``fut``, with a failure DDP can read: ``Future.set_exception`` keeps the exception as
+    the future's value, raised by Python's ``wait()`` alone, and DDP's reducer, which reads
+    the value in C++, would fail with "Unable to cast ... to Tensor" instead of the error. A
+    callback that raises fails its future for C++ too, so the hook hands DDP this one.
+
+    Example:
+        >>> surfaced(completed(torch.zeros(1))).wait()
+        tensor([0.])
+    """
+    return fut.then(_value)
+
+
+def _value(fut: torch.futures.Future[torch.Tensor]) -> torch.Tensor:
+    return fut.wait()
+
+
 def group_timeout(group: dist.ProcessGroup) -> Optional[datetime.timedelta]:
     """The timeout ``group`` was created with (None: unknown, torch's default applies).
 

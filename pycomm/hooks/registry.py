@@ -248,15 +248,19 @@ def register_hook(
             f"{where}: auto=True without a codec; expected codec=... (auto predicts a hook's "
             "step time from its codec's measured cost and bytes)"
         )
-    if old is not None:
-        same = getattr(old.state, "__qualname__", None) == getattr(state, "__qualname__", None)
-        if not same:
+    if old is not None:  # the same module registering the same classes again (re-imported)
+        pairs = ((old.state, state), (old.codec, codec), (old.hook, hook))
+        if any(_qualname(a) != _qualname(b) for a, b in pairs):
             _taken(where, old)
     spec = HookSpec(name, state, hook, codec, auto, description, module)
     if getattr(state, "hook_name", None) == "base":  # a user's state without a name of its own
         state.hook_name = name
     _SPECS[name] = spec
     return spec
+
+
+def _qualname(obj: Any) -> Optional[str]:
+    return None if obj is None else getattr(obj, "__qualname__", repr(obj))
 
 
 def _caller_module() -> str:
@@ -300,8 +304,10 @@ def _check_state_and_hook(where: str, state: Any, hook: Any) -> None:
 
 
 def _taken(where: str, old: HookSpec) -> None:
+    owner = old.state if old.codec is None else old.codec
+    what = f"{getattr(owner, '__module__', '?')}.{_qualname(owner)}"
     raise ValueError(
-        f"{where}: the name is taken by {old.state.__module__}.{old.state.__qualname__}, "
+        f"{where}: the name is taken by {'' if old.codec is None else 'codec '}{what}, "
         f"registered by module {old.module!r}; expected a new name (or unregister_hook first)"
     )
 

@@ -76,6 +76,12 @@ def _drop_residual(self, x, residual, scale, numel, residual_out=None):
     return codes, None  # the residual left as it was: error feedback would drift
 
 
+def _zero_input(self, x, residual, scale, numel, residual_out=None):
+    out = PlainCodec.encode(self, x, residual, scale, numel, residual_out)
+    x.zero_()  # the caller's gradient: the protocol has encode read it only
+    return out
+
+
 def _residual_off(self, x, residual, scale, numel, residual_out=None):
     codes, _ = PlainCodec.encode(self, x, residual, scale, numel, residual_out)
     (residual if residual_out is None else residual_out).fill_(0.25)
@@ -204,7 +210,9 @@ _BAD = [
     (_broken(code_dtype=torch.int16), "returned codes of dtype torch.float32"),
     (_broken(two_phase=1), "two_phase=1, expected True or False"),
     (_broken(code_dtype=None), "code_dtype=None, expected a torch.dtype"),
-    (_broken(block=0), "block=0, expected a positive int"),
+    (_broken(block=0), r"block=0, expected an int in \[1, 65536\]"),
+    (_broken(block=2**40), r"block=1099511627776, expected an int in \[1, 65536\]"),
+    (_broken(encode=_zero_input), "encode changed its input x, expected it only read"),
     (_broken(encode=_drop_residual), "8 of 8 elements .* every element of residual_out"),
     (_broken(encode=_residual_off), r"is not y - decode\(codes\) \(off by up to"),
     (_broken(decode_sum=_decode_unscaled), "must add the rows and multiply the sum by its scale"),
@@ -305,14 +313,18 @@ def my_hook(state, bucket):
 @pytest.mark.parametrize(
     "args, kwargs, pattern",
     [
-        (("int8", MyState, my_hook), {}, "the name is taken by pycomm.hooks.codec.Int8State"),
+        (("int8", MyState, my_hook), {}, "the name is taken by codec pycomm.hooks.codec.Int8Codec"),
         # a taken name is the first problem reported, before the codec's self-check
-        (("int8",), {"codec": _broken(code_dtype=torch.int16)}, "the name is taken by pycomm"),
+        (
+            ("int8",),
+            {"codec": _broken(code_dtype=torch.int16)},
+            "the name is taken by codec pycomm",
+        ),
         # pycomm's own codec under a built-in name, from a user's module: still taken
         (
             ("int8",),
             {"codec": Int8Codec, "defaults": {"start_iter": 50}},
-            "the name is taken by pycomm.hooks.codec.Int8State, registered by module "
+            "the name is taken by codec pycomm.hooks.codec.Int8Codec, registered by module "
             "'pycomm.hooks'",
         ),
         (("My-Hook", MyState, my_hook), {}, "name='My-Hook', expected lowercase letters"),
@@ -344,6 +356,53 @@ def test_a_users_module_registering_pycomms_codec_is_its_module():
         assert register_hook("int8_wide", codec=Int8Codec).module == __name__  # imported again
     finally:
         unregister_hook("int8_wide")
+
+
+class OtherPlainCodec(PlainCodec):
+    """Another codec class of this module (a name registered to PlainCodec is taken)."""
+
+
+def test_the_same_module_registering_another_codec_under_its_name_is_refused():
+    register_hook("mine", codec=PlainCodec)
+    try:
+        assert register_hook("mine", codec=PlainCodec).codec is PlainCodec  # imported again
+        with pytest.raises(ValueError, match="the name is taken by codec .*test_registry.Plain"):
+            register_hook("mine", codec=OtherPlainCodec)
+        assert hook_spec("mine").codec is PlainCodec
+    finally:
+        unregister_hook("mine")
+
+
+class FailingLateCodec(PlainCodec):
+    """Follows the protocol at the self-check's sizes; its decode fails on a bucket's."""
+
+    def decode_sum(self, codes, scales, scale, out):
+        if out.numel() > 1000:
+            raise ValueError("FailingLateCodec: decode_sum of 1000 elements or more")
+        return super().decode_sum(codes, scales, scale, out)
+
+
+def _rank_a_codec_failing_in_a_callback():
+    register_hook("failing_late", codec=FailingLateCodec)
+    try:
+        torch.manual_seed(0)
+        model = pycomm.wrap(torch.nn.Linear(64, 64), hook="failing_late",
+                            hook_options={"start_iter": 2})  # fmt: skip
+        x = torch.randn(8, 64)
+        try:
+            for _ in range(3):
+                model(x).sum().backward()
+        except Exception as e:  # noqa: BLE001 - what DDP's backward raised
+            return f"{type(e).__name__}: {e}"
+        return "no error"
+    finally:
+        unregister_hook("failing_late")
+
+
+def test_a_codec_failing_inside_a_callback_reaches_backward_with_its_message():
+    for text in run_ranks(_rank_a_codec_failing_in_a_callback, 2, timeout=60):
+        assert "FailingLateCodec: decode_sum of 1000 elements or more" in text
+        assert "Unable to cast" not in text
 
 
 def test_registering_again_from_the_same_module_returns_the_spec():
