@@ -139,19 +139,21 @@ def _kind(name: str) -> type:
     return kind if isinstance(kind, type) and issubclass(kind, Exception) else RuntimeError
 
 
-def _everyone(what: str, step: Any, group: Any) -> None:
+def _everyone(what: str, step: Any, group: Any, differ: str = "") -> None:
     """Run ``step()`` on this rank, gather every rank's outcome, and raise the same error on
-    every rank if any rank failed (naming the ranks where not all failed alike)."""
+    every rank if any rank failed (naming the ranks where not all failed alike). ``differ``:
+    ``step()`` returns ``(key, description)``, and ranks whose keys differ are a ValueError
+    on every rank, ``differ`` saying what that means, naming each rank's description."""
     try:
-        step()
-        mine: tuple = (None,)
+        got = step()
+        mine: tuple = (None, got if differ else None)
     except Exception as e:  # noqa: BLE001 - raised on every rank below
         prefix = f"pycomm.checkpoint.{what}: "
         text = str(e)[len(prefix) :] if str(e).startswith(prefix) else str(e)
-        mine = ((type(e).__name__, text),)
+        mine = ((type(e).__name__, text), None)
     single = not dist.is_initialized() or dist.get_world_size(group) == 1
-    reports = [mine] if single else all_gather_objects(mine, group)
-    failed = [(r, err) for r, (err,) in enumerate(reports) if err is not None]
+    reports = [mine] if single else all_gather_objects(mine, group, f"pycomm.checkpoint.{what}")
+    failed = [(r, err) for r, (err, _) in enumerate(reports) if err is not None]
     if failed:
         kind = failed[0][1][0]
         if len(failed) == len(reports) and all(err == failed[0][1] for _, err in failed):
@@ -159,6 +161,9 @@ def _everyone(what: str, step: Any, group: Any) -> None:
         else:
             message = "; ".join(f"on rank {r}: {text}" for r, (_, text) in failed)
         raise _kind(kind)(f"pycomm.checkpoint.{what}: {message}")
+    if differ and len({key for _, (key, _) in reports}) > 1:
+        each = "; ".join(f"rank {r}: {text}" for r, (_, (_, text)) in enumerate(reports))
+        raise ValueError(f"pycomm.checkpoint.{what}: {differ} ({each})")
 
 
 def _check_extra(extra: dict[str, Any]) -> None:
@@ -198,7 +203,8 @@ def save(
     path = os.fspath(path)
     group, rank, world = _group(ddp)
     state = _hook(ddp)
-    save_id = all_gather_objects(uuid.uuid4().hex[:12], group)[0]  # rank 0's, for the save
+    ids = all_gather_objects(uuid.uuid4().hex[:12], group, "pycomm.checkpoint.save")
+    save_id = ids[0]  # rank 0's, for the save
 
     def write_hook() -> None:
         _check_extra(extra)
@@ -397,9 +403,20 @@ def load(path: PathLike, ddp: DDP, optimizer: Optional[torch.optim.Optimizer]) -
     path = os.fspath(path)
     group, rank, world = _group(ddp)
     read: dict[str, Any] = {}
+
     # every rank reads and checks its part; a problem on any rank is raised on every rank,
     # before anything changes (a rank that loaded would otherwise train on alone, and hang)
-    _everyone("load", lambda: read.update(_read(path, ddp, optimizer, rank, world)), group)
+    def read_mine() -> tuple[str, str]:
+        read.update(_read(path, ddp, optimizer, rank, world))
+        save_id = read["ckpt"]["id"]
+        return save_id, f"{path}, save {save_id}"
+
+    _everyone(
+        "load",
+        read_mine,
+        group,
+        differ="the ranks read different checkpoints; expected every rank to load the same save",
+    )
     ckpt, hook_sd, state = read["ckpt"], read["hook"], _hook(ddp)
     ddp.module.load_state_dict(ckpt["model"])
     if optimizer is not None:
@@ -452,7 +469,12 @@ def gather_hook_state(obj: Any) -> dict[str, Any]:
     """
     state = _state_of("gather_hook_state", obj)
     mine = _to_cpu(state.state_dict())
-    states = all_gather_objects(mine, state.process_group) if state.world_size > 1 else [mine]
+    if state.world_size > 1:
+        states = all_gather_objects(
+            mine, state.process_group, "pycomm.checkpoint.gather_hook_state"
+        )
+    else:
+        states = [mine]
     return {"format": GATHERED, "world_size": state.world_size, "states": states}
 
 
@@ -555,6 +577,13 @@ def _read_rank_state(state: HookState, directory: str) -> tuple[Optional[str], A
     return None, blob["state"]
 
 
+def _steps(sd: Any) -> Optional[int]:
+    """The steps a saved hook state had run (None: not a state that counts them)."""
+    stats = sd.get("stats") if isinstance(sd, dict) else None
+    steps = stats.get("steps") if isinstance(stats, dict) else None
+    return steps if isinstance(steps, int) else None
+
+
 def load_rank_state(obj: Any, directory: PathLike, *, missing: str = "error") -> bool:
     """Load this rank's hook state from ``directory``, where :func:`save_rank_state` wrote
     every rank's. A collective: every rank of the hook's group calls it. Each rank checks its
@@ -577,12 +606,15 @@ def load_rank_state(obj: Any, directory: PathLike, *, missing: str = "error") ->
     state = _state_of("load_rank_state", obj)
     directory = os.fspath(directory)
     problem, sd = _read_rank_state(state, directory)
-    mine = (problem, sd is not None)
-    reports = all_gather_objects(mine, state.process_group) if state.world_size > 1 else [mine]
-    problems = [f"rank {r}: {p}" for r, (p, _) in enumerate(reports) if p is not None]
+    mine = (problem, sd is not None, _steps(sd))
+    if state.world_size > 1:
+        reports = all_gather_objects(mine, state.process_group, "pycomm.checkpoint.load_rank_state")
+    else:
+        reports = [mine]
+    problems = [f"rank {r}: {p}" for r, (p, _, _) in enumerate(reports) if p is not None]
     if problems:
         raise ValueError("pycomm.checkpoint.load_rank_state: " + "; ".join(problems))
-    found = [r for r, (_, ok) in enumerate(reports) if ok]
+    found = [r for r, (_, ok, _) in enumerate(reports) if ok]
     if not found:
         if missing == "ignore":
             return False
@@ -596,6 +628,14 @@ def load_rank_state(obj: Any, directory: PathLike, *, missing: str = "error") ->
             f"pycomm.checkpoint.load_rank_state: {directory} holds the hook state of ranks "
             f"{found} but not of ranks {lost} (deleted, or not on a file system those ranks "
             "see): every rank needs its own"
+        )
+    steps = [s for _, _, s in reports]
+    if len(set(steps)) > 1:
+        each = "; ".join(f"rank {r}: step {s}" for r, s in enumerate(steps))
+        raise ValueError(
+            f"pycomm.checkpoint.load_rank_state: the ranks' files in {directory} were saved "
+            f"after different steps ({each}): some are from another save; expected every "
+            "rank's file from the same save"
         )
     device = _state_device(state)
     state.load_state_dict(sd if device is None else _to_device(sd, device))

@@ -611,19 +611,55 @@ def _settle_now() -> None:
         time.sleep(SETTLE_S)
 
 
-def all_gather_objects(obj: Any, group: Optional[dist.ProcessGroup] = None) -> list[Any]:
+_CALL_MARK = "pycomm collective call"
+
+
+def all_gather_objects(
+    obj: Any, group: Optional[dist.ProcessGroup] = None, call: Optional[str] = None
+) -> list[Any]:
     """Every rank's ``obj`` in ``group``'s rank order (``torch.distributed.all_gather_object``
     into a new list), with ``settle_at_exit`` armed: the gather frees its tensors in the way
     that needs the pause when the process exits right after it.
+
+    ``call``: the pycomm call this gather belongs to (``"pycomm.wrap"``), sent beside ``obj``.
+    A rank whose gather met another call's (a rank in ``checkpoint.load`` while another is in
+    ``TrainLoop``: the ranks' calls are out of step) raises a RuntimeError naming each rank's
+    call, on every rank, rather than reading the other call's object as its own.
 
     Example:
         >>> pycomm.dist.all_gather_objects({"rank": 0})
         [{'rank': 0}]
     """
     settle_at_exit()
+    payload = obj if call is None else (_CALL_MARK, call, obj)
     gathered: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(gathered, obj, group=group)
-    return gathered
+    dist.all_gather_object(gathered, payload, group=group)
+    if call is None:
+        return gathered
+    calls = [_call_of(g) for g in gathered]
+    if any(c != call for c in calls):
+        where: dict[str, list[int]] = {}
+        for rank, c in enumerate(calls):
+            where.setdefault(c, []).append(rank)
+        listed = "; ".join(
+            f"rank{'s' if len(r) > 1 else ''} {_ranks(r)} in {c}" for c, r in where.items()
+        )
+        raise RuntimeError(
+            f"pycomm: the ranks are in different collective calls ({listed}); expected every "
+            "rank of the group to make the same pycomm calls in the same order"
+        )
+    return [g[2] for g in gathered]
+
+
+def _call_of(payload: Any) -> str:
+    """The pycomm call a gathered object came from (another collective's: named so)."""
+    if isinstance(payload, tuple) and len(payload) == 3 and payload[0] == _CALL_MARK:
+        return str(payload[1])
+    return "another all_gather_object (not a pycomm call that names itself)"
+
+
+def _ranks(ranks: list[int]) -> str:
+    return ", ".join(map(str, ranks))
 
 
 # Registered at import, before the handlers of most libraries imported later: atexit runs

@@ -771,7 +771,7 @@ class Exchange:
             dist.all_reduce(v, op=dist.ReduceOp.MAX, group=self.process_group)
             if v.tolist() == [h, -h]:  # the largest digest and the smallest are this rank's
                 return
-        agree(f"{self.where}.{call}", fields, self.process_group)
+        agree(f"{self.where}.{call}", fields, self.process_group, call=self.where)
 
     def _settle(self) -> None:
         """Wait for the last call; what it raised is raised here once, unless its ``wait()``

@@ -139,6 +139,26 @@ def params_signature(module: torch.nn.Module) -> list[tuple[str, tuple[int, ...]
     ]
 
 
+def buffers_signature(module: torch.nn.Module) -> list[tuple[str, tuple[int, ...], str]]:
+    """The module's buffers as DDP broadcasts them from rank 0 when it is built (and at every
+    forward with ``broadcast_buffers``): a buffer of another shape on one rank aborts that
+    broadcast, and one more on a rank is silently overwritten."""
+    ignored = set(getattr(module, "_ddp_params_and_buffers_to_ignore", ()) or ())
+    return [
+        (name, tuple(b.shape), str(b.dtype).replace("torch.", ""))
+        for name, b in module.named_buffers()
+        if name not in ignored
+    ]
+
+
+def sparse_signature(module: torch.nn.Module) -> list[str]:
+    """The names of the parameters whose gradients DDP expects sparse (as
+    :func:`sparse_parameters` finds them): ranks that differ here exchange a sparse gradient
+    against a dense one (gloo aborts)."""
+    ids = _sparse_ids(module)
+    return [n for n, p in module.named_parameters() if id(p) in ids]
+
+
 def named_ddp_parameters(ddp: DDP) -> list[tuple[str, torch.Tensor]]:
     """The trainable parameters DDP reduces, with their names, in
     ``module.named_parameters()`` order: those excluded from DDP
@@ -159,14 +179,19 @@ def sparse_parameters(ddp: DDP) -> list[torch.Tensor]:
     """The parameters DDP expects sparse gradients for, as DDP decides it: those of
     ``nn.Embedding`` and ``nn.EmbeddingBag`` modules built with ``sparse=True``. DDP gives each
     a bucket of its own, which every pycomm hook reduces exactly."""
+    ids = _sparse_ids(ddp.module)
+    return [p for p in ddp.module.parameters() if id(p) in ids]
+
+
+def _sparse_ids(module: torch.nn.Module) -> set[int]:
     kinds = (torch.nn.Embedding, torch.nn.EmbeddingBag)
-    return [
-        p
-        for m in ddp.module.modules()
+    return {
+        id(p)
+        for m in module.modules()
         if isinstance(m, kinds) and m.sparse
         for p in m.parameters(recurse=False)
         if p.requires_grad
-    ]
+    }
 
 
 def _reduced_dtype(ddp: DDP, param: torch.Tensor) -> torch.dtype:
@@ -319,6 +344,8 @@ def register(
             "DDP option broadcast_buffers": bool(getattr(ddp, "broadcast_buffers", True)),
             "DDP option bucket_cap_mb": None if cap is None else cap / 2**20,
             "parameters": params_signature(ddp.module),
+            "parameters with sparse gradients": sparse_signature(ddp.module),
+            "buffers": buffers_signature(ddp.module),
             "state of the DDP model": problem,
         },
         ddp.process_group,
@@ -503,6 +530,18 @@ def wrap(
     problem = _state_problem(process_group, hook)
     fields, state, fn = resolve_hook(hook, hook_options, accumulate_steps, process_group)
     cap = ddp_kwargs.get("bucket_cap_mb", None if state is None else state.default_bucket_cap_mb)
+    if fields.get(ERROR) is None and ddp_kwargs.get("mixed_precision") is not None:
+        fields.update(
+            error_field(
+                ValueError(
+                    f"pycomm.wrap: mixed_precision={ddp_kwargs['mixed_precision']!r}: DDP's "
+                    "mixed precision reduces the gradients through a communication hook of "
+                    "its own, and a DDP model takes one; expected mixed_precision=None (a "
+                    "model in bfloat16 or float16 has its gradients reduced in that dtype by "
+                    "the hooks that accept it)"
+                )
+            )
+        )
     if fields.get(ERROR) is None and cap is not None and not _bucket_cap(cap):
         fields.update(
             error_field(
@@ -528,6 +567,8 @@ def wrap(
             },
             "DDP option bucket_cap_mb": cap,
             "parameters": params_signature(module),
+            "parameters with sparse gradients": sparse_signature(module),
+            "buffers": buffers_signature(module),
             "hook state": problem,
             "compiled DDP's Python reducer": python_reducer,
         },

@@ -123,7 +123,8 @@ def per_bucket(
     end: Optional[Callable[[], Any]] = None,
     alone: bool = True,
 ) -> torch.futures.Future[torch.Tensor]:
-    """The routine every pycomm hook runs on a bucket, written once: ``begin()`` (a step's
+    """The routine every pycomm hook runs on a bucket, written once: the ranks' loaded
+    states compared once after a load (:meth:`HookState.check_resumed`); ``begin()`` (a step's
     bookkeeping, at every call); a sparse gradient's bucket reduced exactly as DDP does
     (:func:`sparse_allreduce`); the dense bucket's buffer checked (a dense floating-point
     tensor of one of ``state.grad_dtypes``, else a TypeError naming the hook, the bucket
@@ -135,6 +136,7 @@ def per_bucket(
         >>> def my_hook(state, bucket):
         ...     return per_bucket(state, bucket, lambda x: my_exchange(state, bucket, x))
     """
+    state.check_resumed(bucket.buffer().device)
     if begin is not None:
         begin()
     try:

@@ -73,17 +73,24 @@ def error_field(exc: Optional[BaseException]) -> dict[str, Any]:
     return {ERROR: (kind, str(exc) if name == kind else f"{name}: {exc}")}
 
 
-def agree(where: str, fields: dict[str, Any], group: Optional[dist.ProcessGroup] = None) -> None:
+def agree(
+    where: str,
+    fields: dict[str, Any],
+    group: Optional[dist.ProcessGroup] = None,
+    call: Optional[str] = None,
+) -> None:
     """Gather every rank's ``fields`` and raise the same error on every rank at the first
     field, in order, where the ranks differ: a ValueError naming the field and each value, or,
     at the :data:`ERROR` field, the error some rank met (its type and message, with the rank
-    when not every rank met it). A single rank checks its own error only.
+    when not every rank met it). A single rank checks its own error only. ``call`` (default
+    ``where``) names the call the gather belongs to: ranks in different calls are a
+    RuntimeError naming each rank's (see :func:`pycomm.dist.all_gather_objects`).
 
     Example:
         >>> agree("pycomm.wrap", {"hook": "int8", "hook option 'block'": 64})
     """
     world = dist.get_world_size(group) if dist.is_initialized() else 1
-    gathered = [fields] if world == 1 else all_gather_objects(fields, group)
+    gathered = [fields] if world == 1 else all_gather_objects(fields, group, call or where)
     keys = list(dict.fromkeys(k for g in gathered for k in g))
     for key in keys:
         values = [g.get(key, _ABSENT) for g in gathered]
@@ -94,8 +101,10 @@ def agree(where: str, fields: dict[str, Any], group: Optional[dist.ProcessGroup]
         if first is None:
             continue
         a, b = values[0], values[first]
-        if key == "parameters" and a != _ABSENT and b != _ABSENT:
-            raise ValueError(f"{where}: ranks disagree on {_parameter_difference(a, b, first)}")
+        if key in _TENSOR_LISTS and a != _ABSENT and b != _ABSENT:
+            raise ValueError(
+                f"{where}: ranks disagree on {_parameter_difference(a, b, first, key)}"
+            )
         raise ValueError(
             f"{where}: ranks disagree on {key}: rank 0 has {a!r}, rank {first} has {b!r}"
         )
@@ -131,15 +140,23 @@ def _raise_error(where: str, values: list) -> None:
         return
     rank, (kind, message) = failed[0]
     if len(failed) < len(values) or any(v != failed[0][1] for _, v in failed):
-        message = f"{where}: on rank {rank}: {message}"
+        message = f"{where}: on rank {rank}: {message.removeprefix(f'{where}: ')}"
     raise _ERRORS.get(kind, RuntimeError)(message)
 
 
-def _parameter_difference(a: list, b: list, rank: int) -> str:
+# the fields that hold a model's tensors as (name, shape, dtype), and what one is called
+_TENSOR_LISTS = {
+    "parameters": ("trainable parameters", "parameter"),
+    "buffers": ("buffers", "buffer"),
+}
+
+
+def _parameter_difference(a: list, b: list, rank: int, key: str = "parameters") -> str:
+    many, one = _TENSOR_LISTS[key]
     if len(a) != len(b):
-        return f"the model: rank 0 has {len(a)} trainable parameters, rank {rank} has {len(b)}"
+        return f"the model: rank 0 has {len(a)} {many}, rank {rank} has {len(b)}"
     i = next(i for i, (x, y) in enumerate(zip(a, b)) if x != y)
     return (
-        f"parameter {i}: rank 0 has {a[i][0]} {a[i][1]} {a[i][2]}, rank {rank} has "
+        f"{one} {i}: rank 0 has {a[i][0]} {a[i][1]} {a[i][2]}, rank {rank} has "
         f"{b[i][0]} {b[i][1]} {b[i][2]}"
     )

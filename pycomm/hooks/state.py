@@ -86,6 +86,9 @@ class HookState:
         if dist.is_available() and dist.is_initialized() and not _UNBOUND.get():
             self.bind()
         self.node_buffers: dict[tuple, dict] = {}  # the node hierarchy's, per bucket
+        # the steps of the state as the next bucket finds it (0: fresh; a loaded state's),
+        # compared across the ranks there once (check_resumed)
+        self._resumed_at: Optional[int] = 0
         self._stats: dict[str, Any] = {
             "steps": 0,
             "buckets": 0,
@@ -232,6 +235,35 @@ class HookState:
         self.check_fingerprint(state)
         self._stats.clear()  # in place: a state's parts keep counting into this dict
         self._stats.update(state["stats"])
+        steps = self._stats.get("steps")
+        self._resumed_at = steps if isinstance(steps, int) else None
+
+    def check_resumed(self, device: torch.device) -> None:
+        """At the hook's first bucket, and once after each :meth:`load_state_dict`, before
+        any of its collectives: the ranks compare the steps their states had run (0 for a
+        fresh one), in one small all-reduce, and a difference is a ValueError on every rank.
+        Each rank loads its own state (``load_state_dict``, ``checkpoint.load_hook_state``),
+        and ranks that loaded states of different saves, or some a state and some none, would
+        otherwise pair a warm-up's collectives with a compressed step's (a hang until the
+        group's timeout) or train apart.
+
+        Example:
+            >>> state.check_resumed(bucket.buffer().device)  # pycomm's per-bucket routine
+        """
+        steps, self._resumed_at = getattr(self, "_resumed_at", None), None
+        if steps is None or self.world_size == 1:
+            return
+        nccl = dist.get_backend(self.process_group) == "nccl"
+        v = torch.tensor([steps, -steps], dtype=torch.int64, device=device if nccl else "cpu")
+        dist.all_reduce(v, op=dist.ReduceOp.MAX, group=self.process_group)
+        most, least = v.tolist()
+        if most != -least:
+            raise ValueError(
+                f"{self.where}: the ranks' hook states have run different numbers of steps "
+                f"(from {-least} to {most}): some ranks loaded a state of another save, or "
+                "none; expected every rank to load the same save (pycomm.checkpoint.load and "
+                "load_rank_state check it as they load)"
+            )
 
     def check_fingerprint(self, state: dict[str, Any]) -> None:
         """Refuse (ValueError naming the field) a checkpoint of another hook or config, or

@@ -641,7 +641,7 @@ def test_the_order_of_calls_is_checked_on_every_rank():
     )
     assert a["every same"] is None
     assert a["one rank's dtype"] == (
-        "TypeError: pycomm.Exchange.all_reduce: on rank 1: pycomm.Exchange.all_reduce: tensor "
+        "TypeError: pycomm.Exchange.all_reduce: on rank 1: tensor "
         "has dtype torch.int32 and layout torch.strided, expected a dense float32, bfloat16 or "
         "float16 tensor"
     )
@@ -650,7 +650,7 @@ def test_the_order_of_calls_is_checked_on_every_rank():
         in (a["one rank's op"])
     )
     assert a["one rank's shape"].startswith(
-        "ValueError: pycomm.Exchange.reduce_scatter: on rank 1: pycomm.Exchange.reduce_scatter: "
+        "ValueError: pycomm.Exchange.reduce_scatter: on rank 1: "
         "input has 6 elements, expected 2 x output's 4 = 8"
     )
 

@@ -868,7 +868,7 @@ def test_all_gather_refusals_are_the_same_on_every_rank(nprocs):
         in e["block differs"]
     )
     assert e["bad on one rank"].startswith(
-        f"{p}on rank 1: pycomm.fsdp.compress: all_gather_options={{'block': 0}} for 'int8': "
+        f"{p}on rank 1: all_gather_options={{'block': 0}} for 'int8': "
     )
 
 

@@ -529,7 +529,7 @@ def test_loop_settings_that_differ_between_ranks_are_an_error_on_every_rank():
     expect = {
         "clip on one rank": "ranks disagree on max_grad_norm: rank 0 has 0.1, rank 1 has None",
         "another window": "ranks disagree on accumulate_steps: rank 0 has 2, rank 1 has 1",
-        "bad on rank 1": "on rank 1: pycomm.TrainLoop: max_grad_norm=-1.0, expected a positive",
+        "bad on rank 1": "pycomm.TrainLoop: on rank 1: max_grad_norm=-1.0, expected a positive",
         "another loss scale": "ranks disagree on scaler: rank 0 has {'class': 'GradScaler', "
         "'is_enabled': True, 'scale': 16.0",
         "a scaler disabled": "rank 1 has {'class': 'GradScaler', 'is_enabled': False}",

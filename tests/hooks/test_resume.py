@@ -364,3 +364,87 @@ def test_powersgd_loads_from_a_checkpoint_file(tmp_path):
         _rank_powersgd_file, 2, str(tmp_path), timeout=90
     ):
         assert same_rng and same_q and memories > 0 and agree
+
+
+# ------------------------------- ranks that load different saves, or load out of step
+
+
+def _rank_loads_out_of_step(tmp):
+    """Ranks that load different saves, or one rank a state and the other none: a ValueError
+    on every rank, before any collective of the hook pairs a warm-up's all-reduce with a
+    compressed step's (which hung until the group's timeout) or the ranks train apart."""
+    import os
+    import shutil
+
+    from pycomm import checkpoint
+
+    rank = dist.get_rank()
+
+    def trained(steps):
+        ddp = pycomm.wrap(_model(), hook="int8", hook_options={"start_iter": 2})
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+        g = torch.Generator().manual_seed(rank)
+        for _ in range(steps):
+            opt.zero_grad()
+            ddp(torch.randn(8, 40, generator=g)).square().mean().backward()
+            opt.step()
+        return ddp, opt
+
+    def step(ddp):
+        ddp(torch.randn(8, 40)).square().mean().backward()
+
+    out = {}
+    ddp, opt = trained(1)
+    checkpoint.save(f"{tmp}/a.pt", ddp, opt)
+    checkpoint.save_rank_state(ddp, f"{tmp}/older")
+    blob_a = checkpoint.gather_hook_state(ddp)
+    ddp, opt = trained(4)
+    checkpoint.save(f"{tmp}/b.pt", ddp, opt)
+    if rank == 0:  # rank 1's file in the folder is of the older save
+        checkpoint.save_rank_state(ddp, f"{tmp}/mixed")
+    else:
+        os.makedirs(f"{tmp}/mixed", exist_ok=True)
+        shutil.copy(checkpoint.rank_state_file(f"{tmp}/older", 1), f"{tmp}/mixed")
+    blob_b = checkpoint.gather_hook_state(ddp)
+    fresh, fopt = trained(0)
+    path = f"{tmp}/b.pt" if rank == 0 else f"{tmp}/a.pt"
+    out["paths"] = error(lambda: checkpoint.load(path, fresh, fopt))
+    out["folder"] = error(lambda: checkpoint.load_rank_state(fresh, f"{tmp}/mixed"))
+    local = trained(0)[0]
+    checkpoint.load_hook_state(local, blob_b if rank == 0 else blob_a)
+    out["local"] = error(lambda: step(local))
+    one = trained(0)[0]
+    if rank == 0:
+        checkpoint.load_hook_state(one, blob_b)
+    out["one rank"] = error(lambda: step(one))
+    same = trained(0)[0]
+    checkpoint.load_hook_state(same, blob_b)
+    out["same"] = error(lambda: step(same))
+    # one rank in checkpoint.load while the other is in TrainLoop's checks
+    late = trained(0)
+    if rank == 0:
+        out["calls"] = error(lambda: checkpoint.load(f"{tmp}/b.pt", *late))
+    else:
+        out["calls"] = error(lambda: pycomm.TrainLoop(late[0], late[1]))
+    return out
+
+
+def test_ranks_loading_out_of_step_are_refused_on_every_rank(tmp_path):
+    a, b = run_ranks(_rank_loads_out_of_step, 2, str(tmp_path), timeout=120)
+    assert a == b
+    assert (
+        "the ranks read different checkpoints; expected every rank to load the same" in (a["paths"])
+    )
+    assert f"rank 0: {tmp_path}/b.pt, save " in a["paths"]
+    assert f"rank 1: {tmp_path}/a.pt, save " in a["paths"]
+    assert "saved after different steps (rank 0: step 4; rank 1: step 1)" in a["folder"]
+    for name, (low, high) in {"local": (1, 4), "one rank": (0, 4)}.items():
+        assert (
+            f"hook states have run different numbers of steps (from {low} to {high})" in (a[name])
+        ), name
+    assert a["same"] is None
+    assert (
+        "ranks are in different collective calls (rank 0 in pycomm.checkpoint.load; "
+        in (a["calls"])
+    )
+    assert "rank 1 in pycomm.TrainLoop)" in a["calls"]

@@ -114,8 +114,19 @@ def _rank_mismatch(kind):
         ddp_kwargs["bucket_cap_mb"] = 1e300  # DDP's reducer failed on its int64 bytes
     if kind == "one rank's options" and rank == 1:
         options = "ab"
+    if kind == "mixed_precision" and rank == 1:  # DDP's own hook: torch's error on rank 1
+        from torch.nn.parallel.distributed import _MixedPrecision
+
+        ddp_kwargs["mixed_precision"] = _MixedPrecision(param_dtype=torch.bfloat16)
+    model = _model(hidden=hidden)
+    if kind == "sparse embedding":  # gloo aborted on the sparse gradient against a dense one
+        model = torch.nn.Sequential(torch.nn.Embedding(10, 32, sparse=rank == 1), model)
+    if kind == "buffer shape":  # DDP's broadcast of the buffers aborted
+        model.register_buffer("counts", torch.zeros(6 - rank))
+    if kind == "one more buffer" and rank == 1:  # silently overwritten by rank 0's
+        model.register_buffer("extra", torch.ones(3))
     try:
-        pycomm.wrap(_model(hidden=hidden), hook=hook, hook_options=options, **ddp_kwargs)
+        pycomm.wrap(model, hook=hook, hook_options=options, **ddp_kwargs)
     except (ValueError, TypeError) as e:
         return str(e)
     return None
@@ -140,16 +151,28 @@ def _rank_mismatch(kind):
             "has True",
         ),
         ("static_graph", "ranks disagree on DDP option static_graph: rank 0 has False"),
-        ("one rank's options", "pycomm.wrap: on rank 1: pycomm.wrap: hook_options='ab'"),
+        ("one rank's options", "pycomm.wrap: on rank 1: hook_options='ab'"),
         ("broadcast_buffers", "ranks disagree on DDP option broadcast_buffers: rank 0 has True"),
         ("bucket_cap_mb", "ranks disagree on DDP option bucket_cap_mb: rank 0 has 1, rank 1 has 2"),
         (
             "one rank's bucket_cap_mb",
-            "on rank 1: pycomm.wrap: bucket_cap_mb='x', expected a positive number of MB",
+            "pycomm.wrap: on rank 1: bucket_cap_mb='x', expected a positive number of MB",
+        ),
+        (
+            "sparse embedding",
+            r"ranks disagree on parameters with sparse gradients: rank 0 has \[\], rank 1 has "
+            r"\['0.weight'\]",
+        ),
+        ("buffer shape", r"ranks disagree on buffer 0: rank 0 has counts \(6,\) float32, rank 1"),
+        ("one more buffer", "ranks disagree on the model: rank 0 has 0 buffers, rank 1 has 1"),
+        (
+            "mixed_precision",
+            "pycomm.wrap: on rank 1: mixed_precision=.*: DDP's mixed precision reduces the "
+            "gradients through a communication hook of its own",
         ),
         (
             "one rank's huge bucket_cap_mb",
-            r"on rank 1: pycomm.wrap: bucket_cap_mb=1e\+300, expected a positive number of MB, "
+            r"pycomm.wrap: on rank 1: bucket_cap_mb=1e\+300, expected a positive number of MB, "
             r"at most 8.796e\+12 \(its bytes an int64\)",
         ),
     ],
@@ -185,7 +208,7 @@ def _rank_register_ddp_options(kind):
          "has True"),
         ("bucket_cap_mb", "ranks disagree on DDP option bucket_cap_mb: rank 0 has 1.0, rank 1 "
          "has 2.0"),
-        ("negative bucket_cap_mb", "pycomm.register: on rank 1: pycomm.register: the DDP model's "
+        ("negative bucket_cap_mb", "pycomm.register: on rank 1: the DDP model's "
          "bucket_cap_mb=-5, expected a positive number of MB"),
     ],
 )  # fmt: skip

@@ -40,8 +40,8 @@ def _rank_accelerate_refused_on_one_rank(case):
         ("two accumulators", r"on rank 0: .*accumulate_steps=2 with the accelerator's "
          r"gradient_accumulation_steps=2: two accumulators"),
         ("an option twice", r"on rank 1: .*'block' given both"),
-        ("a bad accumulate_steps beside the accelerator's", r"on rank 0: "
-         r"pycomm.accelerate.register: accumulate_steps='2', expected an int >= 1"),
+        ("a bad accumulate_steps beside the accelerator's", r"pycomm.accelerate."
+         r"register: on rank 0: accumulate_steps='2', expected an int >= 1"),
     ],
 )  # fmt: skip
 def test_accelerate_register_refused_on_one_rank_is_raised_on_every_rank(case, pattern):

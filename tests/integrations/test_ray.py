@@ -40,7 +40,7 @@ def test_ray_matches_plain_resumes_bitwise_and_refuses(tmp_path):
         assert "parallel_strategy=None, expected 'ddp'" in f["none"]
         assert "hook_options=[64], expected a dict" in f["options"]
         assert "hook='int9' is not one of" in f["bad_hook"]
-        assert "on rank 1: pycomm.ray.prepare_model: hook_options=[64]" in f["one_worker"]
+        assert "pycomm.ray.prepare_model: on rank 1: hook_options=[64]" in f["one_worker"]
         # Ray merged every worker's folder into one checkpoint
         assert r["files"] == ["model.pt", "pycomm_hook_state_0.pt", "pycomm_hook_state_1.pt"]
         assert r["loaded"] is True

@@ -63,7 +63,7 @@ def test_trainer_matches_plain_resumes_bitwise_and_refuses(tmp_path):
         assert "gradient_accumulation_steps=k" in r["accumulate"]
         assert "hook_options=3, expected a dict" in r["options_type"]
         assert (
-            "on rank 1: pycomm.transformers.register: hook_options has accumulate_steps=2"
+            "pycomm.transformers.register: on rank 1: hook_options has accumulate_steps=2"
             in (r["one_rank"])
         )
         assert r["twice"] == [True, 18]  # two train() calls of 9 steps, one hook
