@@ -71,7 +71,7 @@ def node_mesh(device_type: Optional[str] = None) -> DeviceMesh:
         mine = topology()
     except ValueError as e:  # named on every rank, after the gather
         mine = str(e)
-    everyone = all_gather_objects(mine, None)
+    everyone = all_gather_objects(mine, None, _WHERE)
     bad = next((t for t in everyone if not isinstance(t, Topology)), None)
     if bad is not None:
         raise ValueError(f"{_WHERE}: cannot read the topology: {bad}")
@@ -121,7 +121,7 @@ def cross_group(shard_group: dist.ProcessGroup) -> dist.ProcessGroup:
     if cached is not None and cached[0] is shard_group:
         return cached[1]
     mine = dist.get_process_group_ranks(shard_group)
-    groups = all_gather_objects(mine, None)
+    groups = all_gather_objects(mine, None, "pycomm.fsdp.compress (the cross-node groups)")
     distinct = sorted({tuple(g) for g in groups})
     flat = sorted(r for g in distinct for r in g)
     if flat != list(range(dist.get_world_size())) or len({len(g) for g in distinct}) != 1:

@@ -614,7 +614,7 @@ class _RankRun:
 def _failed_anywhere(setup_errors: dict[str, str], world: int) -> dict[str, str]:
     """Every rank's setup errors, gathered: each failed hook's first error, and on which
     ranks when not on all of them."""
-    gathered = all_gather_objects(setup_errors)
+    gathered = all_gather_objects(setup_errors, None, "pycomm.bench (the hooks' setup)")
     where: dict[str, list[int]] = {}
     failed: dict[str, str] = {}
     for r, errors in enumerate(gathered):

@@ -110,7 +110,7 @@ def _align_group_names(parent: dist.ProcessGroup) -> None:
     groups they create next over the same ranks get the same name: a rank behind creates
     groups of itself alone (no rendezvous with any other rank) until it catches up."""
     held = _held_groups()
-    counts = all_gather_objects(held, parent)
+    counts = all_gather_objects(held, parent, "pycomm (a codec's process groups)")
     if any(c is None for c in counts):
         return
     me = [dist.get_rank()]

@@ -84,7 +84,7 @@ def resolve(hook: str, parent: Optional[dist.ProcessGroup], hierarchy: str) -> O
     except ValueError as e:  # reported on every rank, after the gather
         mine = str(e)
     whole = world is dist.group.WORLD or dist.get_world_size() == size
-    everyone = all_gather_objects(mine, world)
+    everyone = all_gather_objects(mine, world, "pycomm (the node hierarchy's topology)")
     bad = next((t for t in everyone if isinstance(t, str)), None)
     if bad is not None:
         raise ValueError(f"pycomm {hook} hook: hierarchy={hierarchy!r}: {bad}")
