@@ -131,24 +131,33 @@ def resolve_hook(
     return fields, state, fn
 
 
-def params_signature(module: torch.nn.Module) -> list[tuple[str, tuple[int, ...], str]]:
-    return [
-        (name, tuple(p.shape), str(p.dtype).replace("torch.", ""))
-        for name, p in module.named_parameters()
-        if p.requires_grad
-    ]
+Signature = list[tuple[str, tuple[int, ...], str]]
 
 
-def buffers_signature(module: torch.nn.Module) -> list[tuple[str, tuple[int, ...], str]]:
+def _signature(named: Any) -> Signature:
+    return [(name, tuple(t.shape), str(t.dtype).replace("torch.", "")) for name, t in named]
+
+
+def params_signature(module: torch.nn.Module) -> Signature:
+    return _signature((n, p) for n, p in module.named_parameters() if p.requires_grad)
+
+
+def buffers_signature(module: torch.nn.Module) -> Signature:
     """The module's buffers as DDP broadcasts them from rank 0 when it is built (and at every
     forward with ``broadcast_buffers``): a buffer of another shape on one rank aborts that
     broadcast, and one more on a rank is silently overwritten."""
     ignored = set(getattr(module, "_ddp_params_and_buffers_to_ignore", ()) or ())
-    return [
-        (name, tuple(b.shape), str(b.dtype).replace("torch.", ""))
-        for name, b in module.named_buffers()
-        if name not in ignored
-    ]
+    return _signature((n, b) for n, b in module.named_buffers() if n not in ignored)
+
+
+def _model_fields(module: torch.nn.Module) -> dict[str, Any]:
+    """What wrap and register compare of the model across ranks: a difference aborts or
+    hangs DDP (its broadcast of the module's state, its sparse and dense buckets)."""
+    return {
+        "parameters": params_signature(module),
+        "parameters with sparse gradients": sparse_signature(module),
+        "buffers": buffers_signature(module),
+    }
 
 
 def sparse_signature(module: torch.nn.Module) -> list[str]:
@@ -343,9 +352,7 @@ def register(
             "DDP option static_graph": bool(getattr(ddp, "static_graph", False)),
             "DDP option broadcast_buffers": bool(getattr(ddp, "broadcast_buffers", True)),
             "DDP option bucket_cap_mb": None if cap is None else cap / 2**20,
-            "parameters": params_signature(ddp.module),
-            "parameters with sparse gradients": sparse_signature(ddp.module),
-            "buffers": buffers_signature(ddp.module),
+            **_model_fields(ddp.module),
             "state of the DDP model": problem,
         },
         ddp.process_group,
@@ -566,9 +573,7 @@ def wrap(
                 )
             },
             "DDP option bucket_cap_mb": cap,
-            "parameters": params_signature(module),
-            "parameters with sparse gradients": sparse_signature(module),
-            "buffers": buffers_signature(module),
+            **_model_fields(module),
             "hook state": problem,
             "compiled DDP's Python reducer": python_reducer,
         },

@@ -103,7 +103,7 @@ def agree(
         a, b = values[0], values[first]
         if key in _TENSOR_LISTS and a != _ABSENT and b != _ABSENT:
             raise ValueError(
-                f"{where}: ranks disagree on {_parameter_difference(a, b, first, key)}"
+                f"{where}: ranks disagree on {_tensor_list_difference(a, b, first, key)}"
             )
         raise ValueError(
             f"{where}: ranks disagree on {key}: rank 0 has {a!r}, rank {first} has {b!r}"
@@ -151,7 +151,7 @@ _TENSOR_LISTS = {
 }
 
 
-def _parameter_difference(a: list, b: list, rank: int, key: str = "parameters") -> str:
+def _tensor_list_difference(a: list, b: list, rank: int, key: str = "parameters") -> str:
     many, one = _TENSOR_LISTS[key]
     if len(a) != len(b):
         return f"the model: rank 0 has {len(a)} {many}, rank {rank} has {len(b)}"
