@@ -27,21 +27,27 @@ Rules a caller keeps, as for any collective of ``torch.distributed``:
   (the codec's class and format, every option with its default) before any exchange; a
   difference is a ValueError on every rank naming it.
 - Every rank issues the same calls in the same order (the same ``key``, shapes and dtypes).
-  The ranks check it (``check_order``): by default each key's first call is compared, which
-  names a different order of new keys, or another shape, before its collective; with
-  ``check_order="every"`` every call is, for one small all-reduce a call.
-- Calls on one ``Exchange`` run one after another: a call waits for the previous call's
-  exchange to finish before it starts, so that the previous call's residual is kept or dropped
-  first. Use one ``Exchange`` per stream of calls that should overlap.
+  The ranks check it (``check_order``): by default every call is compared, the calls queued
+  together by one small all-reduce of their digests, before their collectives; a difference
+  is a ValueError on every rank naming each rank's call (raised by a key's first call, by
+  the ``wait()`` of a later one).
+- A call returns at once: the Exchange's own thread issues its collectives in call order, on
+  process groups of its own, while the caller goes on. Calls on different keys are in flight
+  together; a key's next call starts once its last one is done. A list of tensors is one
+  exchange.
 """
 
 from __future__ import annotations
 
+import collections
 import hashlib
 import inspect
 import math
-from collections.abc import Hashable
-from typing import Any, Optional
+import queue
+import threading
+import weakref
+from collections.abc import Hashable, Sequence
+from typing import Any, Callable, NamedTuple, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -49,6 +55,7 @@ import torch.distributed as dist
 from pycomm._validate import check_int
 from pycomm.hooks.config import agree, error_field, resolved_config
 from pycomm.hooks.engine import PHASE_1
+from pycomm.hooks.groups import new_groups
 from pycomm.hooks.registry import hook_names, hook_spec, registration
 from pycomm.hooks.state import HookState, completed, dtype_names, ring_bytes, unbound
 
@@ -80,33 +87,164 @@ class Work:
 
     def __init__(
         self,
-        future: torch.futures.Future,
-        result: torch.Tensor,
+        future: Optional[torch.futures.Future] = None,
+        result: Any = None,
         bytes_sent: int = 0,
         bytes_fp32: int = 0,
     ) -> None:
-        self._future, self._result = future, result
-        self._bytes = (bytes_sent, bytes_fp32)
         self._observed = False  # wait() raised, or would have, to its caller
+        self._ready = threading.Event()  # issued: the future and the bytes are known
+        if future is not None:
+            self._set(future, result, bytes_sent, bytes_fp32)
+
+    def _set(self, future: torch.futures.Future, result: Any, sent: int, fp32: int) -> None:
+        self._future, self._result, self._bytes = future, result, (sent, fp32)
+        self._ready.set()
+
+    def _fail(self, exc: BaseException, observed: bool = False) -> None:
+        future: torch.futures.Future = torch.futures.Future()
+        future.set_exception(exc)
+        self._observed = self._observed or observed
+        self._set(future, None, 0, 0)
 
     @property
     def bytes_sent(self) -> int:
+        self._ready.wait()
         return self._bytes[0]
 
     @property
     def bytes_fp32(self) -> int:
+        self._ready.wait()
         return self._bytes[1]
 
-    def wait(self) -> torch.Tensor:
+    def wait(self) -> Any:
         self._observed = True
+        self._ready.wait()
         self._future.wait()
         return self._result
 
     def get_future(self) -> torch.futures.Future:
+        self._ready.wait()
         return self._future
 
     def is_completed(self) -> bool:
-        return self._future.done()
+        return self._ready.is_set() and self._future.done()
+
+
+# calls whose digests one check compares at most
+_SLOTS = 16
+
+
+class _Issued(NamedTuple):
+    """What a call's body issued: the future of its result, and its bytes."""
+
+    future: torch.futures.Future
+    result: Any
+    bytes_sent: int
+    bytes_fp32: int
+
+
+class _Call:
+    """A call handed to the issuing thread: its ``(call, key)``, what the ranks compare
+    (``mark``, its digest; ``fields``, in full), whether it is compared, this rank's refusal
+    of its arguments, the body that issues it, and its :class:`Work`."""
+
+    def __init__(
+        self,
+        pair: tuple,
+        mark: str,
+        fields: dict,
+        checked: bool,
+        err: Optional[Exception],
+        body: Callable[[], _Issued],
+    ) -> None:
+        self.pair, self.mark, self.fields, self.body = pair, mark, fields, body
+        self.is_checked, self.err, self.work = checked, err, Work()
+        self.checked = threading.Event()  # its check is done (passed or failed)
+        self.failed: Optional[BaseException] = None
+        # an all_reduce's (tensor, key, op, flat, many): what fuses it with the calls beside
+        self.fuse: Optional[tuple] = None
+
+    def fail(self, exc: BaseException) -> None:
+        self.failed = exc
+        self.work._fail(exc, observed=self.err is not None)
+        self.checked.set()
+
+
+def _digest(mark: str) -> int:
+    """A call's 56-bit digest: what the ranks compare for it, by one all-reduce."""
+    return int.from_bytes(hashlib.blake2b(mark.encode(), digest_size=7).digest(), "little")
+
+
+class _Issuer:
+    """The one thread that issues an :class:`Exchange`'s collectives, in call order: every
+    rank issues the same collectives in the same order on the Exchange's groups, however its
+    calls' exchanges progress, while the caller goes on. It holds the Exchange weakly (it ends
+    with it); calls queued together are checked by one collective."""
+
+    def __init__(self, owner: Exchange) -> None:
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._owner = weakref.ref(owner)
+        self._thread: Optional[threading.Thread] = None
+        weakref.finalize(owner, self._queue.put, None)
+
+    def put(self, item: _Call) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(
+                target=_serve, args=(self._owner, self._queue), name="pycomm-exchange",
+                daemon=True,
+            )  # fmt: skip
+            self._thread.start()
+        self._queue.put(item)
+
+    def drain(self) -> None:
+        """Wait until every call put before is issued (or failed)."""
+        if self._thread is not None:
+            done = threading.Event()
+            self._queue.put(done)
+            done.wait()
+
+
+def _serve(owner: Callable[[], Optional[Exchange]], q: queue.SimpleQueue) -> None:
+    """The issuing thread's loop: take the queued calls (up to a drain mark), check them
+    together, issue those that passed, and put the rest back first in line."""
+    pending: collections.deque = collections.deque()
+    while True:
+        if not pending:
+            pending.append(q.get())
+        while True:
+            try:
+                pending.append(q.get_nowait())
+            except queue.Empty:
+                break
+        head = pending[0]
+        if not isinstance(head, _Call):
+            pending.popleft()
+            if head is None:
+                return
+            head.set()  # a drain mark
+            continue
+        calls: list[_Call] = []
+        while pending and isinstance(pending[0], _Call) and len(calls) < _SLOTS:
+            calls.append(pending.popleft())
+        ex = owner()
+        if ex is None:
+            return
+        try:
+            passed, again = ex._checks(calls)
+        except Exception as e:  # noqa: BLE001 - the check's collective failed: every call
+            for c in calls:
+                c.fail(e)
+            passed, again = [], []
+        pending.extendleft(reversed(again))
+        for run in ex._runs(passed):
+            try:
+                ex._run_fused(run) if len(run) > 1 else ex._run(run[0])
+            except BaseException as e:  # noqa: BLE001 - never leave a call unset
+                for c in run:
+                    if not c.work._ready.is_set():
+                        c.work._fail(e)
+        del ex
 
 
 def rank_order_sum(rows: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
@@ -125,14 +263,34 @@ def rank_order_sum(rows: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
     return acc.mul_(scale) if scale != 1.0 else acc
 
 
-def _returning(result: torch.Tensor):
-    """A future's callback that raises what the future raised, else returns ``result``."""
+def _returning(result: Any, flat: Optional[torch.Tensor] = None):
+    """A future's callback that raises what the future raised, else returns ``result`` (a list
+    of tensors: ``flat`` copied back into them first)."""
 
-    def done(f: torch.futures.Future) -> torch.Tensor:
+    def done(f: torch.futures.Future) -> Any:
         f.value()
+        if flat is not None:
+            _unflatten(flat, result)
         return result
 
     return done
+
+
+def _unflatten(flat: torch.Tensor, tensors: Sequence[torch.Tensor]) -> None:
+    """``flat`` copied back into ``tensors``, in order."""
+    with torch.no_grad():
+        for t, part in zip(tensors, flat.split([t.numel() for t in tensors])):
+            t.copy_(part.view(t.shape))
+
+
+def _shape(t: Any) -> str:
+    """A call's tensor (or list of tensors) as the order check names it: shape and dtype."""
+    if isinstance(t, torch.Tensor):
+        return f"shape {list(t.shape)} {str(t.dtype)[6:]}"
+    if isinstance(t, (list, tuple)) and all(isinstance(x, torch.Tensor) for x in t) and t:
+        shapes = ", ".join(str(list(x.shape)) for x in t)
+        return f"{len(t)} tensors of shapes {shapes} {str(t[0].dtype)[6:]}"
+    return f"{type(t).__name__}"
 
 
 class _CallBucket:
@@ -195,7 +353,7 @@ class Exchange:
         process_group: Optional[dist.ProcessGroup] = None,
         *,
         start_iter: int = 0,
-        check_order: str = "first",
+        check_order: str = "every",
         **options: Any,
     ) -> None:
         if not (dist.is_available() and dist.is_initialized()):
@@ -235,11 +393,18 @@ class Exchange:
                 )
         except Exception as e:  # noqa: BLE001 - a user's codec failing on one rank too
             state = None
-            fields.update(error_field(e))
+            fields.update(error_field(_as_exchange(e, codec, self.where)))
         fields["start_iter"] = start_iter
         fields["check_order"] = check_order
         agree(self.where, fields, process_group)
         assert state is not None  # agree raised on every rank otherwise
+        # the Exchange's own group: its thread issues every collective of it there, so none
+        # meets the caller's own collectives on the caller's group in another order
+        parent = process_group or dist.group.WORLD
+        (self._group,) = new_groups(parent, [dist.get_process_group_ranks(parent)], count=1)
+        nccl = dist.get_backend(parent) == "nccl"
+        self._device = torch.device("cuda", torch.cuda.current_device()) if nccl else "cpu"
+        state.process_group = self._group
         state.bind()
         self.codec_name = codec
         self.process_group = process_group
@@ -253,7 +418,17 @@ class Exchange:
         # (call, key) pairs whose order the ranks compared since construction or the last
         # load (ranks that loaded states of different calls differ at the next call)
         self._compared: set = set()
-        self._last: Optional[Work] = None
+        # the last issued call of each (call, key) not yet known done: a key's next call waits
+        # for it (its residual), calls on other keys do not
+        self._inflight: dict[Hashable, Work] = {}
+        # strict_skip keeps a step's residuals apart until the step is known finite: each call
+        # is a step, so calls run one after another
+        self._serial = bool(getattr(state, "strict_skip", False))
+        self._flats: dict[Hashable, torch.Tensor] = {}  # a list call's flat buffer, per key
+        self._seq = 0  # calls made (refused ones too): each call's place, compared
+        self._nonfinite: list[torch.Tensor] = []  # the exact calls' flags, not yet read
+        self._bad_calls = 0
+        self._issuer = _Issuer(self)
 
     def _build(self, codec: Any, group: Any, start_iter: Any, options: dict) -> HookState:
         if not isinstance(codec, str):
@@ -301,17 +476,40 @@ class Exchange:
 
     # --- the calls ----------------------------------------------------------------------
 
-    def all_reduce(self, tensor: torch.Tensor, key: Hashable, op: str = "mean") -> Work:
+    def all_reduce(
+        self, tensor: Union[torch.Tensor, Sequence[torch.Tensor]], key: Hashable, op: str = "mean"
+    ) -> Work:
         """Replace ``tensor`` (contiguous, float32, bfloat16 or float16; float64 too with
         ``"allreduce"``) by its mean over the ranks (``op="sum"``: the sum, the mean times N),
         sent through the codec, with the error-feedback residual of ``key``. Every rank holds
         the same bits after it.
 
+        A list (or tuple) of tensors of one dtype and device, of any shapes and strides, is
+        one exchange: the tensors are copied into one flat buffer of ``key`` (kept between
+        calls), exchanged as one tensor with one residual, and copied back, so a model's
+        parameters cost one exchange, not one per tensor.
+
         Example:
             >>> ex.all_reduce(delta, key="delta").wait()
+            >>> ex.all_reduce([p.data for p in model.parameters()], key="params").wait()
         """
-        flat, err = self._checked(lambda: self._check("all_reduce", "tensor", tensor, op))
-        index, compress = self._start("all_reduce", key, flat, f"op={op!r}", err)
+        many = isinstance(tensor, (list, tuple))
+        if many:
+            check = lambda: self._check_list(key, tensor, op)  # noqa: E731
+        else:
+            check = lambda: self._check("all_reduce", "tensor", tensor, op)  # noqa: E731
+        flat, err = self._checked(check)
+        body = lambda: self._all_reduce(tensor, key, op, flat, many)  # noqa: E731
+        shape = _shape(tensor)
+        fuse = (tensor, key, op, flat, many)
+        return self._submit("all_reduce", key, flat, f"op={op!r}", err, shape, body, fuse)
+
+    def _all_reduce(
+        self, tensor: Any, key: Hashable, op: str, flat: torch.Tensor, many: bool
+    ) -> _Issued:
+        index, compress = self._begin("all_reduce", key)
+        if many:  # once the key's last call is done with its flat buffer
+            torch.cat([t.detach().reshape(-1) for t in tensor], out=flat)
         state, world = self._state, self._state.world_size
         if flat.numel() == 0:
             return self._nothing(index, flat, tensor)
@@ -319,8 +517,8 @@ class Exchange:
             # the exact sum: torch's own all-reduce, bit for bit (no 1/N and back)
             nbytes = ring_bytes(flat.numel() * flat.element_size(), world)
             state.count(_CallBucket(index, flat), nbytes)
-            work = dist.all_reduce(flat, group=self.process_group, async_op=True)
-            fut = work.get_future().then(_returning(tensor))
+            work = dist.all_reduce(flat, group=self._group, async_op=True)
+            fut = work.get_future().then(_returning(tensor, flat if many else None))
             return self._issued(fut, tensor, nbytes, ring_bytes(flat.numel() * 4, world))
         before = _sent(state)
         has_start = hasattr(state, "start_iter")
@@ -335,10 +533,12 @@ class Exchange:
         if op == "sum" and world > 1:
             fut = fut.then(lambda f: f.value().mul_(world))
 
-        def into(f: torch.futures.Future) -> torch.Tensor:
+        def into(f: torch.futures.Future) -> Any:
             out = f.value()
             if out.data_ptr() != flat.data_ptr():
                 flat.copy_(out)
+            if many:
+                _unflatten(flat, tensor)
             return tensor
 
         return self._issued(fut.then(into), tensor, *nbytes, end=False)
@@ -374,8 +574,15 @@ class Exchange:
 
         (x, out, factor), err = self._checked(checked, (None, None, None))
         how = f"op={op!r}" if scale is None else f"scale={scale!r}"
-        index, compress = self._start("reduce_scatter", key, x, how, err)
-        state, s = self._state, out.numel()
+        shape = f"{_shape(input)} into {_shape(output)}"
+        body = lambda: self._reduce_scatter(output, key, x, out, factor)  # noqa: E731
+        return self._submit("reduce_scatter", key, x, how, err, shape, body)
+
+    def _reduce_scatter(
+        self, output: torch.Tensor, key: Hashable, x: torch.Tensor, out: torch.Tensor, factor: float
+    ) -> _Issued:
+        index, compress = self._begin("reduce_scatter", key)
+        n, state, s = self._state.world_size, self._state, out.numel()
         if s == 0:
             return self._nothing(index, x, output)
         bucket, fp32 = _CallBucket(index, x), (n - 1) * s * 4
@@ -388,9 +595,7 @@ class Exchange:
             state.count(bucket, nbytes, bytes_fp32=fp32)
             fut = self._exact_reduce_scatter(x, out, n, s, factor)
             return self._issued(fut.then(_returning(output)), output, nbytes, fp32)
-        fut, nbytes = state.engine.reduce_scatter(
-            out, x, index, factor, state.iter, self.process_group, n
-        )
+        fut, nbytes = state.engine.reduce_scatter(out, x, index, factor, state.iter, self._group, n)
         state.count(bucket, nbytes, bytes_fp32=fp32)
         return self._issued(fut.then(_returning(output)), output, nbytes, fp32)
 
@@ -407,7 +612,14 @@ class Exchange:
         (x, out), err = self._checked(
             lambda: self._check_pair("all_gather", output, input, "mean"), (None, None)
         )
-        index, compress = self._start("all_gather", key, x, "", err)
+        shape = f"{_shape(input)} into {_shape(output)}"
+        body = lambda: self._all_gather(output, key, x, out)  # noqa: E731
+        return self._submit("all_gather", key, x, "", err, shape, body)
+
+    def _all_gather(
+        self, output: torch.Tensor, key: Hashable, x: torch.Tensor, out: torch.Tensor
+    ) -> _Issued:
+        index, compress = self._begin("all_gather", key)
         n, m, state = self._state.world_size, x.numel(), self._state
         if m == 0:
             return self._nothing(index, x, output)
@@ -436,12 +648,20 @@ class Exchange:
 
     @property
     def stats(self) -> dict[str, Any]:
-        """The engine's counters: ``steps`` (calls), ``bytes_sent``, ``bytes_fp32`` (what
-        the exact fp32 collective of the same tensors sends), ``compression``, and for a codec
-        ``codec_compression``, ``residual_bytes``, ``nonfinite_buckets`` (calls whose decode
-        held a NaN or Inf)."""
-        self._settle()
-        return self._state.stats
+        """This rank's counters since construction (or the last load), once every call is
+        done: ``steps`` (calls), ``buckets`` (the same), ``collectives``, ``bytes_sent`` (what
+        this rank put on the wire), ``bytes_fp32`` (what the exact fp32 collective of the same
+        tensors sends), ``compression``, ``nonfinite_buckets`` (calls whose result held a NaN
+        or Inf), and for a codec ``codec_bytes_sent``, ``codec_bytes_fp32``,
+        ``codec_compression`` (its compressed calls alone) and ``residual_bytes``: the table
+        of docs/exchange.md, "Counters"."""
+        self._drain()
+        stats = {k: v for k, v in self._state.stats.items() if k != "rebucketed_steps"}
+        if self._codec is None:  # the exact exchange decodes nothing: its results are read
+            bad, self._nonfinite = self._nonfinite, []
+            self._bad_calls += sum(int(b) for b in bad)
+            stats["nonfinite_buckets"] = self._bad_calls
+        return stats
 
     def residual_bytes(self, key: Hashable) -> int:
         """Bytes of the error-feedback residuals this rank keeps for ``key`` (its calls
@@ -454,6 +674,7 @@ class Exchange:
         store = getattr(self._state, "store", None)
         if store is None or not getattr(self._state, "error_feedback", False):
             return 0
+        self._drain(settle=False)
         indices = [i for (_, k), i in self._keys.items() if k == key]
         return sum(store.nbytes(i, pending=True) for i in indices)
 
@@ -465,7 +686,7 @@ class Exchange:
         Example:
             >>> torch.save(ex.state_dict(), f"exchange-rank{rank}.pt")
         """
-        self._settle()
+        self._drain()
         return {
             "exchange": self._state.state_dict(),
             "keys": list(self._keys),
@@ -476,14 +697,18 @@ class Exchange:
         """Restore :meth:`state_dict`: the residuals, counters, keys and their calls; another
         codec, option, rank or world size is refused naming it."""
         keys, calls = self._loadable(state)  # everything checked before anything changes
-        self._settle()
-        self._state.load_state_dict(state["exchange"])
+        self._drain()
+        try:
+            self._state.load_state_dict(state["exchange"])
+        except (ValueError, TypeError, KeyError) as e:
+            raise _as_exchange(e, self.codec_name, f"{self.where}.load_state_dict") from e
         store = getattr(self._state, "store", None)
         if store is not None:  # a key's first compressed call may come after the load
             store.place_loaded()
         self._keys = {k: i for i, k in enumerate(keys)}
         self._calls = dict(zip(self._keys, calls))
         self._compared = set()
+        self._seq = sum(calls)
 
     def _loadable(self, state: Any) -> tuple[list, list[int]]:
         """The keys and calls per key of ``state``, once its shape is checked (its hook
@@ -586,7 +811,7 @@ class Exchange:
                     f"{where}: residual holds non-finite values, expected finite residuals "
                     "(a NaN there would reach every later call)"
                 )
-        self._settle()
+        self._drain()
         index = self._keys[(call, key)] = len(self._keys)
         self._calls[(call, key)] = calls
         if residual is not None:
@@ -594,6 +819,38 @@ class Exchange:
             state.store.put((index, residual.numel(), PHASE_1), kept)
 
     # --- the call's path ----------------------------------------------------------------
+
+    def _check_list(self, key: Hashable, tensors: Sequence[Any], op: str) -> torch.Tensor:
+        """The flat buffer of a list call of ``key`` (its last one's, when of the same size,
+        dtype and device), once the tensors are checked (one dtype and device)."""
+        where = f"{self.where}.all_reduce"
+        try:
+            hash(key)
+        except TypeError:
+            raise TypeError(
+                f"{where}: key={key!r} is not hashable; expected a str, int or tuple"
+            ) from None
+        if not tensors:
+            raise ValueError(f"{where}: tensor is an empty list, expected at least one tensor")
+        for i, t in enumerate(tensors):
+            self._check("all_reduce", f"tensor[{i}]", t.reshape(-1) if _dense(t) else t, op)
+            first = tensors[0]
+            if t.dtype != first.dtype or t.device != first.device:
+                raise TypeError(
+                    f"{where}: tensor[{i}] is {t.dtype} on {t.device} and tensor[0] "
+                    f"{first.dtype} on {first.device}, expected one dtype and device (the list "
+                    "is exchanged as one flat tensor)"
+                )
+        numel = sum(t.numel() for t in tensors)
+        flat = self._flats.get(key)
+        if (
+            flat is None
+            or flat.numel() != numel
+            or flat.dtype != first.dtype
+            or (flat.device != first.device)
+        ):
+            flat = self._flats[key] = torch.empty(numel, dtype=first.dtype, device=first.device)
+        return flat
 
     def _check(self, call: str, name: str, t: Any, op: str) -> torch.Tensor:
         where = f"{self.where}.{call}"
@@ -681,40 +938,202 @@ class Exchange:
         except (TypeError, ValueError) as e:
             return failed, e
 
-    def _start(
+    def _submit(
         self,
         call: str,
         key: Hashable,
         t: Optional[torch.Tensor],
         how: str,
         err: Optional[Exception],
-    ) -> tuple[int, bool]:
-        """The position of ``(call, key)`` (new ones in order of first use) and whether this
-        call goes through the codec (the key's ``start_iter`` exact calls done), once the last
-        call's exchange is done and its step committed (its residuals kept, or dropped after
-        a non-finite decode), and the call's order checked across ranks (``check_order``).
-        ``err``: this rank's refusal of the call's arguments, raised here, on every rank
-        wherever the order check compares the call (a key's first call, or every call)."""
+        shape: str,
+        body: Callable[[], _Issued],
+        fuse: Optional[tuple] = None,
+    ) -> Work:
+        """Hand a call to the issuing thread and return its :class:`Work`: ``body`` issues
+        its collectives there, in call order, once the call's order is checked across the
+        ranks (``check_order``; ``how`` and ``shape`` name the call there). ``err``: this
+        rank's refusal of the call's arguments, raised here; the ranks compare it like the
+        call, so each of them raises the first error any of them met. A key's first call
+        (and a refused call) waits for its check: a difference raises here, on every rank; a
+        later call's difference fails its ``wait()``."""
         if not _alive(self.process_group):
             raise RuntimeError(
                 f"{self.where}.{call}: the process group was destroyed; an Exchange lives "
                 "while the group it was built on does"
             )
+        pair = (call, key)
         try:
-            first = (call, key) not in self._compared
+            first = pair not in self._compared
         except TypeError:
             first = True
             err = err or TypeError(
                 f"{self.where}.{call}: key={key!r} is not hashable; expected a str, int or tuple"
             )
-        self._settle()
-        self._check_order(call, key, t, first, how, err)
+        mode, seq = self.check_order, self._seq
+        self._seq += 1
+        checked = self._state.world_size > 1 and (mode == "every" or (mode == "first" and first))
+        if err is not None and not checked:
+            raise err
+        if err is None:
+            self._compared.add(pair)
+        tensor = "refused input" if t is None else shape
+        what = f"call {seq}: {call}(key={key!r}, {tensor}, {how})"
+        fields = {**error_field(err), "the order of calls": what}
+        item = _Call(pair, what if err is None else f"{what} {err}", fields, checked, err, body)
+        item.fuse = fuse
+        self._issuer.put(item)
+        if err is None and not (checked and first):
+            return item.work
+        item.checked.wait()
+        if item.failed is not None:
+            raise item.failed
         if err is not None:
             raise err
-        self._compared.add((call, key))
-        index = self._keys.setdefault((call, key), len(self._keys))
-        done = self._calls.get((call, key), 0)
-        self._calls[(call, key)] = done + 1
+        return item.work
+
+    def _checks(self, calls: list[_Call]) -> tuple[list[_Call], list[_Call]]:
+        """On the issuing thread: the calls whose check passed, in order, and those to check
+        again (past a difference, or past what every rank had queued). ``"every"``: one
+        all-reduce of the calls' 56-bit digests (up to :data:`_SLOTS` calls, and how many);
+        the calls every rank had queued are compared, and the first that differs is
+        compared in full (one object gather), which raises the ValueError naming each
+        rank's call. ``"first"``: each key's first call compared in full."""
+        if self.check_order != "every" or self._state.world_size == 1:
+            passed = []
+            for c in calls:
+                if c.checked and not self._agreed(c):
+                    continue
+                passed.append(c)
+            return passed, []
+        k, n = _SLOTS, len(calls)
+        digests = [_digest(c.mark) for c in calls]
+        v = torch.zeros(2 + 2 * k, dtype=torch.int64)
+        v[0], v[1] = n, -n
+        v[2 : 2 + n] = torch.tensor(digests)
+        v[2 + k : 2 + k + n] = -v[2 : 2 + n]
+        dev = self._device
+        got = v.to(dev)
+        dist.all_reduce(got, op=dist.ReduceOp.MAX, group=self._group)
+        got = got.tolist()
+        queued = -got[1]  # the fewest calls a rank had queued
+        for i in range(queued):
+            if got[2 + i] != digests[i] or got[2 + k + i] != -digests[i]:
+                ok = self._agreed(calls[i])
+                return calls[: i + ok], calls[i + 1 :]
+        return calls[:queued], calls[queued:]
+
+    def _agreed(self, c: _Call) -> bool:
+        """Compare ``c`` in full across the ranks (a collective): False, with the call failed
+        with the error every rank raises, where they differ."""
+        try:
+            agree(f"{self.where}.{c.pair[0]}", c.fields, self._group, call=self.where)
+        except Exception as e:  # noqa: BLE001 - the same error on every rank
+            c.fail(e)
+            return False
+        return True
+
+    def _runs(self, calls: list[_Call]) -> list[list[_Call]]:
+        """``calls`` (passed, in order) cut into runs to issue: consecutive compressed
+        all-reduces of a two-phase codec on different keys, which every rank checked as one
+        batch (``check_order="every"``), go as one exchange; every other call alone."""
+        state = self._state
+        fusable = (
+            self.check_order == "every"
+            and state.world_size > 1
+            and self._codec is not None
+            and self._codec.two_phase
+            and getattr(state, "node_plan", None) is None
+            and not self._serial
+        )
+        runs: list[list[_Call]] = []
+        run: list[_Call] = []  # the fusable run being built
+        for c in calls:
+            ok = (
+                fusable
+                and c.err is None
+                and c.fuse is not None
+                and c.fuse[3].numel() > 0
+                and self._calls.get(c.pair, 0) >= self.start_iter
+            )
+            if ok and run and all(x.pair != c.pair for x in run):
+                run.append(c)
+                continue
+            if run:
+                runs.append(run)
+            run = [c] if ok else []
+            if not ok:
+                runs.append([c])
+        if run:
+            runs.append(run)
+        return runs
+
+    def _run_fused(self, calls: list[_Call]) -> None:
+        """Issue compressed all-reduces of different keys as one exchange
+        (:meth:`Engine.all_reduce_many`): each call's step, residual and decode its own, the
+        bits of its exchange alone."""
+        state, world = self._state, self._state.world_size
+        items, meta = [], []
+        for c in calls:
+            c.checked.set()
+            tensor, key, op, flat, many = c.fuse
+            state.check_resumed(flat.device)
+            index, _ = self._begin("all_reduce", key)
+            if many:
+                torch.cat([t.detach().reshape(-1) for t in tensor], out=flat)
+            bucket, sent = _CallBucket(index, flat), {}
+
+            def count(nbytes: int, collectives: int, bucket=bucket, sent=sent) -> None:
+                before = _sent(state)
+                state.count_exchange(bucket, nbytes, collectives)
+                sent["bytes"] = tuple(b - a for a, b in zip(before, _sent(state)))
+
+            items.append((flat, (index, flat.numel(), str(flat.dtype)), state.iter, count))
+            meta.append((c, tensor, op, flat, many, sent))
+            state.end_step()
+        futures = state.engine.all_reduce_many(items)
+        for (c, tensor, op, flat, many, sent), fut in zip(meta, futures):
+            if op == "sum":
+                fut = fut.then(lambda f: f.value().mul_(world))
+            fut = fut.then(_returning(tensor, flat if many else None))
+            c.work._set(fut, tensor, *sent["bytes"])
+            self._inflight[c.pair] = c.work
+
+    def _run(self, c: _Call) -> None:
+        """On the issuing thread, once ``c``'s check passed: issue it."""
+        c.checked.set()
+        if c.err is not None:  # every rank refused it alike: raised by each caller
+            c.work._fail(c.err, observed=True)
+            return
+        try:
+            issued = c.body()
+        except Exception as e:  # noqa: BLE001 - handed to the caller's wait()
+            c.work._fail(e)
+            return
+        if self._codec is None:
+            issued = issued._replace(future=issued.future.then(self._note_finite))
+        c.work._set(*issued)
+        self._inflight[c.pair] = c.work
+
+    def _note_finite(self, fut: torch.futures.Future) -> Any:
+        """Keep whether an exact call's result holds a NaN or Inf, for ``stats`` (a device
+        flag, read there); the result."""
+        result = fut.value()
+        parts = result if isinstance(result, (list, tuple)) else [result]
+        flags = [(~torch.isfinite(t)).any() for t in parts if t.numel()]
+        if flags:
+            self._nonfinite.append(torch.stack(flags).any())
+        return result
+
+    def _begin(self, call: str, key: Hashable) -> tuple[int, bool]:
+        """On the issuing thread: the position of ``(call, key)`` (new ones in order of first
+        use) and whether this call goes through the codec (the key's ``start_iter`` exact
+        calls done), once the key's last call is done (its residual written; every last
+        call with ``strict_skip``, whose step commit keeps or drops them)."""
+        pair = (call, key)
+        self._settle(None if self._serial else pair)
+        index = self._keys.setdefault(pair, len(self._keys))
+        done = self._calls.get(pair, 0)
+        self._calls[pair] = done + 1
         new_step = getattr(self._state, "new_step", None)
         if new_step is not None:
             new_step()
@@ -723,83 +1142,62 @@ class Exchange:
     def _issued(
         self,
         fut: torch.futures.Future,
-        result: torch.Tensor,
+        result: Any,
         bytes_sent: int = 0,
         bytes_fp32: int = 0,
         end: bool = True,
-    ) -> Work:
+    ) -> _Issued:
         """``end``: close the call's step (all_reduce's hook closes its own: its bucket is the
         step's last)."""
         end_step = getattr(self._state, "end_step", None)
         if end and end_step is not None:
             end_step()
-        self._last = Work(fut, result, bytes_sent, bytes_fp32)
-        return self._last
+        return _Issued(fut, result, bytes_sent, bytes_fp32)
 
-    def _nothing(self, index: int, x: torch.Tensor, result: torch.Tensor) -> Work:
+    def _nothing(self, index: int, x: torch.Tensor, result: Any) -> _Issued:
         """A call of 0 elements, on every rank (the order check compares them): counted,
         nothing sent."""
         self._state.count(_CallBucket(index, x), 0, collectives=0, bytes_fp32=0)
         return self._issued(completed(result), result)
 
-    def _check_order(
-        self,
-        call: str,
-        key: Hashable,
-        t: Optional[torch.Tensor],
-        first: bool,
-        how: str,
-        err: Optional[Exception],
-    ) -> None:
-        """Compare this call across the ranks: its place among this Exchange's calls, the
-        call, the key, the elements and the dtype. ``check_order="first"`` compares a key's
-        first call (all of it, one object gather); ``"every"`` each call, by a 56-bit digest
-        in one small all-reduce (all of it only when the digests differ); a difference is a
-        ValueError on every rank naming each rank's call, before the call's collective."""
-        mode, state = self.check_order, self._state
-        if mode == "off" or (mode == "first" and not first) or state.world_size == 1:
-            return
-        tensor = "refused input" if t is None else f"{t.numel()} {str(t.dtype)[6:]}"
-        what = f"call {sum(self._calls.values())}: {call}(key={key!r}, {tensor}, {how})"
-        fields = {**error_field(err), "the order of calls": what}
-        if mode == "every":
-            mark = what if err is None else f"{what} {err}"
-            digest = hashlib.blake2b(mark.encode(), digest_size=7).digest()
-            h = int.from_bytes(digest, "little")
-            nccl = dist.get_backend(self.process_group) == "nccl"
-            v = torch.tensor([h, -h], dtype=torch.int64, device=t.device if nccl else "cpu")
-            dist.all_reduce(v, op=dist.ReduceOp.MAX, group=self.process_group)
-            if v.tolist() == [h, -h]:  # the largest digest and the smallest are this rank's
-                return
-        agree(f"{self.where}.{call}", fields, self.process_group, call=self.where)
+    def _drain(self, settle: bool = True) -> None:
+        """Wait until every call handed to the issuing thread is issued (``settle``: and
+        done; what a call raised is raised here once, unless its ``wait()`` gave it to the
+        caller already)."""
+        self._issuer.drain()
+        if settle:
+            self._settle()
 
-    def _settle(self) -> None:
-        """Wait for the last call; what it raised is raised here once, unless its ``wait()``
-        gave it to the caller already."""
-        last, self._last = self._last, None
-        if last is None:
-            return
-        try:
-            last.get_future().wait()
-        except Exception:
-            if not last._observed:
-                raise
+    def _settle(self, pair: Optional[Hashable] = None) -> None:
+        """Wait for the last call of ``pair`` (``(call, key)``; None: of every key); what it
+        raised is raised here once, unless its ``wait()`` gave it to the caller already."""
+        if pair is None:
+            works, self._inflight = list(self._inflight.values()), {}
+        else:
+            works = [w for w in (self._inflight.pop(pair, None),) if w is not None]
+        for work in works:
+            try:
+                work.get_future().wait()
+            except Exception:
+                if not work._observed:
+                    work._observed = True
+                    raise
 
     def _gather_rows(self, rows: torch.Tensor, row: torch.Tensor) -> torch.futures.Future:
         """Every rank's ``row`` into ``rows`` (rank order)."""
-        backend = dist.get_backend(self.process_group)
+        backend = dist.get_backend(self._group)
         if backend == "nccl":
-            work = dist.all_gather_into_tensor(rows, row, group=self.process_group, async_op=True)
+            work = dist.all_gather_into_tensor(rows, row, group=self._group, async_op=True)
         else:  # gloo: all_to_all of the row sent to every rank
             send = row.expand(rows.shape[0], -1).contiguous()
-            work = dist.all_to_all_single(rows, send, group=self.process_group, async_op=True)
+            work = dist.all_to_all_single(rows, send, group=self._group, async_op=True)
         return work.get_future()
 
     def _exact_reduce_scatter(
         self, x: torch.Tensor, out: torch.Tensor, n: int, s: int, scale: float
     ) -> torch.futures.Future:
         recv = torch.empty_like(x)
-        work = dist.all_to_all_single(recv, x, group=self.process_group, async_op=True)
+        work = dist.all_to_all_single(recv, x, group=self._group, async_op=True)
 
         def total(f: torch.futures.Future) -> torch.Tensor:
             f.value()
@@ -807,6 +1205,27 @@ class Exchange:
             return out
 
         return work.get_future().then(total)
+
+
+def _as_exchange(exc: Exception, codec: Any, where: str) -> Exception:
+    """``exc`` of the codec's hook state, as the Exchange's: named for the codec the caller
+    passed and pointing to the Exchange's own state_dict, not to DDP's hook helpers."""
+    if not isinstance(exc, (ValueError, TypeError, KeyError)) or not isinstance(codec, str):
+        return exc
+    text = str(exc.args[0]) if exc.args else str(exc)
+    text = text.replace(f"pycomm {codec} hook: ", f"{where} (codec {codec!r}): ")
+    text = text.replace("pycomm: cannot load hook state", f"{where}: cannot load the state")
+    text = text.replace("hook state", "Exchange state")
+    text = text.replace(
+        "(pycomm.checkpoint.load_hook_state does)",
+        "(save Exchange.state_dict() on each rank and load it there with load_state_dict())",
+    )
+    return type(exc)(text)
+
+
+def _dense(t: Any) -> bool:
+    """Whether ``t`` is a dense tensor with data (one that reshapes to a flat tensor)."""
+    return isinstance(t, torch.Tensor) and t.layout == torch.strided and t.device.type != "meta"
 
 
 def _alive(group: Optional[dist.ProcessGroup]) -> bool:

@@ -138,6 +138,11 @@ _NOT_FOR_ALL_GATHER = {
 }
 
 
+# FSDP2 hands every rank the same shard shapes (its own collectives need them): each module's
+# first reduce-scatter is compared, not every one
+_CHECK = "first"
+
+
 def _reduction(op: Any) -> dict[str, Any]:
     """``Exchange.reduce_scatter``'s arguments for FSDP's ``op``: AVG the mean, SUM the sum,
     PREMUL_SUM its factor as ``scale``."""
@@ -866,7 +871,7 @@ def compress(
         # the codec from the first call, no residual: the same codes for the same shard
         gather_exchange = Exchange(
             all_gather, group, start_iter=0, error_feedback=False, hierarchy="flat",
-            **gather_options,
+            check_order=_CHECK, **gather_options,
         )  # fmt: skip
     exchange, installed = _reduction_comms(hook, spec, opts, group, modules)
     if gather_exchange is not None:
@@ -987,11 +992,13 @@ def _reduction_comms(
     start_iter = ex_opts.pop("start_iter", getattr(spec.state, "default_start_iter", 0))
     ex_opts["hierarchy"] = "flat"  # the mesh decides the nodes
     if _is_hsdp(group):
-        exchange = Exchange(hook, cross_group(group), start_iter=start_iter, **ex_opts)
+        exchange = Exchange(
+            hook, cross_group(group), start_iter=start_iter, check_order=_CHECK, **ex_opts
+        )
         return exchange, _install_node_all_reduce(modules, exchange, dist.get_world_size(group))
     if compressed:
         ex_opts["local_feedback"] = True  # error feedback is on the reduce-scatter's input
-    exchange = Exchange(hook, group, start_iter=start_iter, **ex_opts)
+    exchange = Exchange(hook, group, start_iter=start_iter, check_order=_CHECK, **ex_opts)
     grad_dtypes = spec.state.grad_dtypes if compressed else None
     installed: dict[str, Any] = {}
     for name, module in modules:

@@ -1,5 +1,6 @@
-"""The model and the simulated nodes that the DDP hook tests (hooks/test_resume.py,
-hooks/test_hierarchy.py, hooks/test_auto.py) share; call them inside a rank."""
+"""The models and the simulated nodes that the DDP hook tests (hooks/test_resume.py,
+hooks/test_hierarchy.py, hooks/test_auto.py, hooks/test_compression.py,
+engine/test_registry.py) share; call them inside a rank."""
 
 import contextlib
 import copy
@@ -64,6 +65,18 @@ def nodes(layout, launcher="torchrun"):
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+
+
+class Fixed(torch.nn.Module):
+    """A parameter of ``n`` elements whose gradient is whatever the forward is given: fixed
+    gradients, and so a bucket the hook's input is known of."""
+
+    def __init__(self, n: int) -> None:
+        super().__init__()
+        self.p = torch.nn.Parameter(torch.zeros(n))
+
+    def forward(self, c: torch.Tensor) -> torch.Tensor:
+        return (self.p * c).sum()
 
 
 def flat(m: torch.nn.Module) -> torch.Tensor:

@@ -29,12 +29,24 @@ The rules every codec follows (:class:`Codec` states each one):
   statistics, which the non-finite skip and ``TrainLoop``'s clipping read: the decode
   contract, stated once in docs/custom_hooks.md, "The decode contract".
 - **Non-finite input.** A NaN or Inf in ``x`` must decode to a non-finite value (not a finite
-  one), so that every rank sees it and skips the step, and where ``y`` is not finite the
-  residual keeps its old value (the engine updates the residuals in place by default, one
-  copy: a NaN written there would poison every later step). :func:`check_codec` checks both.
+  one), so that every rank sees it and skips the step (:func:`check_codec` checks it). What
+  the new residual holds there is the engine's concern unless the codec declares
+  ``keeps_residual_on_nonfinite`` (below).
 - **Devices.** Every call runs on the bucket's device (CPU or CUDA), with every tensor it
   gets and returns there; a codec never synchronizes with the host (no ``.item()``): on an
   accelerator the engine only enqueues work.
+
+The protocol grows by capabilities a codec declares, class attributes read with a default,
+never by duties that refuse a codec written before: one written against an earlier protocol
+registers and trains unchanged. ``keeps_residual_on_nonfinite = True`` (every built-in codec)
+declares that ``encode`` with ``residual_out=None`` updates the residual in place, with the
+codes it gives with ``residual_out``, and keeps the old value where ``y`` is not finite:
+:func:`check_codec` checks both, and the engine passes None (one copy of the residuals, no
+extra pass). Without it (the default) the engine always passes a ``residual_out``, a scratch
+buffer that it merges into the residual where the new value is finite, keeping the old one
+elsewhere (a NaN in the one copy would poison every later step): one more pass over the
+residual per encode and a scratch buffer the size of the largest encode, the residuals' own
+memory the same.
 
 Example:
     >>> codec = pycomm.hooks.Int8Codec(block=64)
@@ -77,6 +89,11 @@ class Codec:
             chunk of every rank's codes in fp32, re-encodes the sum and sends it to all).
             False: the codes themselves are summed by one all-reduce in ``code_dtype`` (a
             linear format without scales, as fp16), then decoded once.
+        keeps_residual_on_nonfinite: False (default): the engine always passes
+            ``residual_out`` and keeps the old residual where the new one is not finite, at one
+            more pass over it per encode. True declares that ``encode(..., residual_out=None)``
+            updates ``residual`` in place, with the same codes, and keeps its old value where
+            ``y`` is not finite (:func:`check_codec` checks it): no extra pass.
 
     Example:
         >>> class Half(pycomm.hooks.Codec):
@@ -90,6 +107,7 @@ class Codec:
     code_dtype: torch.dtype
     scale_dtype: Optional[torch.dtype] = None
     two_phase: bool = True
+    keeps_residual_on_nonfinite: bool = False
 
     def code_bytes(self, m: int) -> int:
         """Bytes of the codes of ``m`` elements (``m`` a multiple of ``block``)."""
@@ -117,9 +135,10 @@ class Codec:
             scale: multiplies ``x`` first (the engine passes 1/N in phase 1, 1 in phase 2).
             numel: elements to encode, a multiple of ``block``.
             residual_out: where the new residual ``y - decode(codes)`` goes, every one of its
-                ``numel`` elements (same size and dtype as ``residual``); None: into
-                ``residual`` in place (the engine's default). Where ``y`` is not finite the
-                new residual keeps the old value (a whole block may).
+                ``numel`` elements (same size and dtype as ``residual``); what it holds where
+                ``y`` is not finite does not matter. None, passed only to a codec declaring
+                ``keeps_residual_on_nonfinite``: into ``residual`` in place, its old value
+                kept where ``y`` is not finite (a whole block may keep it).
 
         Returns:
             ``(codes, scales)``: 1-D tensors of ``code_dtype`` and ``scale_dtype`` with
@@ -221,6 +240,7 @@ class HalfCodec(Codec):
     """
 
     scale_dtype = None
+    keeps_residual_on_nonfinite = True  # pycomm.ops' encoders keep the rule
 
     def __init__(self, dtype: torch.dtype = torch.bfloat16, two_phase: bool = False) -> None:
         where = f"pycomm {type(self).__name__}"
@@ -268,6 +288,7 @@ class Int8Codec(Codec):
     """
 
     code_dtype, scale_dtype = torch.int8, torch.float32
+    keeps_residual_on_nonfinite = True  # pycomm.ops' encoders keep the rule
 
     def __init__(self, block: int = 64) -> None:
         self.block = check_block("pycomm Int8Codec", block, 1)
@@ -293,6 +314,7 @@ class OneBitCodec(Codec):
     """
 
     code_dtype, scale_dtype = torch.uint8, torch.bfloat16
+    keeps_residual_on_nonfinite = True  # pycomm.ops' encoders keep the rule
 
     def __init__(self, block: int = 64) -> None:
         self.block = check_block("pycomm OneBitCodec", block, 8, " (8 bits a byte)")
@@ -346,6 +368,7 @@ class Int4Codec(Codec):
     """
 
     code_dtype = torch.uint8
+    keeps_residual_on_nonfinite = True  # pycomm.ops' encoders keep the rule
 
     def __init__(self, block: int = 128, scale_dtype: Any = "float32") -> None:
         self.block = check_block("pycomm Int4Codec", block, 2, " (2 a byte)")
@@ -378,6 +401,7 @@ class Fp8Codec(Codec):
     """
 
     code_dtype, scale_dtype = torch.float8_e4m3fn, torch.float32
+    keeps_residual_on_nonfinite = True  # pycomm.ops' encoders keep the rule
 
     def __init__(self, block: int = 64) -> None:
         self.block = check_block("pycomm Fp8Codec", block, 1)
@@ -464,7 +488,9 @@ def check_codec(codec: Any, where: str = "pycomm.hooks.check_codec", device: Any
     a codec there too) and raise a ValueError naming what breaks the
     :class:`Codec` protocol: its attributes, byte counts, the dtypes and sizes ``encode``
     returns, the residual it leaves (``y - decode(codes)``) and the statistics of
-    ``decode_sum``. :func:`pycomm.hooks.register_hook` runs it on every codec it registers.
+    ``decode_sum``; for a codec that declares ``keeps_residual_on_nonfinite``, that it
+    updates the residual in place as well, keeping the old value where ``y`` is not finite.
+    :func:`pycomm.hooks.register_hook` runs it on every codec it registers.
 
     Example:
         >>> check_codec(pycomm.hooks.Int8Codec(block=64))
@@ -488,10 +514,12 @@ def check_codec(codec: Any, where: str = "pycomm.hooks.check_codec", device: Any
     if codes.dtype != code_dtype or codes.shape[0] != rows:
         _fail(where, f"split() gave codes {codes.dtype} {list(codes.shape)}, expected {rows} rows")
     ones = [_check_row(where, codec, codes, scales, r, y[r], out_res[r]) for r in range(rows)]
-    _check_in_place(where, codec, x, residual, m, packed, out_res)
+    keeps = getattr(codec, "keeps_residual_on_nonfinite", False)
+    if keeps:  # its promise: the engine passes residual_out=None
+        _check_in_place(where, codec, x, residual, m, packed, out_res)
     _check_sum(where, codec, codes, scales, ones, m)
     _check_chunks(where, codec, m, cb, sb, dev)
-    _check_nonfinite(where, codec, m, dev)
+    _check_nonfinite(where, codec, m, dev, keeps)
     _check_half_inputs(where, codec, m, cb + sb, dev)
 
 
@@ -553,9 +581,9 @@ def _check_in_place(
     packed: torch.Tensor,
     out_res: torch.Tensor,
 ) -> None:
-    """Each row encoded again with ``residual_out=None`` (the engine's default: the residual
-    updated in place): the same packed row, and the same new residual in place as written to
-    ``residual_out`` before."""
+    """Each row encoded again with ``residual_out=None`` (what the engine passes a codec that
+    declares ``keeps_residual_on_nonfinite``: the residual updated in place): the same packed
+    row, and the same new residual in place as written to ``residual_out`` before."""
     for r in range(x.shape[0]):
         res = residual[r].clone()
         call = f"encode(x of {m - 1}, residual, 0.5, {m}) in place (residual_out=None)"
@@ -575,8 +603,9 @@ def _check_in_place(
                 f"{call} "
                 + ("left the residual as it was" if unchanged else "wrote another residual")
                 + " where encode(..., residual_out) wrote y - decode(codes); expected the same "
-                "residual, in place: the engine passes residual_out=None by default, so error "
-                "feedback would never run",
+                "residual, in place: the engine passes residual_out=None to a codec declaring "
+                "keeps_residual_on_nonfinite, so error feedback would never run; or leave "
+                "keeps_residual_on_nonfinite False and the engine passes a residual_out",
             )
 
 
@@ -775,23 +804,29 @@ def _round_trip32(where: str, codec: Any, x: torch.Tensor, m: int) -> torch.Tens
     return out
 
 
-def _check_nonfinite(where: str, codec: Any, m: int, dev: torch.device) -> None:
-    """A NaN, then an Inf, in the input decodes to a non-finite value and is counted, and the
-    residual, updated in place, keeps its old value there and stays finite."""
+def _check_nonfinite(where: str, codec: Any, m: int, dev: torch.device, keeps: bool) -> None:
+    """A NaN, then an Inf, in the input decodes to a non-finite value and is counted; with
+    ``keeps`` (the codec declares ``keeps_residual_on_nonfinite``) the residual, updated in
+    place, keeps its old value there and stays finite."""
     for bad in (float("nan"), float("inf")):
         x = torch.ones(m, device=dev)
         x[1] = bad
         residual = torch.full((m,), 0.125, device=dev)
-        call = f"encode(x holding {bad}, residual, 1.0, {m}) in place"
-        codes, scales = _run(where, call, codec.encode, x, residual, 1.0, m, None)
-        if not (bool(torch.isfinite(residual).all()) and float(residual[1]) == 0.125):
+        call = f"encode(x holding {bad}, residual, 1.0, {m}" + (
+            ") in place" if keeps else ", residual_out)"
+        )
+        out_res = None if keeps else torch.empty_like(residual)
+        codes, scales = _run(where, call, codec.encode, x, residual, 1.0, m, out_res)
+        if keeps and not (bool(torch.isfinite(residual).all()) and float(residual[1]) == 0.125):
             _fail(
                 where,
                 f"{call} left the residual {float(residual[1]):g} where x holds {bad} (it was "
                 "0.125), and non-finite values at "
                 f"{int((~torch.isfinite(residual)).sum())} elements; expected the old value "
-                "where y is not finite and a finite residual everywhere: the engine keeps one "
-                "copy of the residuals, which a non-finite one would poison for good",
+                "where y is not finite and a finite residual everywhere, as a codec declaring "
+                "keeps_residual_on_nonfinite promises (the engine keeps one copy of its "
+                "residuals, which a non-finite one would poison for good); or leave "
+                "keeps_residual_on_nonfinite False and the engine keeps the old residual for you",
             )
         row = _run(where, "pack(codes, scales, 1)", codec.pack, codes, scales, 1)
         codes, scales = _run(where, f"split(row, {m})", codec.split, row, m)

@@ -24,11 +24,17 @@ own process group; phase 2 on a second group, from a callback that also waits un
 previous exchange's phase 2 was issued. So every rank issues the same collectives in the same
 order on each group, however its phase 1s happen to complete (the trap that aborts torch's
 PowerSGD on gloo).
+
+Residuals: a codec that declares ``keeps_residual_on_nonfinite`` updates each residual in place
+(or, with ``strict_skip``, writes a second copy). Every encode of one without it goes through
+:meth:`Engine.encode`, which gives it the rule: the codec writes its new residual to a scratch
+buffer, merged back where it is finite.
 """
 
 from __future__ import annotations
 
 import math
+import threading
 from typing import Any, Callable, Optional
 
 import torch
@@ -55,6 +61,8 @@ class Workspace:
 
     def __init__(self) -> None:
         self.buffers: dict[tuple, Any] = {}
+        self.scratch: dict[torch.dtype, torch.Tensor] = {}  # the CPU's, per residual dtype
+        self.lock = threading.Lock()  # held while a scratch buffer is written and read
 
     def exchange(self, key: tuple, w: int, row_bytes: int, device) -> dict:
         """The send and receive buffers of exchange ``key``: ``w`` rows of ``row_bytes``.
@@ -86,6 +94,20 @@ class Workspace:
                     del self.buffers[old]
             buf = self.buffers[name] = torch.empty(c, dtype=torch.float32, device=device)
         return buf[:c]
+
+    def scratch_like(self, r: torch.Tensor) -> torch.Tensor:
+        """A buffer shaped as the residual ``r`` for a codec's new residual (see
+        :meth:`Engine.encode`). On the CPU one per dtype, the size of the largest encode,
+        written and read under :attr:`lock` (phase 1 runs in the caller's thread, phase 2 in a
+        callback's). On an accelerator, where work is only enqueued and phase 2 runs on a
+        callback's own stream, a fresh one: the caching allocator hands its memory back in
+        stream order, with no page fault."""
+        if r.device.type != "cpu":
+            return torch.empty_like(r)
+        buf = self.scratch.get(r.dtype)
+        if buf is None or buf.numel() < r.numel():
+            buf = self.scratch[r.dtype] = torch.empty(r.numel(), dtype=r.dtype)
+        return buf[: r.numel()]
 
 
 def summed_numel(codec: Codec, n: int) -> int:
@@ -193,6 +215,28 @@ class Engine:
         """Keep a decode's [squared norm, non-finite count] for ``step``."""
         self.store.note_decode(st, step)
 
+    def encode(
+        self,
+        x: torch.Tensor,
+        r: Optional[torch.Tensor],
+        scale: float,
+        numel: int,
+        r_out: Optional[torch.Tensor],
+    ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """The codec's ``encode(x, r, scale, numel, r_out)``. In place (``r`` given, ``r_out``
+        None), a codec that does not declare ``keeps_residual_on_nonfinite`` writes its new
+        residual to a scratch buffer instead, and ``r`` takes it where it is finite and keeps
+        its old value elsewhere: one more pass over ``r``, on the device, no host read."""
+        codec = self.codec
+        if r is None or r_out is not None or getattr(codec, "keeps_residual_on_nonfinite", False):
+            return codec.encode(x, r, scale, numel, r_out)
+        ws = self.workspace
+        with ws.lock:
+            new = ws.scratch_like(r)
+            encoded = codec.encode(x, r, scale, numel, new)
+            torch.where(torch.isfinite(new), new, r, out=r)
+        return encoded
+
     # --- the collectives ----------------------------------------------------------------
 
     def all_reduce(self, x: torch.Tensor, key: tuple, step: int, count: Count):
@@ -205,69 +249,93 @@ class Engine:
         return self._summed(x, key, step, count)
 
     def _two_phase(self, x: torch.Tensor, key: tuple, step: int, count: Count):
-        codec, w, n = self.codec, self.size, x.numel()
-        c = self.chunk(n)
-        self.device = x.device
-        r1, r2, r1_out, r2_out = self.residual(key, n)
-        codes, scales = codec.encode(x, r1, 1.0 / w, w * c, r1_out)
-        row_bytes = codec.code_bytes(c) + codec.scale_bytes(c)
-        ws = self.workspace.exchange(key, w, row_bytes, x.device)
+        return self.all_reduce_many([(x, key, step, count)])[0]
+
+    def all_reduce_many(self, items: list[tuple[torch.Tensor, tuple, int, Count]]) -> list:
+        """:meth:`all_reduce` of several tensors of a two-phase codec in one exchange: each
+        item ``(x, key, step, count)`` keeps its own chunks, residuals and decode, the bits of
+        its exchange alone, and the rows each rank sends are the items' rows side by side, so
+        two collectives carry them all. Returns each item's future of its ``x``."""
+        codec, w = self.codec, self.size
+        parts = []  # per item: x, n, c, its residuals, its bytes' columns
+        width = 0
+        for x, key, step, count in items:
+            n = x.numel()
+            c = self.chunk(n)
+            self.device = x.device
+            r1, r2, r1_out, r2_out = self.residual(key, n)
+            codes, scales = self.encode(x, r1, 1.0 / w, w * c, r1_out)
+            row_bytes = codec.code_bytes(c) + codec.scale_bytes(c)
+            parts.append((x, key, step, n, c, r2, r2_out, slice(width, width + row_bytes)))
+            width += row_bytes
+            self.count_codec(n, 2 * (w - 1) * row_bytes)
+            count(2 * (w - 1) * row_bytes, 2 if len(parts) == 1 else 0)
+            # packed below, once the buffers of the whole width are known
+            parts[-1] = (*parts[-1], codes, scales)
+        # one item: its key's buffers; several: one pair for the set (another set replaces it)
+        wkey = items[0][1] if len(items) == 1 else ("many", tuple(i[1] for i in items))
+        ws = self.workspace.exchange(wkey, w, width, items[0][0].device)
         # phase 2 sends from phase 1's send buffer and gathers into its receive buffer
         send, recv = ws["send"], ws["recv"]
         gathered = recv
-        codec.pack(codes, scales, w, out=send)
-        self.count_codec(n, 2 * (w - 1) * row_bytes)
-        count(2 * (w - 1) * row_bytes, 2)
+        for *_, cols, codes, scales in parts:
+            codec.pack(codes, scales, w, out=send[:, cols])
         phases = self.phases
         g1, g2 = phases.groups
         phase1 = dist.all_to_all_single(recv, send, group=g1, async_op=True).get_future()
 
-        result: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+        results = [torch.futures.Future() for _ in items]
         prev, issued = phases.issued, torch.futures.Future()
         phases.issued = issued
+
+        def fail(e: BaseException) -> None:
+            for r in results:
+                if not r.done():
+                    r.set_exception(e)
 
         def finish(fut: torch.futures.Future) -> None:
             try:
                 fut.value()
-                codes2, scales2 = codec.split(gathered, c)
-                st = None
-                for j in range(w):  # rank j's reduced chunk: elements [j * c, (j + 1) * c)
-                    part = codec.decode_sum(
-                        codes2[j : j + 1],
-                        None if scales2 is None else scales2[j : j + 1],
-                        1.0,
-                        x[min(n, j * c) : min(n, (j + 1) * c)],
-                    )
-                    st = part if st is None else st + part
-                self.note_decode(st, step)
-                result.set_result(x)
+                for (x, _, step, n, c, _, _, cols, _, _), result in zip(parts, results):
+                    codes2, scales2 = codec.split(gathered[:, cols], c)
+                    st = None
+                    for j in range(w):  # rank j's reduced chunk: elements [j * c, (j + 1) * c)
+                        part = codec.decode_sum(
+                            codes2[j : j + 1],
+                            None if scales2 is None else scales2[j : j + 1],
+                            1.0,
+                            x[min(n, j * c) : min(n, (j + 1) * c)],
+                        )
+                        st = part if st is None else st + part
+                    self.note_decode(st, step)
+                    result.set_result(x)
             except BaseException as e:  # noqa: BLE001 - handed to the caller's future
-                result.set_exception(e)
+                fail(e)
 
         def phase2(fut: torch.futures.Future) -> None:
             try:
                 for sub in fut.value():
                     sub.value()
-                codes1, scales1 = codec.split(recv, c)
-                mine = self.workspace.chunk_sum(key, c, x.device)
-                codec.decode_sum(codes1, scales1, 1.0, mine)
+                for x, key, _, _, c, r2, r2_out, cols, _, _ in parts:
+                    codes1, scales1 = codec.split(recv[:, cols], c)
+                    mine = self.workspace.chunk_sum(key, c, x.device)
+                    codec.decode_sum(codes1, scales1, 1.0, mine)
+                    codec.pack(*self.encode(mine, r2, 1.0, c, r2_out), 1, out=send[:1, cols])
                 if phases.nccl:
-                    row = codec.pack(*codec.encode(mine, r2, 1.0, c, r2_out), 1)
+                    row = send[0]
                     work = dist.all_gather_into_tensor(gathered, row, group=g2, async_op=True)
                 else:  # gloo: all_to_all_single, once timed faster than all_gather (not kept)
-                    rows = send
-                    codec.pack(*codec.encode(mine, r2, 1.0, c, r2_out), 1, out=rows[:1])
-                    rows[1:] = rows[:1]
-                    work = dist.all_to_all_single(gathered, rows, group=g2, async_op=True)
+                    send[1:] = send[:1]
+                    work = dist.all_to_all_single(gathered, send, group=g2, async_op=True)
             except BaseException as e:  # noqa: BLE001
                 issued.set_result(torch.empty(0))
-                result.set_exception(e)
+                fail(e)
                 return
             issued.set_result(torch.empty(0))
             work.get_future().then(finish)
 
         torch.futures.collect_all([phase1, prev]).then(phase2)
-        return result
+        return results
 
     def _summed(self, x: torch.Tensor, key: tuple, step: int, count: Count):
         """A ``two_phase=False`` codec's exchange: encode (pre-scaled, optional residual),
@@ -276,7 +344,7 @@ class Engine:
         self.device = x.device
         numel = summed_numel(codec, n)
         r1, _, r1_out, _ = self.residual(key, n)
-        enc, _ = codec.encode(x, r1, 1.0 / w, numel, r1_out)
+        enc, _ = self.encode(x, r1, 1.0 / w, numel, r1_out)
         nbytes = ring_bytes(codec.code_bytes(numel), w)
         self.count_codec(n, nbytes)
         count(nbytes, 1)
@@ -313,7 +381,7 @@ class Engine:
         self.device = x.device
         # the residual of the padded input: phase 1's alone (r1), the key's whatever its dtype
         r1, _, r1_out, _ = self.residual((index, n * c, PHASE_1), n * c)
-        codes, scales = codec.encode(x, r1, scale, n * c, r1_out)
+        codes, scales = self.encode(x, r1, scale, n * c, r1_out)
         send = codec.pack(codes, scales, n)
         recv = torch.empty_like(send)
         nbytes = (n - 1) * send.shape[1]

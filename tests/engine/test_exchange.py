@@ -601,7 +601,7 @@ def _rank_call_order():
     out = {"check_order": _error(lambda: pycomm.Exchange("int8", check_order="some"))}
     first = pycomm.Exchange("int8")
     t = torch.ones(64)
-    # a key's first call differs: "first" (the default) names both ranks' calls
+    # a key's first call differs: raised by the call itself, naming both ranks' calls
     out["first key"] = _error(lambda: first.all_reduce(t, key="a" if rank == 0 else "b"))
     other = pycomm.Exchange("fp8")
     out["first shape"] = _error(lambda: other.all_reduce(torch.ones(64 + rank), key="a"))
@@ -609,7 +609,8 @@ def _rank_call_order():
     for key in ("a", "b"):
         every.all_reduce(torch.ones(64), key=key).wait()
     # both keys known on both ranks: only "every" sees the calls cross
-    out["every"] = _error(lambda: every.all_reduce(torch.ones(64), key="ab"[rank]))
+    # (a later call: its wait() raises)
+    out["every"] = _error(lambda: every.all_reduce(torch.ones(64), key="ab"[rank]).wait())
     out["every same"] = _error(lambda: every.all_reduce(torch.ones(64), key="a").wait())
     # a refused argument on one rank: raised on every rank where the calls are compared
     bad = torch.ones(64, dtype=torch.int32 if rank == 1 else torch.float32)
@@ -628,15 +629,15 @@ def test_the_order_of_calls_is_checked_on_every_rank():
     assert "check_order='some', expected 'first', 'every', 'off'" in a["check_order"]
     assert (
         "pycomm.Exchange.all_reduce: ranks disagree on the order of calls: rank 0 has "
-        "\"call 0: all_reduce(key='a', 64 float32, op='mean')\", rank 1 has \"call 0: "
-        "all_reduce(key='b', 64 float32, op='mean')\"" in a["first key"]
+        "\"call 0: all_reduce(key='a', shape [64] float32, op='mean')\", rank 1 has \"call 0: "
+        "all_reduce(key='b', shape [64] float32, op='mean')\"" in a["first key"]
     )
     assert (
-        "64 float32, op='mean')\", rank 1 has \"call 0: all_reduce(key='a', 65 float32"
+        "[64] float32, op='mean')\", rank 1 has \"call 0: all_reduce(key='a', shape [65] float32"
         in (a["first shape"])
     )
     assert (
-        "rank 0 has \"call 2: all_reduce(key='a', 64 float32, op='mean')\", rank 1 has "
+        "rank 0 has \"call 2: all_reduce(key='a', shape [64] float32, op='mean')\", rank 1 has "
         '"call 2: ' in (a["every"])
     )
     assert a["every same"] is None
@@ -646,7 +647,7 @@ def test_the_order_of_calls_is_checked_on_every_rank():
         "float16 tensor"
     )
     assert (
-        "op='mean')\", rank 1 has \"call 0: all_reduce(key='op', 8 float32, op='sum')"
+        "op='mean')\", rank 1 has \"call 2: all_reduce(key='op', shape [8] float32, op='sum')"
         in (a["one rank's op"])
     )
     assert a["one rank's shape"].startswith(
@@ -861,3 +862,78 @@ def test_a_key_at_many_sizes_keeps_one_residual(codec):
     for out in run_ranks(_rank_one_key_at_many_sizes, 2, codec, timeout=60):
         for name, (many, one) in out.items():
             assert many == one > 0, name
+
+
+def _rank_many_tensors_and_keys_in_flight():
+    """A list call is the flat tensor's exchange, bit for bit; keys issued together give
+    the bits of the same calls waited one by one; a later call of another shape on one rank
+    fails its wait() on every rank, and the Exchange goes on."""
+    rank = dist.get_rank()
+    g = torch.Generator().manual_seed(rank)
+    shapes = [(3, 40), (7,), (16, 9)]
+    listed, flat, keys, waited = (pycomm.Exchange("int4") for _ in range(4))
+    out = {"list": [], "keys": []}
+    for _ in range(3):
+        ts = [torch.randn(s, generator=g) for s in shapes]
+        cat = torch.cat([t.reshape(-1) for t in ts])
+        cols = [torch.randn(9, 5, generator=g).t()]  # a non-contiguous tensor in a list
+        one = torch.cat([cat, torch.cat([c.reshape(-1) for c in cols])])
+        listed.all_reduce(ts + cols, key="params").wait()
+        flat.all_reduce(one, key="params").wait()
+        got = torch.cat([t.reshape(-1) for t in ts + cols])
+        out["list"].append(torch.equal(got, one))
+        a, b = [t.clone() for t in ts], [t.clone() for t in ts]
+        works = [keys.all_reduce(t, key=i) for i, t in enumerate(a)]
+        for i, t in enumerate(b):
+            waited.all_reduce(t, key=i).wait()
+        assert [w.wait() for w in works] == a
+        out["keys"].append(all(torch.equal(x, y) for x, y in zip(a, b)))
+    work = keys.all_reduce(torch.ones(7 + rank), key=1)  # shapes [7] and [8]
+    out["later shape"] = _error(work.wait)
+    t = torch.full((7,), float(rank))
+    keys.all_reduce(t, key=1).wait()
+    out["after"] = t.tolist()
+    out["mixed"] = _error(lambda: listed.all_reduce([torch.ones(2), torch.ones(2).half()], "m"))
+    out["empty"] = _error(lambda: listed.all_reduce([], key="e"))
+    out["steps"] = keys.stats["steps"]
+    return out
+
+
+def test_many_tensors_in_one_call_and_keys_in_flight():
+    a, b = run_ranks(_rank_many_tensors_and_keys_in_flight, 2, timeout=60)
+    for out in (a, b):
+        assert out["list"] == [True] * 3 and out["keys"] == [True] * 3
+        assert "ValueError: pycomm.Exchange.all_reduce: ranks disagree" in out["later shape"]
+        assert "key=1, shape [7] float32" in out["later shape"]
+        assert "key=1, shape [8] float32" in out["later shape"]
+        assert out["after"] == [0.5] * 7 or max(abs(v - 0.5) for v in out["after"]) < 0.1
+        assert "tensor[1] is torch.float16 on cpu and tensor[0] torch.float32" in out["mixed"]
+        assert "tensor is an empty list" in out["empty"]
+    assert a["later shape"] == b["later shape"] and a["after"] == b["after"]
+    assert a["steps"] == 10  # 9 calls and the one after the refused call
+
+
+def _rank_messages_name_the_exchange():
+    rank = dist.get_rank()
+    out = {"block": _error(lambda: pycomm.Exchange("int8", block=0))}
+    ex = pycomm.Exchange("int8")
+    ex.all_reduce(torch.ones(300), key="t").wait()
+    saved = ex.state_dict()
+    theirs = [None, None]
+    dist.all_gather_object(theirs, saved)
+    out["other rank"] = _error(lambda: pycomm.Exchange("int8").load_state_dict(theirs[1 - rank]))
+    exact = pycomm.Exchange("allreduce")
+    exact.all_reduce(torch.full((4,), float("nan") if rank else 1.0), key="n").wait()
+    out["exact nonfinite"] = exact.stats["nonfinite_buckets"]
+    out["keys"] = sorted(ex.stats)
+    return out
+
+
+def test_messages_and_counters_are_the_exchange_s():
+    for out in run_ranks(_rank_messages_name_the_exchange, 2, timeout=60):
+        assert "pycomm.Exchange (codec 'int8'): block=0" in out["block"]
+        assert "hook" not in out["other rank"]
+        assert "pycomm.Exchange.load_state_dict" in out["other rank"]
+        assert "Exchange.state_dict() on each rank" in out["other rank"]
+        assert out["exact nonfinite"] == 1
+        assert "rebucketed_steps" not in out["keys"] and "nonfinite_buckets" in out["keys"]

@@ -1,5 +1,6 @@
 """The hook registry, the codec protocol's self-check and a user's own state and hook:
-registration errors name what is wrong; every registered hook trains through pycomm.wrap; a
+registration errors name what is wrong; every registered hook trains through pycomm.wrap, and
+so does a codec written against the protocol before keeps_residual_on_nonfinite; a
 HookState instance or a (state, fn) pair gets the cross-rank check, accumulation and
 checkpoints; every pycomm bucket satisfies the Bucket protocol."""
 
@@ -12,6 +13,7 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
+from ddp_harness import Fixed
 from harness import ROOT, run_ranks
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -31,14 +33,35 @@ from pycomm.hooks import (
     register_hook,
     unregister_hook,
 )
+from pycomm.hooks.engine import Engine
 from pycomm.hooks.registry import user_modules
 from pycomm.hooks.state import completed
 
 
+def _padded_y(x, residual, scale, numel):
+    """``y = x * scale + residual`` in fp32, ``x`` read as if zero-padded to ``numel``."""
+    y = torch.zeros(numel, device=x.device)
+    y[: x.numel()] = x.float() * scale
+    if residual is not None:
+        y += residual.float()
+    return y
+
+
+def _write_sum(out, acc, scale):
+    """``out`` = ``scale`` times the rows' sum ``acc``, and its statistics (the decode
+    contract)."""
+    out.copy_(acc[: out.numel()] * scale)
+    o = out.float()
+    fin = torch.isfinite(o)
+    return torch.stack([torch.where(fin, o, 0.0).double().square().sum(), (~fin).sum().double()])
+
+
 class PlainCodec(Codec):
-    """fp32 codes, no scales, no loss: the smallest codec that follows the protocol."""
+    """fp32 codes, no scales, no loss: the smallest codec that follows the protocol, declaring
+    that it keeps the residual in place where y is not finite."""
 
     code_dtype, block = torch.float32, 4
+    keeps_residual_on_nonfinite = True
 
     def __init__(self, block: int = 4) -> None:
         self.block = block
@@ -47,22 +70,14 @@ class PlainCodec(Codec):
         return 4 * m
 
     def encode(self, x, residual, scale, numel, residual_out=None):
-        y = torch.zeros(numel, device=x.device)
-        y[: x.numel()] = x.float() * scale
+        y = _padded_y(x, residual, scale, numel)
         if residual is not None:
-            y += residual.float()
             kept = torch.where(torch.isfinite(y), 0.0, residual.float())  # lossless: 0
             (residual if residual_out is None else residual_out).copy_(kept)
         return y, None
 
     def decode_sum(self, codes, scales, scale, out):
-        s = codes.float().sum(0)[: out.numel()] * scale
-        out.copy_(s)
-        o = out.float()
-        fin = torch.isfinite(o)
-        return torch.stack(
-            [torch.where(fin, o, 0.0).double().square().sum(), (~fin).sum().double()]
-        )
+        return _write_sum(out, codes.float().sum(0), scale)
 
 
 def _broken(**overrides):
@@ -173,6 +188,80 @@ def _decode_noisy(self, codes, scales, scale, out):
     return PlainCodec.decode_sum(self, codes + 1e-6 * torch.randn(codes.shape), scales, scale, out)
 
 
+# --- codecs written against the protocol before keeps_residual_on_nonfinite --------------
+# (docs/custom_hooks.md then: the engine always passed residual_out, and what the residual
+# held where x was not finite did not matter). They write y - decode to residual_out, NaN
+# where y is NaN, and ignore residual_out=None.
+
+
+class OldTernaryCodec(Codec):
+    """2-bit ternary codes (q in {-1, 0, 1}, four a byte), one fp32 scale (absmax) a block."""
+
+    code_dtype, scale_dtype, block = torch.uint8, torch.float32, 16
+
+    def code_bytes(self, m):
+        return m // 4
+
+    def scale_bytes(self, m):
+        return 4 * (m // self.block)
+
+    def encode(self, x, residual, scale, numel, residual_out=None):
+        y = _padded_y(x, residual, scale, numel)
+        blocks = y.view(-1, self.block)
+        s = blocks.abs().amax(1, keepdim=True)  # NaN or Inf in a block: the scale too
+        q = torch.round(blocks / s.clamp_min(1e-30)).nan_to_num(0.0)
+        if residual_out is not None:
+            residual_out.copy_((blocks - q * s).view(-1))
+        c = (q + 1).to(torch.uint8).view(-1, 4)
+        return c[:, 0] | c[:, 1] << 2 | c[:, 2] << 4 | c[:, 3] << 6, s.view(-1)
+
+    def decode_sum(self, codes, scales, scale, out):
+        shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8, device=codes.device)
+        acc = torch.zeros(4 * codes.shape[1], device=out.device)
+        for r in range(codes.shape[0]):
+            q = ((codes[r].unsqueeze(1) >> shifts) & 3).float() - 1
+            acc += (q.view(-1, self.block) * scales[r].view(-1, 1)).view(-1)
+        return _write_sum(out, acc, scale)
+
+
+class OldDitherCodec(Codec):
+    """bf16 codes rounded with a dither of the element's position (deterministic), summed as
+    they are by one bf16 all-reduce."""
+
+    code_dtype, block, two_phase = torch.bfloat16, 8, False
+
+    def code_bytes(self, m):
+        return 2 * m
+
+    def encode(self, x, residual, scale, numel, residual_out=None):
+        y = _padded_y(x, residual, scale, numel)
+        dither = ((torch.arange(numel, device=x.device) * 40503) & 0xFFFF).to(torch.int32)
+        codes = ((y.view(torch.int32) + dither) & -65536).view(torch.float32).bfloat16()
+        if residual_out is not None:
+            residual_out.copy_(y - codes.float())
+        return codes, None
+
+    def decode_sum(self, codes, scales, scale, out):
+        acc = torch.zeros(codes.shape[1], device=out.device)
+        for r in range(codes.shape[0]):
+            acc += codes[r].float()
+        return _write_sum(out, acc, scale)
+
+
+OLD_CODECS = [OldTernaryCodec, OldDitherCodec]
+
+
+def _finite_decode(cls):
+    """``cls`` with a decode that turns NaN and Inf into finite values."""
+
+    def decode_sum(self, codes, scales, scale, out):
+        st = cls.decode_sum(self, codes, scales, scale, out)
+        out.nan_to_num_(0.0, 0.0, 0.0)
+        return st
+
+    return type("Broken", (cls,), {"decode_sum": decode_sum})
+
+
 _BAD = [
     (
         _broken(encode=_reversed_codes, decode_sum=_decode_reversed),
@@ -188,7 +277,11 @@ _BAD = [
         r"scale_bytes\(24\) returned 4, expected 3 \* scale_bytes\(8\) = 12",
     ),  # fmt: skip
     (_broken(decode_sum=_decode_noisy), "decode_sum of the same 3 rows wrote other bits"),
-    (_broken(encode=_out_only), r"in place \(residual_out=None\) left the residual as it was"),
+    (
+        _broken(encode=_out_only),
+        r"in place \(residual_out=None\) left the residual as it was.* to a codec declaring "
+        "keeps_residual_on_nonfinite",
+    ),  # fmt: skip
     (
         _broken(decode_sum=_decode_two_rows),
         r"decode_sum\(codes of 3 rows, scales, 0.5, out\) wrote",
@@ -216,8 +309,14 @@ _BAD = [
     (_broken(encode=_drop_residual), "8 of 8 elements .* every element of residual_out"),
     (_broken(encode=_residual_off), r"is not y - decode\(codes\) \(off by up to"),
     (_broken(decode_sum=_decode_unscaled), "must add the rows and multiply the sum by its scale"),
-    (_broken(encode=_poison_residual), "left the residual nan where x holds nan"),
+    (
+        _broken(encode=_poison_residual),
+        "left the residual nan where x holds nan .* as a codec declaring "
+        "keeps_residual_on_nonfinite promises .*; or leave keeps_residual_on_nonfinite False",
+    ),  # fmt: skip
     (_broken(decode_sum=_decode_finite), "holding nan decoded to finite values only"),
+    # a codec of the old protocol still decodes a NaN to a non-finite value
+    (_finite_decode(OldTernaryCodec), "holding nan decoded to finite values only"),
     (_broken(decode_sum=_count_nothing), "counted 0 non-finite elements in an out holding"),
     (_broken(encode=lambda self, *a: torch.zeros(8)), r"returned Tensor, expected \(codes, s"),
     (
@@ -467,6 +566,101 @@ def test_every_registered_hook_trains():
         assert set(out) == {*hook_names(), "plain"}
         for name, (same, finite, moved) in out.items():
             assert same and finite and moved, (name, same, finite, moved)
+
+
+def _train_old_codec(name, feedback):
+    ddp = pycomm.wrap(_model(), hook=name, hook_options={"error_feedback": feedback})
+    loop = pycomm.TrainLoop(ddp, torch.optim.SGD(ddp.parameters(), lr=0.1))
+    g = torch.Generator().manual_seed(dist.get_rank())
+    w = torch.randn(12, 3, generator=torch.Generator().manual_seed(42))
+    losses = []
+    for _ in range(12):
+        x = torch.randn(16, 12, generator=g)
+        losses.append(loop.step(lambda x=x: (ddp(x) - x @ w).square().mean()).item())
+    flat = _flat(ddp.module)
+    everyone = [torch.empty_like(flat) for _ in range(dist.get_world_size())]
+    dist.all_gather(everyone, flat)
+    state = pycomm.hook_state(ddp)
+    residuals = [t for r in state.state_dict()["residuals"].values() for t in r.values()]
+    return {
+        "losses": losses,
+        "same": all(torch.equal(everyone[0], f) for f in everyone),
+        "flat": flat,
+        "residual_bytes": state.stats["residual_bytes"],
+        "moved": any(bool(t.ne(0).any()) for t in residuals),
+    }
+
+
+def _rank_old_codec(cls):
+    """Train with a codec of the old protocol (with and without error feedback), then a step
+    whose gradient holds a NaN on rank 1: the residuals before it and after it, and the
+    phase-1 residual the codec's own encode gives from them."""
+    name = f"old_{cls.__name__.lower()}"
+    register_hook(name, codec=cls)
+    try:
+        out = {"trained": _train_old_codec(name, True), "plain": _train_old_codec(name, False)}
+        n, nan_step, size = 300, 4, dist.get_world_size()
+        ddp = pycomm.wrap(Fixed(n), hook=name)
+        state = pycomm.hook_state(ddp)
+        c = torch.randn(n, generator=torch.Generator().manual_seed(dist.get_rank()))
+        for step in range(nan_step + 1):
+            x = c.clone()
+            if step == nan_step and dist.get_rank() == 1:
+                x[n // 3] = float("nan")
+            before = state.state_dict()["residuals"]
+            ddp.zero_grad()
+            ddp(x).backward()
+        ((key, after),) = state.state_dict()["residuals"].items()
+        new = torch.empty_like(before[key]["r1"])
+        cls().encode(x, before[key]["r1"], 1 / size, new.numel(), new)
+        out["nan"] = (before[key], after, new, state.stats["nonfinite_buckets"])
+        return out
+    finally:
+        unregister_hook(name)
+
+
+@pytest.mark.parametrize("cls", OLD_CODECS, ids=lambda c: c.__name__)
+def test_a_codec_of_the_old_protocol_registers_trains_and_keeps_finite_residuals(cls):
+    """A codec written before keeps_residual_on_nonfinite (residual_out always written, NaN
+    where y is NaN, residual_out=None ignored) registers, trains with error feedback (one
+    copy of the residuals), its ranks bitwise equal, and a NaN step leaves every residual
+    finite: the old one kept where the new one is not finite, the new one elsewhere."""
+    for rank, out in enumerate(run_ranks(_rank_old_codec, 2, cls, timeout=60)):
+        trained, plain = out["trained"], out["plain"]
+        losses = trained["losses"]
+        assert trained["same"] and sum(losses[-3:]) < 0.5 * sum(losses[:3]), losses
+        assert trained["residual_bytes"] > 0 and trained["moved"]  # error feedback ran
+        assert not torch.equal(trained["flat"], plain["flat"])
+        before, after, new, nonfinite = out["nan"]
+        assert nonfinite == 1 and bool(new.isfinite().all()) == (rank == 0)  # rank 1's NaN
+        assert all(t.isfinite().all() for t in after.values())
+        assert torch.equal(after["r1"], torch.where(new.isfinite(), new, before["r1"]))
+
+
+def test_the_engine_keeps_the_old_residual_for_a_codec_that_does_not_declare_it():
+    """Engine.encode in place (no residual_out): a codec without keeps_residual_on_nonfinite
+    encodes into a reused scratch buffer, merged where finite; a codec with it is passed
+    residual_out=None; and a residual_out given (strict_skip) reaches either codec."""
+    x = torch.randn(61, generator=torch.Generator().manual_seed(3))
+    x[[2, 33]] = torch.tensor([float("nan"), float("inf")])
+    for codec in (OldTernaryCodec(), OldDitherCodec()):
+        engine = Engine("test", codec, {})
+        old = torch.randn(64, generator=torch.Generator().manual_seed(4)) * 1e-2
+        new, r = torch.empty_like(old), old.clone()
+        want = codec.pack(*codec.encode(x, old, 0.5, 64, new), 1)
+        assert torch.equal(codec.pack(*engine.encode(x, r, 0.5, 64, None), 1), want)
+        assert new.isfinite().any() and not new.isfinite().all()
+        assert torch.equal(r, torch.where(new.isfinite(), new, old))
+        scratch = engine.workspace.scratch[torch.float32]
+        engine.encode(x, r, 0.5, 64, None)
+        assert engine.workspace.scratch[torch.float32] is scratch  # reused, not allocated
+        out, r = torch.empty_like(old), old.clone()
+        engine.encode(x, r, 0.5, 64, out)  # strict_skip: the codec's own residual_out
+        assert torch.equal(r, old) and torch.allclose(out, new, 0, 0, equal_nan=True)
+    engine = Engine("test", PlainCodec(), {})
+    r = torch.ones(64)
+    engine.encode(x, r, 0.5, 64, None)
+    assert not engine.workspace.scratch and r[2] == 1 and r[0] == 0  # in place, NaN: kept
 
 
 class CountingState(HookState):

@@ -5,6 +5,7 @@ options; int4 and fp8 training (with accumulation) with the ranks bitwise equal.
 import pytest
 import torch
 import torch.distributed as dist
+from ddp_harness import Fixed
 from harness import run_ranks
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -105,20 +106,9 @@ def test_world_size_one_returns_the_input(hook):
     assert res == ([True] * 4, 0)
 
 
-class _Fixed(torch.nn.Module):
-    """A parameter whose gradient is whatever the forward is given: fixed gradients."""
-
-    def __init__(self, n):
-        super().__init__()
-        self.p = torch.nn.Parameter(torch.zeros(n))
-
-    def forward(self, c):
-        return (self.p * c).sum()
-
-
 def _rank_bucket(hook, options, n, steps, nan_step, commit_on_device=None, kept=None):
     torch.manual_seed(0)
-    ddp = pycomm.wrap(_Fixed(n), hook=hook, hook_options=options)
+    ddp = pycomm.wrap(Fixed(n), hook=hook, hook_options=options)
     state = pycomm.hook_state(ddp)
     state.store.on_device = commit_on_device
     c = torch.randn(n, generator=torch.Generator().manual_seed(dist.get_rank()))
@@ -237,7 +227,7 @@ def test_bytes_per_step_and_compression(hook, options, target):
 def _rank_residuals_read(n, steps):
     """``state.residuals`` read after each backward, beside the local gradient."""
     torch.manual_seed(0)
-    ddp = pycomm.wrap(_Fixed(n), hook="int8")
+    ddp = pycomm.wrap(Fixed(n), hook="int8")
     state = pycomm.hook_state(ddp)
     c = torch.randn(n, generator=torch.Generator().manual_seed(dist.get_rank()))
     read = []
