@@ -45,6 +45,7 @@ import inspect
 import math
 import queue
 import threading
+import time
 import weakref
 from collections.abc import Hashable, Sequence
 from typing import Any, Callable, NamedTuple, Optional, Union
@@ -212,6 +213,7 @@ def _serve(owner: Callable[[], Optional[Exchange]], q: queue.SimpleQueue) -> Non
     while True:
         if not pending:
             pending.append(q.get())
+            time.sleep(0)  # the caller, issuing calls in a row, queues the rest of them
         while True:
             try:
                 pending.append(q.get_nowait())

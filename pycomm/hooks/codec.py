@@ -223,7 +223,7 @@ class Codec:
 def _viewed(part: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """``part`` (uint8 rows, a slice of packed rows) read as ``dtype``: a view where its
     offset and row stride are multiples of the dtype's size, else a copy."""
-    size = torch.empty(0, dtype=dtype).element_size()
+    size = dtype.itemsize
     if part.storage_offset() % size or (part.shape[0] > 1 and part.stride(0) % size):
         part = torch.empty(part.shape, dtype=torch.uint8, device=part.device).copy_(part)
     return part.view(dtype)
@@ -380,7 +380,7 @@ class Int4Codec(Codec):
         return m // 2
 
     def scale_bytes(self, m: int) -> int:
-        return torch.empty(0, dtype=self.scale_dtype).element_size() * (m // self.block)
+        return self.scale_dtype.itemsize * (m // self.block)
 
     def encode(self, x, residual, scale, numel, residual_out=None):
         return ops.quantize_int4(
@@ -437,7 +437,7 @@ def _check_bytes(where: str, codec: Any, name: str, m: int, dtype) -> int:
         _fail(where, f"{name}({m}) returned {nbytes!r}, expected a non-negative int")
     if dtype is None and nbytes:
         _fail(where, f"{name}({m}) returned {nbytes} with scale_dtype None, expected 0")
-    size = 1 if dtype is None else torch.empty(0, dtype=dtype).element_size()
+    size = 1 if dtype is None else dtype.itemsize
     if nbytes % size:
         _fail(where, f"{name}({m}) returned {nbytes}, expected a multiple of {size} ({dtype})")
     return nbytes

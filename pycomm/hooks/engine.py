@@ -267,7 +267,9 @@ class Engine:
             codes, scales = self.encode(x, r1, 1.0 / w, w * c, r1_out)
             row_bytes = codec.code_bytes(c) + codec.scale_bytes(c)
             parts.append((x, key, step, n, c, r2, r2_out, slice(width, width + row_bytes)))
-            width += row_bytes
+            # the next item's row starts 16-byte aligned, so its codes and scales are read in
+            # place (a part at an offset its dtype cannot be read at is copied first)
+            width += row_bytes if len(items) == 1 else -(-row_bytes // 16) * 16
             self.count_codec(n, 2 * (w - 1) * row_bytes)
             count(2 * (w - 1) * row_bytes, 2 if len(parts) == 1 else 0)
             # packed below, once the buffers of the whole width are known
