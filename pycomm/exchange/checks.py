@@ -1,0 +1,206 @@
+"""The arguments an :class:`~pycomm.exchange.Exchange` call takes, checked: every refusal a
+TypeError or ValueError that names the call, the argument and what was expected."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Hashable, Sequence
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+
+from pycomm.hooks.state import dtype_names
+
+__all__ = ["CALLS", "alive", "as_exchange", "loadable", "pair", "scale_of", "shape", "tensor"]
+
+OPS = ("mean", "sum")
+CALLS = ("all_reduce", "reduce_scatter", "all_gather")
+# what the exact exchange ("allreduce") takes; a codec, its state's grad_dtypes
+EXACT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+
+
+def tensor(where: str, name: str, t: Any, op: str, dtypes: Optional[tuple]) -> torch.Tensor:
+    """``t`` flat, once it is a dense, contiguous tensor of ``dtypes`` with data, and ``op``
+    one of ``"mean"``, ``"sum"``."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{where}: {name} is a {type(t).__name__}, expected a tensor")
+    dtypes = dtypes or EXACT_DTYPES
+    if t.dtype not in dtypes or t.layout != torch.strided:
+        raise TypeError(
+            f"{where}: {name} has dtype {t.dtype} and layout {t.layout}, expected a dense "
+            f"{dtype_names(dtypes)} tensor"
+        )
+    if not t.is_contiguous():
+        raise ValueError(
+            f"{where}: {name} of shape {list(t.shape)} is not contiguous; expected a "
+            "contiguous tensor (the result is written into it)"
+        )
+    if t.device.type == "meta":
+        raise ValueError(
+            f"{where}: {name} is on the meta device (shapes without data); expected a "
+            "tensor with data (cpu, or cuda on nccl)"
+        )
+    if op not in OPS:
+        raise ValueError(f"{where}: op={op!r}, expected 'mean' or 'sum'")
+    # written as torch.distributed's collectives write: in place, outside autograd (a
+    # parameter too, as dist.all_reduce(p) does)
+    return t.detach().view(-1)
+
+
+def tensors(where: str, key: Hashable, ts: Sequence[Any], op: str, dtypes) -> int:
+    """The elements of a list call's tensors, once each is checked and they share one dtype
+    and device (any shapes and strides: the list is copied into one flat buffer)."""
+    try:
+        hash(key)
+    except TypeError:
+        raise TypeError(
+            f"{where}: key={key!r} is not hashable; expected a str, int or tuple"
+        ) from None
+    if not ts:
+        raise ValueError(f"{where}: tensor is an empty list, expected at least one tensor")
+    for i, t in enumerate(ts):
+        dense = (
+            isinstance(t, torch.Tensor) and t.layout == torch.strided and t.device.type != "meta"
+        )
+        tensor(where, f"tensor[{i}]", t.reshape(-1) if dense else t, op, dtypes)
+        if t.dtype != ts[0].dtype or t.device != ts[0].device:
+            raise TypeError(
+                f"{where}: tensor[{i}] is {t.dtype} on {t.device} and tensor[0] {ts[0].dtype} "
+                f"on {ts[0].device}, expected one dtype and device (the list is exchanged as "
+                "one flat tensor)"
+            )
+    return sum(t.numel() for t in ts)
+
+
+def pair(
+    where: str, call: str, output: Any, input: Any, op: str, n: int, dtypes, hierarchy: Any
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The flat input and output of a reduce-scatter or all-gather over ``n`` ranks: the one
+    of N chunks (reduce_scatter's input, all_gather's output) holds N times the other's
+    elements."""
+    x = tensor(where, "input", input, op, dtypes)
+    out = tensor(where, "output", output, "mean", dtypes)
+    if out.dtype != x.dtype or out.device != x.device:
+        raise TypeError(
+            f"{where}: output is {out.dtype} on {out.device} and input {x.dtype} on "
+            f"{x.device}, expected the same dtype and device"
+        )
+    (whole, wname), (part, pname) = (
+        ((x, "input"), (out, "output")) if call == "reduce_scatter" else
+        ((out, "output"), (x, "input"))
+    )  # fmt: skip
+    if whole.numel() != n * part.numel():
+        raise ValueError(
+            f"{where}: {wname} has {whole.numel()} elements, expected {n} x {pname}'s "
+            f"{part.numel()} = {n * part.numel()}"
+        )
+    if hierarchy == "node":  # asked for; "auto" runs these two flat, over every rank
+        raise ValueError(
+            f"{where}: hierarchy='node' runs all_reduce alone; expected hierarchy='flat' "
+            "or 'auto' (flat for reduce_scatter and all_gather)"
+        )
+    return x, out
+
+
+def scale_of(where: str, op: str, scale: Any, n: int, dtype: torch.dtype) -> float:
+    """The factor each rank's input is multiplied by before the sum (in fp32, or float64
+    for float64 tensors: it must be finite there)."""
+    if scale is None:
+        return 1.0 / n if op == "mean" else 1.0
+    largest = torch.finfo(torch.float64 if dtype == torch.float64 else torch.float32).max
+    if (
+        isinstance(scale, bool)
+        or not isinstance(scale, (int, float))
+        or not math.isfinite(scale)
+        or abs(scale) > largest
+    ):
+        raise ValueError(
+            f"{where}: scale={scale!r}, expected a finite float of at most {largest:.4g} in "
+            f"magnitude (each rank's input is multiplied by it, in "
+            f"{'float64' if dtype == torch.float64 else 'float32'}, before the sum) or None "
+            "(op decides)"
+        )
+    return float(scale)
+
+
+def shape(t: Any) -> str:
+    """A call's tensor (or list of tensors) as the order check names it: shape and dtype."""
+    if isinstance(t, torch.Tensor):
+        return f"shape {list(t.shape)} {str(t.dtype)[6:]}"
+    if isinstance(t, (list, tuple)) and t and all(isinstance(x, torch.Tensor) for x in t):
+        shapes = ", ".join(str(list(x.shape)) for x in t)
+        return f"{len(t)} tensors of shapes {shapes} {str(t[0].dtype)[6:]}"
+    return f"{type(t).__name__}"
+
+
+def loadable(where: str, state: Any) -> tuple[list, list[int]]:
+    """The keys and calls per key of an Exchange's ``state``, once its shape is checked (its
+    codec state's fields are checked by that state's load), or the ValueError naming what is
+    wrong."""
+    if not isinstance(state, dict) or not isinstance(state.get("exchange"), dict):
+        raise ValueError(
+            f"{where}: got {type(state).__name__} without an 'exchange' dict, expected "
+            "what Exchange.state_dict() returns"
+        )
+    keys = state.get("keys")
+    if not isinstance(keys, list) or not all(
+        isinstance(k, tuple) and len(k) == 2 and k[0] in CALLS for k in keys
+    ):
+        raise ValueError(
+            f"{where}: keys={keys!r}, expected a list of (call, key) pairs, call one of "
+            f"{', '.join(CALLS)}, as Exchange.state_dict() writes it"
+        )
+    try:
+        if len(set(keys)) != len(keys):
+            raise ValueError(f"{where}: keys={keys!r} holds a pair twice, expected each once")
+    except TypeError:
+        raise ValueError(f"{where}: keys={keys!r} holds a key that is not hashable") from None
+    # without counts per key (an earlier state_dict): the warm-up counted every call
+    every = state["exchange"].get("iter", 0)
+    calls = state.get("calls", [every] * len(keys))
+    if (
+        not isinstance(calls, list)
+        or len(calls) != len(keys)
+        or not all(isinstance(c, int) and not isinstance(c, bool) and c >= 0 for c in calls)
+    ):
+        raise ValueError(
+            f"{where}: calls={calls!r}, expected a list of {len(keys)} ints >= 0 (the calls "
+            "of each key)"
+        )
+    for name, kept in (state["exchange"].get("residuals") or {}).items():
+        for part, t in kept.items() if isinstance(kept, dict) else ():
+            if isinstance(t, torch.Tensor) and not bool(torch.isfinite(t).all()):
+                raise ValueError(
+                    f"{where}: residual {part} of {name!r} holds non-finite values, expected "
+                    "finite residuals (a NaN there would reach every later call)"
+                )
+    return keys, calls
+
+
+def as_exchange(exc: Exception, codec: Any, where: str) -> Exception:
+    """``exc`` of the codec's hook state, as the Exchange's: named for the codec the caller
+    passed and pointing to the Exchange's own state_dict, not to DDP's hook helpers."""
+    if not isinstance(exc, (ValueError, TypeError, KeyError)) or not isinstance(codec, str):
+        return exc
+    text = str(exc.args[0]) if exc.args else str(exc)
+    text = text.replace(f"pycomm {codec} hook: ", f"{where} (codec {codec!r}): ")
+    text = text.replace("pycomm: cannot load hook state", f"{where}: cannot load the state")
+    text = text.replace("hook state", "Exchange state")
+    text = text.replace(
+        "(pycomm.checkpoint.load_hook_state does)",
+        "(save Exchange.state_dict() on each rank and load it there with load_state_dict())",
+    )
+    return type(exc)(text)
+
+
+def alive(group: Optional[dist.ProcessGroup]) -> bool:
+    """Whether ``group`` (None: the default group) is still a group of this process (not
+    destroyed with ``dist.destroy_process_group``)."""
+    if not dist.is_initialized():
+        return False
+    try:
+        dist.get_process_group_ranks(group or dist.group.WORLD)
+    except (KeyError, ValueError, RuntimeError):
+        return False
+    return True

@@ -1,0 +1,374 @@
+"""The public face of the exchange: :class:`Exchange`, its options and its three calls."""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Hashable, Sequence
+from typing import Any, Optional, Union
+
+import torch
+import torch.distributed as dist
+
+from pycomm._validate import check_int
+from pycomm.exchange import checks
+from pycomm.exchange.issue import Issuer, Work
+from pycomm.exchange.keys import Keys
+from pycomm.hooks.config import agree, error_field, resolved_config
+from pycomm.hooks.engine import PHASE_1
+from pycomm.hooks.groups import new_groups
+from pycomm.hooks.registry import hook_names, hook_spec, registration
+from pycomm.hooks.state import HookState, unbound
+
+__all__ = ["Exchange"]
+
+_CHECKS = ("first", "every", "off")
+
+
+class Exchange:
+    """A compressed collective over ``process_group`` (default: the default group).
+
+    Args:
+        codec: a registered hook with a codec (:meth:`codecs` lists them: ``"int8"``, a
+            user's...), or ``"allreduce"`` for the exact exchange (fp32 sums; float64
+            tensors too, summed in float64).
+        process_group: the ranks that exchange; every one of them builds the ``Exchange``.
+        start_iter: the warm-up, per key: the first ``start_iter`` calls of each ``key`` (and
+            call: an ``all_reduce`` and a ``reduce_scatter`` of one key count apart) run
+            exact, its later calls through the codec (default 0). The counts are in
+            :meth:`state_dict`.
+        check_order: how the ranks check that they issue the same calls in the same order
+            (the call, the key, each tensor's shape and dtype, the call's place):
+            ``"every"`` (default: every call, the calls queued together by one 272-byte
+            all-reduce of their digests), ``"first"`` (each key's first call since built or
+            loaded, one object gather) or ``"off"``. A difference is a ValueError on every
+            rank naming each rank's call: raised by a key's first call, else by ``wait()``.
+        **options: the codec's options (``block``, ``error_feedback``, ``residual_dtype``,
+            ``local_feedback``, ``hierarchy``, a user's codec's own), as in
+            ``pycomm.wrap(hook_options=...)``.
+
+    Raises:
+        ValueError or TypeError, on every rank: an unknown codec or option, a bad value on
+        any rank, or ranks that resolved different configurations.
+
+    Example:
+        >>> ex = pycomm.Exchange("int8", block=128, residual_dtype="bfloat16")
+        >>> ex.all_reduce(params_delta, key="outer").wait()
+    """
+
+    where = "pycomm.Exchange"
+
+    def __init__(
+        self,
+        codec: str = "int8",
+        process_group: Optional[dist.ProcessGroup] = None,
+        *,
+        start_iter: int = 0,
+        check_order: str = "every",
+        **options: Any,
+    ) -> None:
+        _check_group(self.where, process_group)
+        fields: dict[str, Any] = {"hook": codec}
+        if isinstance(codec, str):
+            fields[f"registration of hook {codec!r}"] = registration(codec)
+        fields.update(error_field(None))  # where the ranks compare it: before the config
+        state = None
+        try:
+            state = self._build(codec, process_group, start_iter, options)
+            fields.update(resolved_config(state, hook_spec(codec).hook))
+            if check_order not in _CHECKS:
+                raise ValueError(
+                    f"{self.where}: check_order={check_order!r}, expected "
+                    f"{', '.join(map(repr, _CHECKS))}"
+                )
+        except Exception as e:  # noqa: BLE001 - a user's codec failing on one rank too
+            state = None
+            fields.update(error_field(checks.as_exchange(e, codec, self.where)))
+        fields["start_iter"] = start_iter
+        fields["check_order"] = check_order
+        agree(self.where, fields, process_group)
+        assert state is not None  # agree raised on every rank otherwise
+        # the Exchange's own group: its thread issues every collective there, so none meets
+        # the caller's own collectives on the caller's group in another order
+        parent = process_group or dist.group.WORLD
+        (group,) = new_groups(parent, [dist.get_process_group_ranks(parent)], count=1)
+        state.process_group = group
+        state.bind()
+        self.codec_name, self.process_group = codec, process_group
+        self.start_iter, self.check_order = start_iter, check_order
+        self._state: HookState = state
+        self._keys = Keys(state, group, hook_spec(codec).hook, start_iter)
+        serial = self._keys.serial
+        self._issuer = Issuer(self._keys, group, state.world_size, check_order, self.where, serial)
+
+    def _build(self, codec: Any, group: Any, start_iter: Any, options: dict) -> HookState:
+        if not isinstance(codec, str):
+            raise TypeError(
+                f"{self.where}: codec={codec!r}, expected the name of a registered hook "
+                f"with a codec, or 'allreduce' ({', '.join(self.codecs())})"
+            )
+        if codec not in hook_names():
+            raise ValueError(
+                f"{self.where}: codec={codec!r} is not registered; expected one of "
+                f"{', '.join(self.codecs())}"
+            )
+        if codec not in self.codecs():
+            raise ValueError(
+                f"{self.where}: codec={codec!r} is a hook without a codec (DDP's alone); "
+                f"expected one of {', '.join(self.codecs())}"
+            )
+        check_int(self.where, "start_iter", start_iter, 0)
+        if "start_iter" in options:
+            raise TypeError(f"{self.where}: start_iter is given twice")
+        params = inspect.signature(hook_spec(codec).state).parameters
+        if not any(p.kind is p.VAR_KEYWORD for p in params.values()):
+            own = [name for name in params if name != "process_group"]
+            for name in options:
+                if name not in own:
+                    raise ValueError(
+                        f"{self.where}: option {name!r} is not an option of codec {codec!r}, "
+                        f"expected its options ({', '.join(own) or 'none'})"
+                    )
+        with unbound():
+            state = hook_spec(codec).state(group, **options)
+        if hasattr(state, "start_iter"):
+            state.start_iter = start_iter  # DDP's warm-up (its bucket rebuild) is not ours
+        return state
+
+    @staticmethod
+    def codecs() -> list[str]:
+        """What ``codec=`` takes: ``"allreduce"`` and every registered hook with a codec.
+
+        Example:
+            >>> pycomm.Exchange.codecs()[:3]
+            ['allreduce', 'bf16', 'fp16']
+        """
+        return [n for n in hook_names() if n == "allreduce" or hook_spec(n).codec is not None]
+
+    # --- the calls ----------------------------------------------------------------------
+
+    def all_reduce(
+        self, tensor: Union[torch.Tensor, Sequence[torch.Tensor]], key: Hashable, op: str = "mean"
+    ) -> Work:
+        """Replace ``tensor`` (contiguous, float32, bfloat16 or float16; float64 too with
+        ``"allreduce"``) by its mean over the ranks (``op="sum"``: the sum), sent through the
+        codec with the error-feedback residual of ``key``. Every rank holds the same bits
+        after it. A list (or tuple) of tensors of one dtype and device, any shapes and
+        strides, is one exchange: copied into one flat buffer of ``key``, exchanged with
+        one residual, and copied back.
+
+        Example:
+            >>> ex.all_reduce(delta, key="delta").wait()
+            >>> ex.all_reduce([p.data for p in model.parameters()], key="params").wait()
+        """
+        where, dtypes = f"{self.where}.all_reduce", self._state.grad_dtypes
+        flat, err = None, None
+        try:
+            if isinstance(tensor, (list, tuple)):
+                numel = checks.tensors(where, key, tensor, op, dtypes)
+                flat = self._keys.flat(key, numel, tensor[0])
+            else:
+                flat = checks.tensor(where, "tensor", tensor, op, dtypes)
+        except (TypeError, ValueError) as e:
+            err = e
+        body = lambda: self._keys.all_reduce(tensor, key, op, flat)  # noqa: E731
+        return self._submit("all_reduce", key, flat, f"op={op!r}", err, checks.shape(tensor),
+                            body, (tensor, key, op, flat))  # fmt: skip
+
+    def reduce_scatter(
+        self,
+        output: torch.Tensor,
+        input: torch.Tensor,
+        key: Hashable,
+        op: str = "mean",
+        *,
+        scale: Optional[float] = None,
+    ) -> Work:
+        """``dist.reduce_scatter_tensor``'s shapes: ``input`` holds N chunks of
+        ``output.numel()`` elements, and ``output`` becomes this rank's chunk of their mean
+        (``op="sum"``: sum) over the ranks: each rank encodes its input (with ``key``'s
+        residual), sends chunk j to rank j, and decodes and sums the N it receives. The exact
+        exchange sums the N chunks in rank order (:func:`rank_order_sum`). ``scale``: each
+        rank's input times ``scale``, then the sum (``ReduceOp.PREMUL_SUM``; it overrides
+        ``op``).
+
+        Example:
+            >>> ex.reduce_scatter(shard, grads, key="grads").wait()
+            >>> ex.reduce_scatter(shard, grads, key="grads", scale=1 / 8).wait()
+        """
+        where, n, x, out, factor, err = f"{self.where}.reduce_scatter", self._world, *[None] * 4
+        try:
+            x, out = checks.pair(where, "reduce_scatter", output, input, op, n,
+                                 self._state.grad_dtypes, self._hierarchy)  # fmt: skip
+            factor = checks.scale_of(where, op, scale, n, x.dtype)
+        except (TypeError, ValueError) as e:
+            err = e
+        how = f"op={op!r}" if scale is None else f"scale={scale!r}"
+        shape = f"{checks.shape(input)} into {checks.shape(output)}"
+        body = lambda: self._keys.reduce_scatter(output, key, x, out, factor)  # noqa: E731
+        return self._submit("reduce_scatter", key, x, how, err, shape, body)
+
+    def all_gather(self, output: torch.Tensor, input: torch.Tensor, key: Hashable) -> Work:
+        """``dist.all_gather_into_tensor``'s shapes: ``output`` holds N chunks of
+        ``input.numel()`` elements and becomes every rank's input, rank j's at chunk j, each
+        sent encoded and decoded (this rank's own too, so every rank holds the same bits).
+        No residual; ``key`` names the call for the order of calls.
+
+        Example:
+            >>> ex.all_gather(full_weights, my_shard, key="weights").wait()
+        """
+        where, x, out, err = f"{self.where}.all_gather", None, None, None
+        try:
+            x, out = checks.pair(where, "all_gather", output, input, "mean", self._world,
+                                 self._state.grad_dtypes, self._hierarchy)  # fmt: skip
+        except (TypeError, ValueError) as e:
+            err = e
+        shape = f"{checks.shape(input)} into {checks.shape(output)}"
+        body = lambda: self._keys.all_gather(output, key, x, out)  # noqa: E731
+        return self._submit("all_gather", key, x, "", err, shape, body)
+
+    def _submit(self, call: str, key: Hashable, t: Any, how: str, err: Any, shape: str,
+                body: Any, fuse: Any = None) -> Work:  # fmt: skip
+        if not checks.alive(self.process_group):
+            raise RuntimeError(
+                f"{self.where}.{call}: the process group was destroyed; an Exchange lives "
+                "while the group it was built on does"
+            )
+        return self._issuer.submit((call, key), t, how, err, shape, body, fuse)
+
+    @property
+    def _world(self) -> int:
+        return self._state.world_size
+
+    @property
+    def _hierarchy(self) -> Any:
+        return getattr(self._state, "hierarchy", None)
+
+    # --- state --------------------------------------------------------------------------
+
+    @property
+    def stats(self) -> dict[str, Any]:
+        """This rank's counters, once every call is done: ``steps`` (calls), ``bytes_sent``
+        (this rank's), ``bytes_fp32``, ``compression``, ``nonfinite_buckets``, and for a
+        codec ``codec_*`` and ``residual_bytes``: the table of docs/exchange.md, "Counters"."""
+        self._issuer.drain()
+        return self._keys.stats()
+
+    def residual_bytes(self, key: Hashable) -> int:
+        """Bytes of the error-feedback residuals this rank keeps for ``key`` (0 without error
+        feedback, or before its first compressed call); reads no device value.
+
+        Example:
+            >>> ex.residual_bytes("grads")
+        """
+        self._issuer.drain(settle=False)
+        return self._keys.residual_bytes(key)
+
+    def state_dict(self) -> dict[str, Any]:
+        """This rank's residuals (per key), counters, calls per key (the warm-up) and
+        configuration, once every call is done; load it with :meth:`load_state_dict` into
+        an ``Exchange`` of the same codec and options, on the same rank.
+
+        Example:
+            >>> torch.save(ex.state_dict(), f"exchange-rank{rank}.pt")
+        """
+        self._issuer.drain()
+        return self._keys.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict`: the residuals, counters, keys and their calls; another
+        codec, option, rank or world size is refused naming it."""
+        where = f"{self.where}.load_state_dict"
+        keys, calls = checks.loadable(where, state)  # checked before anything changes
+        self._issuer.drain()
+        try:
+            self._keys.load(state, keys, calls)
+        except (ValueError, TypeError, KeyError) as e:
+            raise checks.as_exchange(e, self.codec_name, where) from e
+        self._issuer.compared, self._issuer.seq = set(), sum(calls)
+
+    def load_key(
+        self,
+        key: Hashable,
+        calls: int,
+        residual: Optional[torch.Tensor] = None,
+        call: str = "reduce_scatter",
+    ) -> None:
+        """Give ``key``, without calls yet, the history of ``calls`` calls of ``call`` (the
+        warm-up counts them) and, for a reduce-scatter with error feedback, ``residual``: its
+        input's residual as the codec keeps it (N chunks, each padded to whole blocks, in
+        ``residual_dtype``). What converts a state of another format (an older
+        ``pycomm.fsdp`` checkpoint); a residual of another size or dtype is refused.
+
+        Example:
+            >>> ex.load_key("layers.0", calls=12, residual=saved_residual)
+        """
+        where = f"{self.where}.load_key"
+        if call not in checks.CALLS:
+            raise ValueError(f"{where}: call={call!r}, expected one of {', '.join(checks.CALLS)}")
+        check_int(where, "calls", calls, 0)
+        self._issuer.drain()
+        try:
+            if (call, key) in self._keys.keys:
+                raise ValueError(
+                    f"{where}: key={key!r} has calls of {call} already; expected a key "
+                    "without history (a fresh Exchange, or one just loaded)"
+                )
+        except TypeError:
+            raise TypeError(f"{where}: key={key!r} is not hashable") from None
+        if residual is not None:
+            self._check_residual(where, call, residual)
+        self._keys.load_key((call, key), calls, residual)
+
+    def _check_residual(self, where: str, call: str, residual: Any) -> None:
+        state = self._state
+        if not isinstance(residual, torch.Tensor):
+            raise TypeError(
+                f"{where}: residual is a {type(residual).__name__}, expected a tensor or None"
+            )
+        feedback = getattr(state, "error_feedback", False)
+        if call != "reduce_scatter" or not feedback:
+            raise ValueError(
+                f"{where}: a residual for a {call} of codec={self.codec_name!r} with "
+                f"error_feedback={feedback}; expected residual=None, or reduce_scatter with "
+                "error feedback"
+            )
+        n, block, dtype = state.world_size, state.codec.block, state.residual_dtype
+        numel = residual.numel()
+        kept = state.engine.key_sizes((0, numel, PHASE_1)).get("r1")
+        if numel % (n * block) or kept != numel or residual.dtype != dtype:
+            raise ValueError(
+                f"{where}: residual of {numel} elements of {residual.dtype}, expected {n} "
+                f"chunks of whole blocks of {block} elements of {dtype}, as this "
+                f"configuration keeps it ({kept or 'none'} for {numel} elements)"
+            )
+        if not bool(torch.isfinite(residual).all()):
+            raise ValueError(
+                f"{where}: residual holds non-finite values, expected finite residuals (a NaN "
+                "there would reach every later call)"
+            )
+
+
+def _check_group(where: str, group: Any) -> None:
+    """Refuse an Exchange without a process group, or on a group this rank is not in."""
+    if not (dist.is_available() and dist.is_initialized()):
+        raise RuntimeError(
+            f"{where}: no process group; call pycomm.init() (or "
+            "torch.distributed.init_process_group) on every rank first"
+        )
+    if group is dist.GroupMember.NON_GROUP_MEMBER:
+        raise ValueError(
+            f"{where}: this rank (global rank {dist.get_rank()}) is not in process_group "
+            "(dist.new_group returned GroupMember.NON_GROUP_MEMBER here); expected the "
+            "Exchange built by the group's ranks alone, as its collectives run"
+        )
+    if group is not None and not isinstance(group, dist.ProcessGroup):
+        raise TypeError(
+            f"{where}: process_group={group!r}, expected a torch.distributed.ProcessGroup or "
+            "None (the default group)"
+        )
+    if group is not None and dist.get_rank(group) < 0:
+        raise ValueError(
+            f"{where}: this rank (global rank {dist.get_rank()}) is not in process_group "
+            f"(ranks {dist.get_process_group_ranks(group)}); expected the Exchange built by "
+            "the group's ranks alone, as its collectives run"
+        )

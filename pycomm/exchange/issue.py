@@ -1,0 +1,347 @@
+"""How an :class:`~pycomm.exchange.Exchange` issues its calls: one thread, in call order.
+
+A call returns a :class:`Work` at once; the Exchange's :class:`Issuer` thread takes the calls
+queued so far, has the ranks compare them (``check_order``), and issues those that passed,
+on the Exchange's own process groups, while the caller goes on. Every rank thus issues the
+same collectives in the same order however its exchanges progress, and none of them meets
+the caller's own collectives on the caller's group.
+
+The comparison (``check_order="every"``): one all-reduce (MAX) of a fixed-size tensor holding
+how many calls this rank queued and the 56-bit digest of each (and their negations, so that
+one MAX gives every rank the largest and the smallest value of each slot). The calls every
+rank had queued are compared: where a digest differs, that call is compared in full (one
+object gather, :func:`pycomm.hooks.config.agree`), which raises the ValueError naming each
+rank's call on every rank; the calls past what every rank queued are compared again with the
+next ones. So the batches, and the collectives issued for them, are the same on every rank.
+"""
+
+from __future__ import annotations
+
+import collections
+import hashlib
+import queue
+import threading
+import time
+import weakref
+from collections.abc import Hashable
+from typing import Any, Callable, NamedTuple, Optional
+
+import torch
+import torch.distributed as dist
+
+from pycomm.hooks.config import agree, error_field
+
+__all__ = ["SLOTS", "Call", "Issued", "Issuer", "Work"]
+
+# calls one comparison covers at most
+SLOTS = 16
+
+
+class Work:
+    """An issued call of an :class:`~pycomm.exchange.Exchange`: ``wait()`` blocks until the
+    result is in the caller's tensor (or list of tensors) and returns it; ``get_future()`` is
+    the ``torch.futures.Future`` of it.
+
+    Attributes (read-only, known once the call is issued, with no wait for its data):
+        bytes_sent: the bytes this rank puts on the wire for the call (what ``stats``
+            adds to its ``bytes_sent``).
+        bytes_fp32: what the exact fp32 collective of the same tensors sends (what ``stats``
+            adds to its ``bytes_fp32``).
+
+    Example:
+        >>> work = ex.all_reduce(t, key="t")
+        >>> work.wait() is t
+        True
+        >>> work.bytes_sent, work.bytes_fp32  # this call's bytes, and an fp32 collective's
+    """
+
+    def __init__(
+        self,
+        future: Optional[torch.futures.Future] = None,
+        result: Any = None,
+        bytes_sent: int = 0,
+        bytes_fp32: int = 0,
+    ) -> None:
+        self.observed = False  # wait() raised, or would have, to its caller
+        self._ready = threading.Event()  # issued: the future and the bytes are known
+        if future is not None:
+            self.set(future, result, bytes_sent, bytes_fp32)
+
+    def set(self, future: torch.futures.Future, result: Any, sent: int, fp32: int) -> None:
+        """The call is issued: its future, its result and its bytes."""
+        self._future, self._result, self._bytes = future, result, (sent, fp32)
+        self._ready.set()
+
+    def fail(self, exc: BaseException, observed: bool = False) -> None:
+        """The call failed with ``exc`` (``observed``: its caller has it already)."""
+        future: torch.futures.Future = torch.futures.Future()
+        future.set_exception(exc)
+        self.observed = self.observed or observed
+        self.set(future, None, 0, 0)
+
+    @property
+    def issued(self) -> bool:
+        return self._ready.is_set()
+
+    @property
+    def bytes_sent(self) -> int:
+        self._ready.wait()
+        return self._bytes[0]
+
+    @property
+    def bytes_fp32(self) -> int:
+        self._ready.wait()
+        return self._bytes[1]
+
+    def wait(self) -> Any:
+        self.observed = True
+        self._ready.wait()
+        self._future.wait()
+        return self._result
+
+    def get_future(self) -> torch.futures.Future:
+        self._ready.wait()
+        return self._future
+
+    def is_completed(self) -> bool:
+        return self._ready.is_set() and self._future.done()
+
+
+class Issued(NamedTuple):
+    """What a call's body issued: the future of its result, its result, and its bytes."""
+
+    future: torch.futures.Future
+    result: Any
+    bytes_sent: int
+    bytes_fp32: int
+
+
+class Call:
+    """A call handed to the issuing thread: its ``(call, key)``, what the ranks compare
+    (``mark``, by its digest; ``fields``, in full), whether it is compared, this rank's
+    refusal of its arguments, the body that issues it, what fuses it with the calls beside it
+    (an all-reduce's), and its :class:`Work`."""
+
+    def __init__(
+        self,
+        pair: tuple,
+        mark: str,
+        fields: dict,
+        compared: bool,
+        err: Optional[Exception],
+        body: Callable[[], Issued],
+        fuse: Any = None,
+    ) -> None:
+        self.pair, self.mark, self.fields, self.body = pair, mark, fields, body
+        self.compared, self.err, self.fuse, self.work = compared, err, fuse, Work()
+        self.checked = threading.Event()  # its comparison is done (passed or failed)
+        self.failed: Optional[BaseException] = None
+
+    def fail(self, exc: BaseException) -> None:
+        self.failed = exc
+        self.work.fail(exc, observed=self.err is not None)
+        self.checked.set()
+
+
+def digest(mark: str) -> int:
+    """A call's 56-bit digest: what the ranks compare for it."""
+    return int.from_bytes(hashlib.blake2b(mark.encode(), digest_size=7).digest(), "little")
+
+
+class Issuer:
+    """The thread that issues an Exchange's calls in call order (see the module docstring),
+    and the calls in flight: a key's next call is issued once its last one is done (every
+    last call with ``serial``).
+
+    Args:
+        runner: what issues the calls: ``runs(calls)`` cuts passed calls into runs to issue
+            together, ``run_fused(fuses)`` issues a run of several, and each call's
+            ``body()`` one alone (:class:`pycomm.exchange.keys.Keys`).
+        group: the Exchange's own group, where the comparisons run.
+        world: its ranks. mode: ``check_order``. where: how messages start.
+        serial: every call waits for the last (``strict_skip``'s step commit).
+    """
+
+    def __init__(
+        self, runner: Any, group: Any, world: int, mode: str, where: str, serial: bool
+    ) -> None:
+        self.runner, self.group, self.world, self.mode = runner, group, world, mode
+        self.where, self.serial = where, serial
+        nccl = dist.get_backend(group) == "nccl"
+        self.device = torch.device("cuda", torch.cuda.current_device()) if nccl else "cpu"
+        self.inflight: dict[Hashable, Work] = {}
+        self.compared: set = set()  # (call, key) pairs compared since built or loaded
+        self.seq = 0  # calls made (refused ones too): each call's place, compared
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread: Optional[threading.Thread] = None
+        weakref.finalize(self, self._queue.put, None)
+
+    def submit(
+        self,
+        pair: tuple,
+        t: Optional[torch.Tensor],
+        how: str,
+        err: Optional[Exception],
+        shape: str,
+        body: Callable[[], Issued],
+        fuse: Any = None,
+    ) -> Work:
+        """Queue a call and return its :class:`Work`. ``err``: this rank's refusal of its
+        arguments, raised here; the ranks compare it like the call, so each raises the
+        first error any of them met. A key's first call (and a refused one) waits for its
+        comparison, so a difference raises here on every rank; a later call's difference
+        fails its ``wait()``."""
+        call, key = pair
+        try:
+            first = pair not in self.compared
+        except TypeError:
+            first = True
+            err = err or TypeError(
+                f"{self.where}.{call}: key={key!r} is not hashable; expected a str, int or tuple"
+            )
+        seq, self.seq = self.seq, self.seq + 1
+        mode = self.mode
+        compared = self.world > 1 and (mode == "every" or (mode == "first" and first))
+        if err is not None and not compared:
+            raise err
+        if err is None:
+            self.compared.add(pair)
+        what = f"call {seq}: {call}(key={key!r}, {'refused input' if t is None else shape}, {how})"
+        fields = {**error_field(err), "the order of calls": what}
+        mark = what if err is None else f"{what} {err}"
+        item = Call(pair, mark, fields, compared, err, body, fuse)
+        self._put(item)
+        if err is None and not (compared and first):
+            return item.work
+        item.checked.wait()
+        if item.failed is not None:
+            raise item.failed
+        if err is not None:
+            raise err
+        return item.work
+
+    def _put(self, item: Any) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(
+                target=_serve, args=(weakref.ref(self), self._queue), name="pycomm-exchange",
+                daemon=True,
+            )  # fmt: skip
+            self._thread.start()
+        self._queue.put(item)
+
+    def drain(self, settle: bool = True) -> None:
+        """Wait until every queued call is issued (``settle``: and done; what a call raised
+        is raised here once, unless its ``wait()`` gave it to the caller already)."""
+        if self._thread is not None:
+            done = threading.Event()
+            self._queue.put(done)
+            done.wait()
+        if settle:
+            self.settle()
+
+    def settle(self, pair: Optional[Hashable] = None) -> None:
+        """Wait for the last call of ``pair`` (None: of every key); what it raised is raised
+        here once, unless its ``wait()`` gave it to the caller already."""
+        if pair is None:
+            works, self.inflight = list(self.inflight.values()), {}
+        else:
+            works = [w for w in (self.inflight.pop(pair, None),) if w is not None]
+        for work in works:
+            try:
+                work.get_future().wait()
+            except Exception:
+                if not work.observed:
+                    work.observed = True
+                    raise
+
+    def checks(self, calls: list[Call]) -> tuple[list[Call], list[Call]]:
+        """On the issuing thread: the calls whose comparison passed, in order, and those to
+        compare again (past a difference, or past what every rank had queued)."""
+        if self.mode != "every" or self.world == 1:  # "first": a key's first call, in full
+            return [c for c in calls if not c.compared or self._agreed(c)], []
+        k, n = SLOTS, len(calls)
+        digests = [digest(c.mark) for c in calls]
+        v = torch.zeros(2 + 2 * k, dtype=torch.int64)
+        v[0], v[1] = n, -n
+        v[2 : 2 + n] = torch.tensor(digests)
+        v[2 + k : 2 + k + n] = -v[2 : 2 + n]
+        got = v.to(self.device)
+        dist.all_reduce(got, op=dist.ReduceOp.MAX, group=self.group)
+        got = got.tolist()
+        queued = -got[1]  # the fewest calls a rank had queued
+        for i in range(queued):
+            if got[2 + i] != digests[i] or got[2 + k + i] != -digests[i]:
+                ok = self._agreed(calls[i])
+                return calls[: i + ok], calls[i + 1 :]
+        return calls[:queued], calls[queued:]
+
+    def _agreed(self, c: Call) -> bool:
+        """Compare ``c`` in full (a collective): False, the call failed with the error
+        every rank raises, where the ranks differ."""
+        try:
+            agree(f"{self.where}.{c.pair[0]}", c.fields, self.group, call=self.where)
+        except Exception as e:  # noqa: BLE001 - the same error on every rank
+            c.fail(e)
+            return False
+        return True
+
+    def issue(self, calls: list[Call]) -> None:
+        """On the issuing thread: issue the calls that passed, run by run."""
+        for run in self.runner.runs(calls):
+            try:
+                for c in run:
+                    c.checked.set()
+                    self.settle(None if self.serial else c.pair)
+                if len(run) > 1:
+                    issued = self.runner.run_fused([c.fuse for c in run])
+                elif run[0].err is not None:  # every rank refused it alike: each raised it
+                    run[0].work.fail(run[0].err, observed=True)
+                    continue
+                else:
+                    issued = [run[0].body()]
+            except Exception as e:  # noqa: BLE001 - handed to the callers' wait()
+                for c in run:
+                    if not c.work.issued:
+                        c.work.fail(e)
+                continue
+            for c, done in zip(run, issued):
+                c.work.set(*done)
+                self.inflight[c.pair] = c.work
+
+
+def _serve(owner: Callable[[], Optional[Issuer]], q: queue.SimpleQueue) -> None:
+    """The issuing thread's loop: take the queued calls (up to a drain mark), compare them,
+    issue those that passed, and put the rest back first in line. It holds its
+    :class:`Issuer` weakly, and ends with it."""
+    pending: collections.deque = collections.deque()
+    while True:
+        if not pending:
+            pending.append(q.get())
+            time.sleep(0)  # the caller, issuing calls in a row, queues the rest of them
+        while True:
+            try:
+                pending.append(q.get_nowait())
+            except queue.Empty:
+                break
+        head = pending[0]
+        if not isinstance(head, Call):
+            pending.popleft()
+            if head is None:
+                return
+            head.set()  # a drain mark
+            continue
+        calls: list[Call] = []
+        while pending and isinstance(pending[0], Call) and len(calls) < SLOTS:
+            calls.append(pending.popleft())
+        issuer = owner()
+        if issuer is None:
+            return
+        try:
+            passed, again = issuer.checks(calls)
+        except Exception as e:  # noqa: BLE001 - the comparison's collective failed
+            for c in calls:
+                c.fail(e)
+            passed, again = [], []
+        pending.extendleft(reversed(again))
+        issuer.issue(passed)
+        del issuer
