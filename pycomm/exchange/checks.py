@@ -10,9 +10,13 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
+from pycomm.hooks.engine import PHASE_1
 from pycomm.hooks.state import dtype_names
 
-__all__ = ["CALLS", "alive", "as_exchange", "loadable", "pair", "scale_of", "shape", "tensor"]
+__all__ = [
+    "CALLS", "alive", "as_exchange", "loadable", "pair", "residual", "scale_of", "shape",
+    "tensor", "tensors",
+]  # fmt: skip
 
 OPS = ("mean", "sum")
 CALLS = ("all_reduce", "reduce_scatter", "all_gather")
@@ -192,6 +196,37 @@ def as_exchange(exc: Exception, codec: Any, where: str) -> Exception:
         "(save Exchange.state_dict() on each rank and load it there with load_state_dict())",
     )
     return type(exc)(text)
+
+
+def residual(where: str, call: str, residual: Any, state: Any, codec: str) -> None:
+    """Refuse a residual :meth:`Exchange.load_key` cannot give its key: not a tensor, not a
+    reduce-scatter's with error feedback, not the size and dtype ``state``'s codec keeps, or
+    not finite."""
+    if not isinstance(residual, torch.Tensor):
+        raise TypeError(
+            f"{where}: residual is a {type(residual).__name__}, expected a tensor or None"
+        )
+    feedback = getattr(state, "error_feedback", False)
+    if call != "reduce_scatter" or not feedback:
+        raise ValueError(
+            f"{where}: a residual for a {call} of codec={codec!r} with "
+            f"error_feedback={feedback}; expected residual=None, or reduce_scatter with "
+            "error feedback"
+        )
+    n, block, dtype = state.world_size, state.codec.block, state.residual_dtype
+    numel = residual.numel()
+    kept = state.engine.key_sizes((0, numel, PHASE_1)).get("r1")
+    if numel % (n * block) or kept != numel or residual.dtype != dtype:
+        raise ValueError(
+            f"{where}: residual of {numel} elements of {residual.dtype}, expected {n} chunks "
+            f"of whole blocks of {block} elements of {dtype}, as this configuration keeps it "
+            f"({kept or 'none'} for {numel} elements)"
+        )
+    if not bool(torch.isfinite(residual).all()):
+        raise ValueError(
+            f"{where}: residual holds non-finite values, expected finite residuals (a NaN "
+            "there would reach every later call)"
+        )
 
 
 def alive(group: Optional[dist.ProcessGroup]) -> bool:

@@ -11,11 +11,9 @@ import torch.distributed as dist
 
 from pycomm._validate import check_int
 from pycomm.exchange import checks
-from pycomm.exchange.issue import Issuer, Work
+from pycomm.exchange.issue import Issuer, Stream, Work
 from pycomm.exchange.keys import Keys
 from pycomm.hooks.config import agree, error_field, resolved_config
-from pycomm.hooks.engine import PHASE_1
-from pycomm.hooks.groups import new_groups
 from pycomm.hooks.registry import hook_names, hook_spec, registration
 from pycomm.hooks.state import HookState, unbound
 
@@ -87,18 +85,16 @@ class Exchange:
         fields["check_order"] = check_order
         agree(self.where, fields, process_group)
         assert state is not None  # agree raised on every rank otherwise
-        # the Exchange's own group: its thread issues every collective there, so none meets
-        # the caller's own collectives on the caller's group in another order
-        parent = process_group or dist.group.WORLD
-        (group,) = new_groups(parent, [dist.get_process_group_ranks(parent)], count=1)
-        state.process_group = group
+        # the group's issuing thread, on a group of its own: it issues every collective of
+        # the Exchanges over that group, so none meets the caller's own in another order
+        self._issuer = Issuer.of(process_group)
+        state.process_group = self._issuer.group
         state.bind()
         self.codec_name, self.process_group = codec, process_group
         self.start_iter, self.check_order = start_iter, check_order
         self._state: HookState = state
-        self._keys = Keys(state, group, hook_spec(codec).hook, start_iter)
-        serial = self._keys.serial
-        self._issuer = Issuer(self._keys, group, state.world_size, check_order, self.where, serial)
+        self._keys = Keys(state, self._issuer.group, hook_spec(codec).hook, start_iter)
+        self._stream = Stream(self._keys, check_order, self.where, self._keys.serial)
 
     def _build(self, codec: Any, group: Any, start_iter: Any, options: dict) -> HookState:
         if not isinstance(codec, str):
@@ -233,7 +229,13 @@ class Exchange:
                 f"{self.where}.{call}: the process group was destroyed; an Exchange lives "
                 "while the group it was built on does"
             )
-        return self._issuer.submit((call, key), t, how, err, shape, body, fuse)
+        return self._issuer.submit(self._stream, (call, key), t, how, err, shape, body, fuse)
+
+    def _drain(self) -> None:
+        """Wait until every call of this Exchange is issued and done (what one raised is
+        raised here once, unless its ``wait()`` gave it to the caller already)."""
+        self._issuer.drain()
+        self._stream.settle()
 
     @property
     def _world(self) -> int:
@@ -250,7 +252,7 @@ class Exchange:
         """This rank's counters, once every call is done: ``steps`` (calls), ``bytes_sent``
         (this rank's), ``bytes_fp32``, ``compression``, ``nonfinite_buckets``, and for a
         codec ``codec_*`` and ``residual_bytes``: the table of docs/exchange.md, "Counters"."""
-        self._issuer.drain()
+        self._drain()
         return self._keys.stats()
 
     def residual_bytes(self, key: Hashable) -> int:
@@ -260,7 +262,7 @@ class Exchange:
         Example:
             >>> ex.residual_bytes("grads")
         """
-        self._issuer.drain(settle=False)
+        self._issuer.drain()
         return self._keys.residual_bytes(key)
 
     def state_dict(self) -> dict[str, Any]:
@@ -271,7 +273,7 @@ class Exchange:
         Example:
             >>> torch.save(ex.state_dict(), f"exchange-rank{rank}.pt")
         """
-        self._issuer.drain()
+        self._drain()
         return self._keys.state_dict()
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -279,12 +281,12 @@ class Exchange:
         codec, option, rank or world size is refused naming it."""
         where = f"{self.where}.load_state_dict"
         keys, calls = checks.loadable(where, state)  # checked before anything changes
-        self._issuer.drain()
+        self._drain()
         try:
             self._keys.load(state, keys, calls)
         except (ValueError, TypeError, KeyError) as e:
             raise checks.as_exchange(e, self.codec_name, where) from e
-        self._issuer.compared, self._issuer.seq = set(), sum(calls)
+        self._stream.compared, self._stream.seq = set(), sum(calls)
 
     def load_key(
         self,
@@ -306,7 +308,7 @@ class Exchange:
         if call not in checks.CALLS:
             raise ValueError(f"{where}: call={call!r}, expected one of {', '.join(checks.CALLS)}")
         check_int(where, "calls", calls, 0)
-        self._issuer.drain()
+        self._drain()
         try:
             if (call, key) in self._keys.keys:
                 raise ValueError(
@@ -316,36 +318,8 @@ class Exchange:
         except TypeError:
             raise TypeError(f"{where}: key={key!r} is not hashable") from None
         if residual is not None:
-            self._check_residual(where, call, residual)
+            checks.residual(where, call, residual, self._state, self.codec_name)
         self._keys.load_key((call, key), calls, residual)
-
-    def _check_residual(self, where: str, call: str, residual: Any) -> None:
-        state = self._state
-        if not isinstance(residual, torch.Tensor):
-            raise TypeError(
-                f"{where}: residual is a {type(residual).__name__}, expected a tensor or None"
-            )
-        feedback = getattr(state, "error_feedback", False)
-        if call != "reduce_scatter" or not feedback:
-            raise ValueError(
-                f"{where}: a residual for a {call} of codec={self.codec_name!r} with "
-                f"error_feedback={feedback}; expected residual=None, or reduce_scatter with "
-                "error feedback"
-            )
-        n, block, dtype = state.world_size, state.codec.block, state.residual_dtype
-        numel = residual.numel()
-        kept = state.engine.key_sizes((0, numel, PHASE_1)).get("r1")
-        if numel % (n * block) or kept != numel or residual.dtype != dtype:
-            raise ValueError(
-                f"{where}: residual of {numel} elements of {residual.dtype}, expected {n} "
-                f"chunks of whole blocks of {block} elements of {dtype}, as this "
-                f"configuration keeps it ({kept or 'none'} for {numel} elements)"
-            )
-        if not bool(torch.isfinite(residual).all()):
-            raise ValueError(
-                f"{where}: residual holds non-finite values, expected finite residuals (a NaN "
-                "there would reach every later call)"
-            )
 
 
 def _check_group(where: str, group: Any) -> None:

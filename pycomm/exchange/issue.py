@@ -22,7 +22,6 @@ import hashlib
 import queue
 import threading
 import time
-import weakref
 from collections.abc import Hashable
 from typing import Any, Callable, NamedTuple, Optional
 
@@ -30,8 +29,9 @@ import torch
 import torch.distributed as dist
 
 from pycomm.hooks.config import agree, error_field
+from pycomm.hooks.groups import new_groups
 
-__all__ = ["SLOTS", "Call", "Issued", "Issuer", "Work"]
+__all__ = ["SLOTS", "Call", "Issued", "Issuer", "Stream", "Work"]
 
 # calls one comparison covers at most
 SLOTS = 16
@@ -117,13 +117,15 @@ class Issued(NamedTuple):
 
 
 class Call:
-    """A call handed to the issuing thread: its ``(call, key)``, what the ranks compare
-    (``mark``, by its digest; ``fields``, in full), whether it is compared, this rank's
-    refusal of its arguments, the body that issues it, what fuses it with the calls beside it
-    (an all-reduce's), and its :class:`Work`."""
+    """A call handed to the issuing thread: the stream it belongs to (its Exchange's
+    :class:`Stream`), its ``(call, key)``, what the ranks compare (``mark``, by its digest;
+    ``fields``, in full), whether it is compared, this rank's refusal of its arguments, the
+    body that issues it, what fuses it with the calls beside it (an all-reduce's), and its
+    :class:`Work`."""
 
     def __init__(
         self,
+        stream: Stream,
         pair: tuple,
         mark: str,
         fields: dict,
@@ -132,8 +134,9 @@ class Call:
         body: Callable[[], Issued],
         fuse: Any = None,
     ) -> None:
-        self.pair, self.mark, self.fields, self.body = pair, mark, fields, body
-        self.compared, self.err, self.fuse, self.work = compared, err, fuse, Work()
+        self.stream, self.pair, self.mark, self.fields = stream, pair, mark, fields
+        self.compared, self.err, self.body, self.fuse = compared, err, body, fuse
+        self.work = Work()
         self.checked = threading.Event()  # its comparison is done (passed or failed)
         self.failed: Optional[BaseException] = None
 
@@ -148,96 +151,18 @@ def digest(mark: str) -> int:
     return int.from_bytes(hashlib.blake2b(mark.encode(), digest_size=7).digest(), "little")
 
 
-class Issuer:
-    """The thread that issues an Exchange's calls in call order (see the module docstring),
-    and the calls in flight: a key's next call is issued once its last one is done (every
-    last call with ``serial``).
+class Stream:
+    """One Exchange's calls: how they are compared (``mode``: ``check_order``), what issues
+    them (``runner``: ``runs(calls)`` cuts passed calls into runs to issue together,
+    ``run_fused(fuses)`` issues a run of several, each call's ``body()`` one alone), the calls
+    in flight (a key's next call is issued once its last one is done; every last call with
+    ``serial``, ``strict_skip``'s step commit), the keys compared and each call's place."""
 
-    Args:
-        runner: what issues the calls: ``runs(calls)`` cuts passed calls into runs to issue
-            together, ``run_fused(fuses)`` issues a run of several, and each call's
-            ``body()`` one alone (:class:`pycomm.exchange.keys.Keys`).
-        group: the Exchange's own group, where the comparisons run.
-        world: its ranks. mode: ``check_order``. where: how messages start.
-        serial: every call waits for the last (``strict_skip``'s step commit).
-    """
-
-    def __init__(
-        self, runner: Any, group: Any, world: int, mode: str, where: str, serial: bool
-    ) -> None:
-        self.runner, self.group, self.world, self.mode = runner, group, world, mode
-        self.where, self.serial = where, serial
-        nccl = dist.get_backend(group) == "nccl"
-        self.device = torch.device("cuda", torch.cuda.current_device()) if nccl else "cpu"
+    def __init__(self, runner: Any, mode: str, where: str, serial: bool) -> None:
+        self.runner, self.mode, self.where, self.serial = runner, mode, where, serial
         self.inflight: dict[Hashable, Work] = {}
         self.compared: set = set()  # (call, key) pairs compared since built or loaded
         self.seq = 0  # calls made (refused ones too): each call's place, compared
-        self._queue: queue.SimpleQueue = queue.SimpleQueue()
-        self._thread: Optional[threading.Thread] = None
-        weakref.finalize(self, self._queue.put, None)
-
-    def submit(
-        self,
-        pair: tuple,
-        t: Optional[torch.Tensor],
-        how: str,
-        err: Optional[Exception],
-        shape: str,
-        body: Callable[[], Issued],
-        fuse: Any = None,
-    ) -> Work:
-        """Queue a call and return its :class:`Work`. ``err``: this rank's refusal of its
-        arguments, raised here; the ranks compare it like the call, so each raises the
-        first error any of them met. A key's first call (and a refused one) waits for its
-        comparison, so a difference raises here on every rank; a later call's difference
-        fails its ``wait()``."""
-        call, key = pair
-        try:
-            first = pair not in self.compared
-        except TypeError:
-            first = True
-            err = err or TypeError(
-                f"{self.where}.{call}: key={key!r} is not hashable; expected a str, int or tuple"
-            )
-        seq, self.seq = self.seq, self.seq + 1
-        mode = self.mode
-        compared = self.world > 1 and (mode == "every" or (mode == "first" and first))
-        if err is not None and not compared:
-            raise err
-        if err is None:
-            self.compared.add(pair)
-        what = f"call {seq}: {call}(key={key!r}, {'refused input' if t is None else shape}, {how})"
-        fields = {**error_field(err), "the order of calls": what}
-        mark = what if err is None else f"{what} {err}"
-        item = Call(pair, mark, fields, compared, err, body, fuse)
-        self._put(item)
-        if err is None and not (compared and first):
-            return item.work
-        item.checked.wait()
-        if item.failed is not None:
-            raise item.failed
-        if err is not None:
-            raise err
-        return item.work
-
-    def _put(self, item: Any) -> None:
-        if self._thread is None:
-            self._thread = threading.Thread(
-                target=_serve, args=(weakref.ref(self), self._queue), name="pycomm-exchange",
-                daemon=True,
-            )  # fmt: skip
-            self._thread.start()
-        self._queue.put(item)
-
-    def drain(self, settle: bool = True) -> None:
-        """Wait until every queued call is issued (``settle``: and done; what a call raised
-        is raised here once, unless its ``wait()`` gave it to the caller already)."""
-        if self._thread is not None:
-            done = threading.Event()
-            self._queue.put(done)
-            done.wait()
-        if settle:
-            self.settle()
 
     def settle(self, pair: Optional[Hashable] = None) -> None:
         """Wait for the last call of ``pair`` (None: of every key); what it raised is raised
@@ -254,10 +179,104 @@ class Issuer:
                     work.observed = True
                     raise
 
+
+class Issuer:
+    """The thread that issues the calls of every Exchange over one process group, in call
+    order (see the module docstring), on a group of its own over the same ranks (and the
+    codecs' phase groups over that one), made once: Exchanges come and go without making
+    groups or threads. :meth:`of` gives the group's.
+
+    Args:
+        group: the Issuer's own group. world: its ranks.
+    """
+
+    def __init__(self, group: Any, world: int) -> None:
+        self.group, self.world = group, world
+        nccl = dist.get_backend(group) == "nccl"
+        self.device = torch.device("cuda", torch.cuda.current_device()) if nccl else "cpu"
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread: Optional[threading.Thread] = None
+
+    @classmethod
+    def of(cls, parent: Any) -> Issuer:
+        """The Issuer of ``parent`` (None: the default group), made at its first Exchange on
+        every rank of it (a collective: a group of its own over the same ranks)."""
+        world = parent or dist.group.WORLD
+        entry = _ISSUERS.get(id(world))
+        if entry is None or entry[0] is not world:
+            ranks = dist.get_process_group_ranks(world)
+            (group,) = new_groups(world, [ranks], count=1)
+            entry = _ISSUERS[id(world)] = (world, cls(group, len(ranks)))
+        return entry[1]
+
+    def submit(
+        self,
+        stream: Stream,
+        pair: tuple,
+        t: Optional[torch.Tensor],
+        how: str,
+        err: Optional[Exception],
+        shape: str,
+        body: Callable[[], Issued],
+        fuse: Any = None,
+    ) -> Work:
+        """Queue a call of ``stream`` and return its :class:`Work`. ``err``: this rank's
+        refusal of its arguments, raised here; the ranks compare it like the call, so each
+        raises the first error any of them met. A key's first call (and a refused one) waits
+        for its comparison, so a difference raises here on every rank; a later call's
+        difference fails its ``wait()``."""
+        call, key = pair
+        try:
+            first = pair not in stream.compared
+        except TypeError:
+            first = True
+            err = err or TypeError(
+                f"{stream.where}.{call}: key={key!r} is not hashable; expected a str, int or tuple"
+            )
+        seq, stream.seq = stream.seq, stream.seq + 1
+        mode = stream.mode
+        compared = self.world > 1 and (mode == "every" or (mode == "first" and first))
+        if err is not None and not compared:
+            raise err
+        if err is None:
+            stream.compared.add(pair)
+        what = f"call {seq}: {call}(key={key!r}, {'refused input' if t is None else shape}, {how})"
+        fields = {**error_field(err), "the order of calls": what}
+        mark = what if err is None else f"{what} {err}"
+        item = Call(stream, pair, mark, fields, compared, err, body, fuse)
+        self._put(item)
+        if err is None and not (compared and first):
+            return item.work
+        item.checked.wait()
+        if item.failed is not None:
+            raise item.failed
+        if err is not None:
+            raise err
+        return item.work
+
+    def _put(self, item: Any) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(
+                target=_serve, args=(self, self._queue), name="pycomm-exchange", daemon=True
+            )
+            self._thread.start()
+        self._queue.put(item)
+
+    def drain(self) -> None:
+        """Wait until every queued call is issued (or failed)."""
+        if self._thread is not None:
+            done = threading.Event()
+            self._queue.put(done)
+            done.wait()
+
     def checks(self, calls: list[Call]) -> tuple[list[Call], list[Call]]:
         """On the issuing thread: the calls whose comparison passed, in order, and those to
-        compare again (past a difference, or past what every rank had queued)."""
-        if self.mode != "every" or self.world == 1:  # "first": a key's first call, in full
+        compare again (past a difference, or past what every rank had queued). A batch of
+        ``check_order="every"`` calls is compared by digests; in another, each call compared
+        (a key's first, with ``"first"``) is compared in full."""
+        if self.world == 1:
+            return calls, []
+        if calls[0].stream.mode != "every":
             return [c for c in calls if not c.compared or self._agreed(c)], []
         k, n = SLOTS, len(calls)
         digests = [digest(c.mark) for c in calls]
@@ -278,22 +297,25 @@ class Issuer:
     def _agreed(self, c: Call) -> bool:
         """Compare ``c`` in full (a collective): False, the call failed with the error
         every rank raises, where the ranks differ."""
+        where = c.stream.where
         try:
-            agree(f"{self.where}.{c.pair[0]}", c.fields, self.group, call=self.where)
+            agree(f"{where}.{c.pair[0]}", c.fields, self.group, call=where)
         except Exception as e:  # noqa: BLE001 - the same error on every rank
             c.fail(e)
             return False
         return True
 
-    def issue(self, calls: list[Call]) -> None:
-        """On the issuing thread: issue the calls that passed, run by run."""
-        for run in self.runner.runs(calls):
+    def issue(self, calls: list[Call], fuse: bool) -> None:
+        """On the issuing thread: issue the calls that passed, run by run (``fuse``: the
+        ranks compared them as one batch, so they may cut runs of several alike)."""
+        for run in _runs(calls, fuse):
+            stream = run[0].stream
             try:
                 for c in run:
                     c.checked.set()
-                    self.settle(None if self.serial else c.pair)
+                    stream.settle(None if stream.serial else c.pair)
                 if len(run) > 1:
-                    issued = self.runner.run_fused([c.fuse for c in run])
+                    issued = stream.runner.run_fused([c.fuse for c in run])
                 elif run[0].err is not None:  # every rank refused it alike: each raised it
                     run[0].work.fail(run[0].err, observed=True)
                     continue
@@ -306,13 +328,32 @@ class Issuer:
                 continue
             for c, done in zip(run, issued):
                 c.work.set(*done)
-                self.inflight[c.pair] = c.work
+                stream.inflight[c.pair] = c.work
 
 
-def _serve(owner: Callable[[], Optional[Issuer]], q: queue.SimpleQueue) -> None:
+def _runs(calls: list[Call], fuse: bool) -> list[list[Call]]:
+    """``calls`` cut into runs: each stream's consecutive calls cut by its runner (``fuse``),
+    else one a run."""
+    if not fuse:
+        return [[c] for c in calls]
+    runs: list[list[Call]] = []
+    i = 0
+    while i < len(calls):
+        j = i
+        while j < len(calls) and calls[j].stream is calls[i].stream:
+            j += 1
+        runs += calls[i].stream.runner.runs(calls[i:j])
+        i = j
+    return runs
+
+
+# the Issuer of each process group, with the group (held, so its id is not reused)
+_ISSUERS: dict[int, tuple[Any, Issuer]] = {}
+
+
+def _serve(issuer: Issuer, q: queue.SimpleQueue) -> None:
     """The issuing thread's loop: take the queued calls (up to a drain mark), compare them,
-    issue those that passed, and put the rest back first in line. It holds its
-    :class:`Issuer` weakly, and ends with it."""
+    issue those that passed, and put the rest back first in line."""
     pending: collections.deque = collections.deque()
     while True:
         if not pending:
@@ -326,16 +367,19 @@ def _serve(owner: Callable[[], Optional[Issuer]], q: queue.SimpleQueue) -> None:
         head = pending[0]
         if not isinstance(head, Call):
             pending.popleft()
-            if head is None:
-                return
             head.set()  # a drain mark
             continue
+        # a batch holds calls compared alike (by digests, or not): a rank's batch may hold
+        # fewer calls than another's, never calls compared otherwise
+        digests = head.stream.mode == "every"
         calls: list[Call] = []
-        while pending and isinstance(pending[0], Call) and len(calls) < SLOTS:
+        while (
+            pending
+            and isinstance(pending[0], Call)
+            and (pending[0].stream.mode == "every") == digests
+            and len(calls) < SLOTS
+        ):
             calls.append(pending.popleft())
-        issuer = owner()
-        if issuer is None:
-            return
         try:
             passed, again = issuer.checks(calls)
         except Exception as e:  # noqa: BLE001 - the comparison's collective failed
@@ -343,5 +387,4 @@ def _serve(owner: Callable[[], Optional[Issuer]], q: queue.SimpleQueue) -> None:
                 c.fail(e)
             passed, again = [], []
         pending.extendleft(reversed(again))
-        issuer.issue(passed)
-        del issuer
+        issuer.issue(passed, fuse=digests and issuer.world > 1)

@@ -143,7 +143,22 @@ class Keys:
 
     # --- the calls ----------------------------------------------------------------------
 
+    def direct(self, pair: tuple, flat: Optional[torch.Tensor]) -> bool:
+        """Whether an all-reduce of ``pair`` runs on the engine directly: compressed (its
+        key's warm-up done), on several ranks, flat (not the node hierarchy), not empty."""
+        state = self.state
+        return (
+            self.codec is not None
+            and state.world_size > 1
+            and getattr(state, "node_plan", None) is None
+            and flat is not None
+            and flat.numel() > 0
+            and self.calls.get(pair, 0) >= self.start_iter
+        )
+
     def all_reduce(self, tensor: Any, key: Hashable, op: str, flat: torch.Tensor) -> Issued:
+        if self.direct(("all_reduce", key), flat):
+            return self.run_fused([(tensor, key, op, flat)])[0]
         many = isinstance(tensor, (list, tuple))
         index, compress = self.begin("all_reduce", key)
         if many:  # once the key's last call is done with its flat buffer
@@ -250,24 +265,11 @@ class Keys:
         """``calls`` (compared, in order) cut into runs to issue: consecutive compressed
         all-reduces of a two-phase codec on different keys go as one exchange, every other
         call alone. The ranks compared the calls as one batch, so they cut them alike."""
-        state = self.state
-        fusable = (
-            state.world_size > 1
-            and self.codec is not None
-            and self.codec.two_phase
-            and getattr(state, "node_plan", None) is None
-            and not self.serial
-        )
+        fusable = self.codec is not None and self.codec.two_phase and not self.serial
         runs: list[list] = []
         run: list = []  # the fusable run being built
         for c in calls:
-            ok = (
-                fusable
-                and c.err is None
-                and c.fuse is not None
-                and c.fuse[3].numel() > 0
-                and self.calls.get(c.pair, 0) >= self.start_iter
-            )
+            ok = fusable and c.err is None and c.fuse is not None and self.direct(c.pair, c.fuse[3])
             if ok and run and all(x.pair != c.pair for x in run):
                 run.append(c)
                 continue
@@ -281,9 +283,9 @@ class Keys:
         return runs
 
     def run_fused(self, fuses: Sequence[tuple]) -> list[Issued]:
-        """Compressed all-reduces of different keys (each ``(tensor, key, op, flat)``) as
-        one exchange: each call's step, residual and decode its own, the bits of its
-        exchange alone."""
+        """Compressed all-reduces of different keys (each ``(tensor, key, op, flat)``) on the
+        engine, several of a two-phase codec as one exchange: each call's step, residual and
+        decode its own, the bits of its exchange alone."""
         state, world = self.state, self.state.world_size
         items, meta = [], []
         for tensor, key, op, flat in fuses:
@@ -302,8 +304,13 @@ class Keys:
             items.append((flat, (index, flat.numel(), str(flat.dtype)), state.iter, count))
             meta.append((tensor, op, flat if many else None, sent))
             state.end_step()
+        engine = state.engine
+        if len(items) > 1:
+            futures = engine.all_reduce_many(items)
+        else:
+            futures = [engine.all_reduce(*items[0])]
         out = []
-        for (tensor, op, flat, sent), fut in zip(meta, state.engine.all_reduce_many(items)):
+        for (tensor, op, flat, sent), fut in zip(meta, futures):
             if op == "sum":
                 fut = fut.then(lambda f: f.value().mul_(world))
             out.append(Issued(fut.then(returning(tensor, flat)), tensor, *sent["bytes"]))
