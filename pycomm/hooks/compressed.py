@@ -37,28 +37,16 @@ _RESIDUAL_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16"}
 
 
 class CompressedState(HookState):
-    """State of a compression hook: config, the two process groups, residuals, counters.
+    """State of a compression hook: its options, the engine (codec, residuals, buffers,
+    phase groups), the DDP side (warm-up, bucket layout, node hierarchy, advice), counters.
 
-    Options (all hooks): ``start_iter`` (default 2, onebit 20; >= 2: the first iterations use
-    the exact fp32 all-reduce, because DDP rebuilds its buckets after the first one),
-    ``error_feedback``, ``local_feedback`` (default True, onebit False; two-phase exchange
-    only: False keeps no residual for the encoding of each rank's own gradient in phase 1, only
-    for the re-encoded reduced chunk of phase 2; see docs/choosing-a-hook.md),
-    ``residual_dtype``: ``"float32"`` (default) or ``"bfloat16"``, the error-feedback
-    residuals' storage. bf16 halves their memory (4 bytes a parameter for the local residual
-    and 4/N for the reduced chunk's in fp32) and the memory traffic of encoding; y is still
-    computed in fp32, and each new residual is rounded to bf16 (a relative 2^-9 of the error
-    it carries). ``strict_skip`` (default False): True keeps a second copy of the residuals,
-    False one, updated in place; what each does on a step with a NaN or Inf: docs/failures.md,
-    "A non-finite gradient skips the step everywhere" (:mod:`pycomm.hooks.residuals`).
-
-    ``stats`` adds to :class:`HookState`'s: ``nonfinite_buckets``, ``residual_bytes``,
-    ``rebucketed_steps``, and the codec's own figures over its compressed exchanges alone:
-    ``codec_bytes_sent``, ``codec_bytes_fp32`` (an fp32 ring all-reduce of the same elements
-    across the same ranks) and ``codec_compression``, their ratio. ``compression`` is the
-    running total over every step instead: the exact warm-up before ``start_iter`` counts in
-    it, and under ``hierarchy="node"`` the exact in-node stages too, where
-    ``codec_compression`` counts the cross-node exchange of each shard only.
+    Options (all hooks; docs/reference.md, "The hooks", has what each does): ``start_iter``
+    (default 2, onebit 20; >= 2, DDP rebuilds its buckets after its first iteration),
+    ``error_feedback``, ``local_feedback`` (default True, onebit False), ``residual_dtype``
+    (``"float32"`` or ``"bfloat16"``), ``strict_skip`` (a second copy of the residuals) and
+    ``hierarchy``. ``stats`` adds to :class:`HookState`'s ``nonfinite_buckets``,
+    ``residual_bytes``, ``rebucketed_steps`` and the codec's own ``codec_bytes_sent``,
+    ``codec_bytes_fp32``, ``codec_compression`` (its compressed exchanges alone).
     """
 
     grad_dtypes = _FLOATS  # the engine encodes from fp32, bf16 or fp16 buckets
@@ -84,28 +72,14 @@ class CompressedState(HookState):
         self.start_iter = check_int(
             self.where, "start_iter", options.get("start_iter", self.default_start_iter), 2
         )
-        error_feedback = check_bool(
-            self.where, "error_feedback", options.get("error_feedback", self.default_error_feedback)
-        )
-        local_feedback = check_bool(
-            self.where, "local_feedback", options.get("local_feedback", self.default_local_feedback)
-        )
-        residual_dtype = check_dtype(
-            self.where, "residual_dtype", options.get("residual_dtype", "float32"),
-            tuple(_RESIDUAL_DTYPES),
-        )  # fmt: skip
-        strict_skip = check_bool(self.where, "strict_skip", options.get("strict_skip", False))
+        engine_options = _engine_options(self, options)
         self.iter = 0
         self._fold_next = False  # the next hook call starts a new step: commit the last one
         self._stats.update(nonfinite_buckets=0, residual_bytes=0, rebucketed_steps=0)
         # the exchange (codec, residuals kept per bucket and committed once a step is finite,
         # buffers, phase groups) is the engine's; the hook's own parts: its bucket layout over
         # the bound parameters, the warm-up, the node hierarchy, the optimizer advice
-        self.engine = Engine(
-            self.where, self.make_codec(options), self._stats,
-            error_feedback=error_feedback, local_feedback=local_feedback,
-            residual_dtype=residual_dtype, strict_skip=strict_skip,
-        )  # fmt: skip
+        self.engine = Engine(self.where, self.make_codec(options), self._stats, **engine_options)
         if getattr(self, "_stage", None) is not None:
             self.engine.bind(self._stage, self.exchange_size)
         self.bucket_layout = BucketLayout(self.where, self._stats)
@@ -385,6 +359,27 @@ class CompressedState(HookState):
         self.bucket_layout.load(layout)  # checked before anything changes
         self.iter = int(state["iter"])
         self.store.load(loaded)
+
+
+def _engine_options(state: CompressedState, options: dict[str, Any]) -> dict[str, Any]:
+    """The engine's options of ``state`` from the hook's ``options``, each checked, with the
+    hook's defaults."""
+    where = state.where
+    return {
+        "error_feedback": check_bool(
+            where, "error_feedback", options.get("error_feedback", state.default_error_feedback)
+        ),
+        "local_feedback": check_bool(
+            where, "local_feedback", options.get("local_feedback", state.default_local_feedback)
+        ),
+        "residual_dtype": check_dtype(
+            where,
+            "residual_dtype",
+            options.get("residual_dtype", "float32"),
+            tuple(_RESIDUAL_DTYPES),
+        ),  # fmt: skip
+        "strict_skip": check_bool(where, "strict_skip", options.get("strict_skip", False)),
+    }
 
 
 def _named(value: Any) -> Any:

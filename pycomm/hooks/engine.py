@@ -27,7 +27,7 @@ PowerSGD on gloo).
 
 Residuals: a codec that declares ``keeps_residual_on_nonfinite`` updates each residual in place
 (or, with ``strict_skip``, writes a second copy). Every encode of one without it goes through
-:meth:`Engine.encode`, which gives it the rule: the codec writes its new residual to a scratch
+:meth:`Workspace.encode`, which gives it the rule: the codec writes its new residual to a scratch
 buffer, merged back where it is finite.
 """
 
@@ -95,9 +95,30 @@ class Workspace:
             buf = self.buffers[name] = torch.empty(c, dtype=torch.float32, device=device)
         return buf[:c]
 
+    def encode(
+        self,
+        codec: Codec,
+        x: torch.Tensor,
+        r: Optional[torch.Tensor],
+        scale: float,
+        numel: int,
+        r_out: Optional[torch.Tensor],
+    ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """``codec.encode(x, r, scale, numel, r_out)``. In place (``r`` given, ``r_out``
+        None), a codec that does not declare ``keeps_residual_on_nonfinite`` writes its new
+        residual to a scratch buffer instead, and ``r`` takes it where it is finite and keeps
+        its old value elsewhere: one more pass over ``r``, on the device, no host read."""
+        if r is None or r_out is not None or getattr(codec, "keeps_residual_on_nonfinite", False):
+            return codec.encode(x, r, scale, numel, r_out)
+        with self.lock:
+            new = self.scratch_like(r)
+            encoded = codec.encode(x, r, scale, numel, new)
+            torch.where(torch.isfinite(new), new, r, out=r)
+        return encoded
+
     def scratch_like(self, r: torch.Tensor) -> torch.Tensor:
         """A buffer shaped as the residual ``r`` for a codec's new residual (see
-        :meth:`Engine.encode`). On the CPU one per dtype, the size of the largest encode,
+        :meth:`Workspace.encode`). On the CPU one per dtype, the size of the largest encode,
         written and read under :attr:`lock` (phase 1 runs in the caller's thread, phase 2 in a
         callback's). On an accelerator, where work is only enqueued and phase 2 runs on a
         callback's own stream, a fresh one: the caching allocator hands its memory back in
@@ -215,28 +236,6 @@ class Engine:
         """Keep a decode's [squared norm, non-finite count] for ``step``."""
         self.store.note_decode(st, step)
 
-    def encode(
-        self,
-        x: torch.Tensor,
-        r: Optional[torch.Tensor],
-        scale: float,
-        numel: int,
-        r_out: Optional[torch.Tensor],
-    ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-        """The codec's ``encode(x, r, scale, numel, r_out)``. In place (``r`` given, ``r_out``
-        None), a codec that does not declare ``keeps_residual_on_nonfinite`` writes its new
-        residual to a scratch buffer instead, and ``r`` takes it where it is finite and keeps
-        its old value elsewhere: one more pass over ``r``, on the device, no host read."""
-        codec = self.codec
-        if r is None or r_out is not None or getattr(codec, "keeps_residual_on_nonfinite", False):
-            return codec.encode(x, r, scale, numel, r_out)
-        ws = self.workspace
-        with ws.lock:
-            new = ws.scratch_like(r)
-            encoded = codec.encode(x, r, scale, numel, new)
-            torch.where(torch.isfinite(new), new, r, out=r)
-        return encoded
-
     # --- the collectives ----------------------------------------------------------------
 
     def all_reduce(self, x: torch.Tensor, key: tuple, step: int, count: Count):
@@ -245,11 +244,8 @@ class Engine:
         ``count(bytes_sent, collectives)`` is called once, as it is issued. Returns the
         future of ``x``."""
         if self.codec.two_phase:
-            return self._two_phase(x, key, step, count)
+            return self.all_reduce_many([(x, key, step, count)])[0]
         return self._summed(x, key, step, count)
-
-    def _two_phase(self, x: torch.Tensor, key: tuple, step: int, count: Count):
-        return self.all_reduce_many([(x, key, step, count)])[0]
 
     def all_reduce_many(self, items: list[tuple[torch.Tensor, tuple, int, Count]]) -> list:
         """:meth:`all_reduce` of several tensors of a two-phase codec in one exchange: each
@@ -264,7 +260,7 @@ class Engine:
             c = self.chunk(n)
             self.device = x.device
             r1, r2, r1_out, r2_out = self.residual(key, n)
-            codes, scales = self.encode(x, r1, 1.0 / w, w * c, r1_out)
+            codes, scales = self.workspace.encode(codec, x, r1, 1.0 / w, w * c, r1_out)
             row_bytes = codec.code_bytes(c) + codec.scale_bytes(c)
             parts.append((x, key, step, n, c, r2, r2_out, slice(width, width + row_bytes)))
             # the next item's row starts 16-byte aligned, so its codes and scales are read in
@@ -322,7 +318,8 @@ class Engine:
                     codes1, scales1 = codec.split(recv[:, cols], c)
                     mine = self.workspace.chunk_sum(key, c, x.device)
                     codec.decode_sum(codes1, scales1, 1.0, mine)
-                    codec.pack(*self.encode(mine, r2, 1.0, c, r2_out), 1, out=send[:1, cols])
+                    encoded = self.workspace.encode(codec, mine, r2, 1.0, c, r2_out)
+                    codec.pack(*encoded, 1, out=send[:1, cols])
                 if phases.nccl:
                     row = send[0]
                     work = dist.all_gather_into_tensor(gathered, row, group=g2, async_op=True)
@@ -346,7 +343,7 @@ class Engine:
         self.device = x.device
         numel = summed_numel(codec, n)
         r1, _, r1_out, _ = self.residual(key, n)
-        enc, _ = self.encode(x, r1, 1.0 / w, numel, r1_out)
+        enc, _ = self.workspace.encode(codec, x, r1, 1.0 / w, numel, r1_out)
         nbytes = ring_bytes(codec.code_bytes(numel), w)
         self.count_codec(n, nbytes)
         count(nbytes, 1)
@@ -383,7 +380,7 @@ class Engine:
         self.device = x.device
         # the residual of the padded input: phase 1's alone (r1), the key's whatever its dtype
         r1, _, r1_out, _ = self.residual((index, n * c, PHASE_1), n * c)
-        codes, scales = self.encode(x, r1, scale, n * c, r1_out)
+        codes, scales = self.workspace.encode(codec, x, r1, scale, n * c, r1_out)
         send = codec.pack(codes, scales, n)
         recv = torch.empty_like(send)
         nbytes = (n - 1) * send.shape[1]

@@ -33,7 +33,7 @@ from pycomm.hooks import (
     register_hook,
     unregister_hook,
 )
-from pycomm.hooks.engine import Engine
+from pycomm.hooks.engine import Workspace
 from pycomm.hooks.registry import user_modules
 from pycomm.hooks.state import completed
 
@@ -638,29 +638,28 @@ def test_a_codec_of_the_old_protocol_registers_trains_and_keeps_finite_residuals
 
 
 def test_the_engine_keeps_the_old_residual_for_a_codec_that_does_not_declare_it():
-    """Engine.encode in place (no residual_out): a codec without keeps_residual_on_nonfinite
+    """Workspace.encode in place (no residual_out): a codec without keeps_residual_on_nonfinite
     encodes into a reused scratch buffer, merged where finite; a codec with it is passed
     residual_out=None; and a residual_out given (strict_skip) reaches either codec."""
     x = torch.randn(61, generator=torch.Generator().manual_seed(3))
     x[[2, 33]] = torch.tensor([float("nan"), float("inf")])
     for codec in (OldTernaryCodec(), OldDitherCodec()):
-        engine = Engine("test", codec, {})
+        ws = Workspace()
         old = torch.randn(64, generator=torch.Generator().manual_seed(4)) * 1e-2
         new, r = torch.empty_like(old), old.clone()
         want = codec.pack(*codec.encode(x, old, 0.5, 64, new), 1)
-        assert torch.equal(codec.pack(*engine.encode(x, r, 0.5, 64, None), 1), want)
+        assert torch.equal(codec.pack(*ws.encode(codec, x, r, 0.5, 64, None), 1), want)
         assert new.isfinite().any() and not new.isfinite().all()
         assert torch.equal(r, torch.where(new.isfinite(), new, old))
-        scratch = engine.workspace.scratch[torch.float32]
-        engine.encode(x, r, 0.5, 64, None)
-        assert engine.workspace.scratch[torch.float32] is scratch  # reused, not allocated
+        scratch = ws.scratch[torch.float32]
+        ws.encode(codec, x, r, 0.5, 64, None)
+        assert ws.scratch[torch.float32] is scratch  # reused, not allocated
         out, r = torch.empty_like(old), old.clone()
-        engine.encode(x, r, 0.5, 64, out)  # strict_skip: the codec's own residual_out
+        ws.encode(codec, x, r, 0.5, 64, out)  # strict_skip: the codec's own residual_out
         assert torch.equal(r, old) and torch.allclose(out, new, 0, 0, equal_nan=True)
-    engine = Engine("test", PlainCodec(), {})
-    r = torch.ones(64)
-    engine.encode(x, r, 0.5, 64, None)
-    assert not engine.workspace.scratch and r[2] == 1 and r[0] == 0  # in place, NaN: kept
+    ws, r = Workspace(), torch.ones(64)
+    ws.encode(PlainCodec(), x, r, 0.5, 64, None)
+    assert not ws.scratch and r[2] == 1 and r[0] == 0  # in place, NaN: kept
 
 
 class CountingState(HookState):
