@@ -427,12 +427,18 @@ def load(path: PathLike, ddp: DDP, optimizer: Optional[torch.optim.Optimizer]) -
     return dict(ckpt["extra"])
 
 
+# what a state saved one file per rank has (HookState has them; so do pycomm.LocalSGD and
+# pycomm.DiLoCo): its rank, world size and group, a state_dict and its check
+_RANK_STATE = ("rank", "world_size", "process_group", "state_dict", "load_state_dict",
+               "check_fingerprint")  # fmt: skip
+
+
 def _state_of(where: str, obj: Any) -> HookState:
     state = _hook(obj) if isinstance(obj, DDP) else obj
-    if not isinstance(state, HookState):
+    if not isinstance(state, HookState) and not all(hasattr(state, a) for a in _RANK_STATE):
         raise TypeError(
             f"pycomm.checkpoint.{where}: got a {type(obj).__name__}, expected a DDP model with a "
-            "pycomm hook or a pycomm hook state"
+            "pycomm hook, a pycomm hook state, or a pycomm.LocalSGD or pycomm.DiLoCo"
         )
     return state
 

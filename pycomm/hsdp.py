@@ -32,9 +32,14 @@ from pycomm.exchange import Exchange
 from pycomm.hooks.groups import new_groups
 from pycomm.topology import Topology, topology
 
-__all__ = ["NodeAllReduce", "cross_group", "is_node_group", "node_mesh"]
+__all__ = [
+    "NodeAllReduce", "cross_group", "cross_node_group", "is_node_group", "node_group",
+    "node_mesh",
+]  # fmt: skip
 
 _WHERE = "pycomm.fsdp.node_mesh"
+# the default group -> (it, the topology read, this rank's node group): made once per topology
+_NODE: dict[int, tuple[dist.ProcessGroup, Any, dist.ProcessGroup]] = {}
 # shard group -> (the group, the cross group of this rank): created once, collectively
 _CROSS: dict[int, tuple[dist.ProcessGroup, dist.ProcessGroup]] = {}
 # the groups node_mesh() made (held, so that their ids are not reused)
@@ -47,30 +52,31 @@ def _new_group(parts: list[list[int]]) -> dist.ProcessGroup:
     return new_groups(dist.group.WORLD, parts, count=1)[0]
 
 
-def node_mesh(device_type: Optional[str] = None) -> DeviceMesh:
-    """This rank's node as a 1-D ``DeviceMesh``, from :func:`pycomm.topology` (torchrun's,
-    SLURM's variables or ``pycomm.init(nodes=...)``): shard a model on it with
-    ``fully_shard(module, mesh=node_mesh())`` and :func:`pycomm.fsdp.compress` all-reduces each
-    shard's gradient across the nodes. Collective: every rank calls it.
-
-    Args:
-        device_type: the mesh's device type (default ``"cuda"`` under NCCL, else ``"cpu"``).
+def node_group() -> dist.ProcessGroup:
+    """This rank's node as a process group, from :func:`pycomm.topology` (torchrun's, SLURM's
+    variables or ``pycomm.init(nodes=...)``): the inner group of a run across nodes (DDP or
+    FSDP2 inside the node). Collective over the default group the first time (every rank
+    calls it); the same group afterwards.
 
     Raises:
         ValueError on every rank: a topology that cannot be read, or nodes with different
-        numbers of ranks (each shard needs its replica on every node).
+        numbers of ranks.
 
     Example:
-        >>> mesh = pycomm.fsdp.node_mesh()
-        >>> fully_shard(model, mesh=mesh)
+        >>> ddp = pycomm.wrap(model, process_group=pycomm.node_group())
+        >>> outer = pycomm.LocalSGD(ddp, sync_every=50, process_group=pycomm.cross_node_group())
     """
     if not (dist.is_available() and dist.is_initialized()):
         raise RuntimeError(f"{_WHERE}: no process group; call pycomm.init() first")
+    world = dist.group.WORLD
     mine: Any
     try:
         mine = topology()
     except ValueError as e:  # named on every rank, after the gather
         mine = str(e)
+    cached = _NODE.get(id(world))
+    if cached is not None and cached[0] is world and cached[1] == mine:
+        return cached[2]
     everyone = all_gather_objects(mine, None, _WHERE)
     bad = next((t for t in everyone if not isinstance(t, Topology)), None)
     if bad is not None:
@@ -85,10 +91,43 @@ def node_mesh(device_type: Optional[str] = None) -> DeviceMesh:
             f"{_WHERE}: nodes of {shape} ranks (from {everyone[0].source}); expected the same "
             "number of ranks on every node (each shard is replicated once per node)"
         )
-    if device_type is None:
-        device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
     group = _new_group([sorted(nodes[n]) for n in sorted(nodes)])
     _NODE_GROUPS[id(group)] = group
+    _NODE[id(world)] = (world, mine, group)
+    return group
+
+
+def cross_node_group() -> dist.ProcessGroup:
+    """The ranks at this rank's place on every node, one per node (:func:`node_group`'s
+    ranks split across the nodes): the outer group of a run across nodes, over which
+    ``pycomm.LocalSGD``, ``pycomm.DiLoCo`` or an HSDP all-reduce sync. Collective over the
+    default group the first time.
+
+    Example:
+        >>> pycomm.cross_node_group()  # ranks 0 and 2 of 2 nodes of 2 ranks, on rank 0
+    """
+    return cross_group(node_group())
+
+
+def node_mesh(device_type: Optional[str] = None) -> DeviceMesh:
+    """This rank's node as a 1-D ``DeviceMesh`` (over :func:`node_group`): shard a model on it
+    with ``fully_shard(module, mesh=node_mesh())`` and :func:`pycomm.fsdp.compress`
+    all-reduces each shard's gradient across the nodes. Collective: every rank calls it.
+
+    Args:
+        device_type: the mesh's device type (default ``"cuda"`` under NCCL, else ``"cpu"``).
+
+    Raises:
+        ValueError on every rank: a topology that cannot be read, or nodes with different
+        numbers of ranks (each shard needs its replica on every node).
+
+    Example:
+        >>> mesh = pycomm.fsdp.node_mesh()
+        >>> fully_shard(model, mesh=mesh)
+    """
+    group = node_group()
+    if device_type is None:
+        device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
     return DeviceMesh.from_group(group, device_type)
 
 
