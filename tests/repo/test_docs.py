@@ -44,6 +44,7 @@ MUST_HAVE_CODE = {
     "docs/launch.md",
     "docs/nodes.md",
     "docs/reference.md",
+    "docs/slow-links.md",
 }
 
 
