@@ -127,7 +127,8 @@ class DiLoCo:
         self.offsets = [((f + 1) * h // fragments) % h for f in range(fragments)]
         self.step_count = 0
         self.pending: dict[int, tuple[int, Work, list[torch.Tensor]]] = {}  # f -> (due, ...)
-        self._stats = {"syncs": 0, "skipped": 0, "bytes_sent": 0, "bytes_fp32": 0}
+        self._stats = {"syncs": 0, "skipped": 0, "bytes_sent": 0, "bytes_fp32": 0,
+                       "peak_sync_bytes": 0}  # fmt: skip
         self._numel = sum(p.numel() for p in params)
 
     @staticmethod
@@ -227,6 +228,7 @@ class DiLoCo:
         s = self._stats
         s["bytes_sent"] += work.bytes_sent
         s["bytes_fp32"] += work.bytes_fp32
+        s["peak_sync_bytes"] = max(s["peak_sync_bytes"], work.bytes_sent)
         idx = self.fragments[f]
         with torch.no_grad():
             finite = bool(torch.stack([torch.isfinite(g).all() for g in pseudo]).all())
@@ -247,9 +249,10 @@ class DiLoCo:
     @property
     def stats(self) -> dict[str, Any]:
         """``syncs`` (fragment syncs applied), ``skipped`` (non-finite pseudo-gradients, on
-        every rank), ``bytes_sent`` (this rank's), ``bytes_fp32`` (the fp32 all-reduces of
-        the same syncs), ``bytes_ddp`` (what DDP's fp32 all-reduce of the gradients sends
-        over the same steps) and ``compression_vs_ddp``."""
+        every rank), ``bytes_sent`` (this rank's), ``peak_sync_bytes`` (the most one sync
+        sent), ``bytes_fp32`` (the fp32 all-reduces of the same syncs), ``bytes_ddp`` (what
+        DDP's fp32 all-reduce of the gradients sends over the same steps) and
+        ``compression_vs_ddp``."""
         s = dict(self._stats)
         s["bytes_ddp"] = self.step_count * ring_bytes(self._numel * 4, self._ddp_world)
         s["compression_vs_ddp"] = s["bytes_ddp"] / max(s["bytes_sent"], 1)

@@ -465,6 +465,10 @@ def main(argv: Optional[list[str]] = None) -> int:
         from pycomm.bench import fsdp
 
         return fsdp.main([a for a in argv if a != "--fsdp"])
+    if "--local-sgd" in argv:  # the outer loops: a benchmark of their own, with their own flags
+        from pycomm.bench import local_sgd
+
+        return local_sgd.main([a for a in argv if a != "--local-sgd"])
     ap = _parser()
     args = ap.parse_args(argv)
     try:

@@ -717,3 +717,20 @@ def test_measure_decides_from_the_failed_launches(monkeypatch):
     int8 = result["hooks"]["int8"]
     assert int8["status"] == "failed" and int8["alone"]["status"] == "ok", int8
     assert result["hooks"]["ddp"]["measured"] == "interleaved"
+
+
+@pytest.mark.skipif(link.cannot_shape() is not None, reason=f"cannot shape: {link.cannot_shape()}")
+def test_local_sgd_bench_measures_each_variant(tmp_path):
+    """python -m pycomm.bench --local-sgd on a shaped link: every variant's step time and
+    bytes, the outer loop's far fewer than DDP's."""
+    out = tmp_path / "local_sgd.json"
+    cmd = [sys.executable, "-m", "pycomm.bench", "--local-sgd", "--link", "1gbit",
+           "--variants", "compute,ddp,localsgd-H10-F1-d1,diloco-H10-F4-d0", "--block", "50",
+           "--rounds", "1", "--width", "32", "--layers", "1", "--batch", "8",
+           "--json", str(out)]  # fmt: skip
+    subprocess.run(cmd, check=True, timeout=240, capture_output=True)
+    rows = json.loads(out.read_text())["rows"]
+    assert set(rows) == {"compute", "ddp", "localsgd-H10-F1-d1", "diloco-H10-F4-d0"}
+    assert rows["compute"]["bytes_per_step"] == 0
+    assert rows["ddp"]["bytes_per_step"] > 5 * rows["localsgd-H10-F1-d1"]["bytes_per_step"] > 0
+    assert all(r["step_ms"] > 0 for r in rows.values())

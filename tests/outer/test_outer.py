@@ -96,6 +96,7 @@ def test_local_sgd_averages_and_trains_with_fragments_and_delay():
         assert s["syncs"] == 2 * 64 // 8 + 2 and s["skipped"] == 0  # and sync()'s two
         assert s["bytes_ddp"] > 20 * s["bytes_sent"] > 0
         assert s["bytes_fp32"] > 4 * s["bytes_sent"]
+        assert 0 < s["peak_sync_bytes"] < 0.8 * s["bytes_sent"] / (s["syncs"] / 2)  # one of 2
 
 
 def _run(steps, load=None, save=None, folder=None):
