@@ -726,7 +726,7 @@ def test_local_sgd_bench_measures_each_variant(tmp_path):
     out = tmp_path / "local_sgd.json"
     cmd = [sys.executable, "-m", "pycomm.bench", "--local-sgd", "--link", "1gbit",
            "--variants", "compute,ddp,localsgd-H10-F1-d1,diloco-H10-F4-d0", "--block", "50",
-           "--rounds", "1", "--width", "32", "--layers", "1", "--batch", "8",
+           "--rounds", "1", "--width", "32", "--layers", "2", "--batch", "8",
            "--json", str(out)]  # fmt: skip
     subprocess.run(cmd, check=True, timeout=240, capture_output=True)
     rows = json.loads(out.read_text())["rows"]
