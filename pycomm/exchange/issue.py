@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import collections
 import hashlib
+import os
 import queue
 import threading
 import time
@@ -196,6 +197,7 @@ class Issuer:
         self.device = torch.device("cuda", torch.cuda.current_device()) if nccl else "cpu"
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._thread: Optional[threading.Thread] = None
+        self._pid = os.getpid()
 
     @classmethod
     def of(cls, parent: Any) -> Issuer:
@@ -255,6 +257,8 @@ class Issuer:
         return item.work
 
     def _put(self, item: Any) -> None:
+        if self._pid != os.getpid():  # a forked child: the parent's thread is not here
+            self._queue, self._thread, self._pid = queue.SimpleQueue(), None, os.getpid()
         if self._thread is None:
             self._thread = threading.Thread(
                 target=_serve, args=(self, self._queue), name="pycomm-exchange", daemon=True
@@ -264,7 +268,7 @@ class Issuer:
 
     def drain(self) -> None:
         """Wait until every queued call is issued (or failed)."""
-        if self._thread is not None:
+        if self._thread is not None and self._pid == os.getpid():
             done = threading.Event()
             self._queue.put(done)
             done.wait()
