@@ -226,3 +226,35 @@ def test_two_nodes_ddp_inside_local_sgd_across():
     assert [o[0] for o in out] == [([0, 1], [0, 2]), ([0, 1], [1, 3]),
                                    ([2, 3], [0, 2]), ([2, 3], [1, 3])]  # fmt: skip
     assert all(o[1] and o[2] for o in out)
+
+
+def _rank_fsdp_inside():
+    """FSDP2 inside each node, LocalSGD across the nodes on each rank's local shards."""
+    from torch.distributed.fsdp import fully_shard
+
+    from pycomm.fsdp import node_mesh
+
+    set_nodes(2)
+    try:
+        rank = dist.get_rank()
+        model = _model(0, 32)
+        mesh = node_mesh()
+        for layer in model:
+            if any(True for _ in layer.parameters()):
+                fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        opt = torch.optim.SGD(model.parameters(), lr=0.05)
+        outer = pycomm.LocalSGD(model, sync_every=4, process_group=pycomm.cross_node_group())
+        g = torch.Generator().manual_seed(rank // 2)
+        losses = []
+        _train(model, opt, outer, g, 16, losses)
+        outer.sync()
+        shard = torch.cat([p.to_local().detach().reshape(-1) for p in model.parameters()])
+        # each shard the same on the 2 nodes: the cross-node group's ranks hold the same one
+        return _same_everywhere(shard, pycomm.cross_node_group()), outer.stats["syncs"]
+    finally:
+        set_nodes(None)
+
+
+def test_fsdp2_inside_the_node_local_sgd_across():
+    assert run_ranks(_rank_fsdp_inside, 4, timeout=90) == [(True, 5)] * 4
