@@ -203,6 +203,30 @@ class DiLoCo:
                 if self.delay == 0:
                     self._apply(f)
 
+    def hook(self, optimizer: torch.optim.Optimizer) -> Any:
+        """Call :meth:`step` after each ``optimizer.step()`` (a step post-hook of the inner
+        optimizer), instead of calling it yourself; returns the handle (``.remove()``).
+
+        Example:
+            >>> with pycomm.LocalSGD(model, sync_every=50) as outer:
+            ...     outer.hook(opt)
+            ...     train(model, opt)  # every opt.step() counts; the exit syncs
+        """
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(
+                f"{self.where}.hook: optimizer is a {type(optimizer).__name__}, expected a "
+                "torch.optim.Optimizer"
+            )
+        return optimizer.register_step_post_hook(lambda *_: self.step())
+
+    def __enter__(self) -> DiLoCo:
+        return self
+
+    def __exit__(self, kind: Any, value: Any, tb: Any) -> None:
+        """Leaving the ``with`` block syncs every fragment (not when it raised)."""
+        if kind is None:
+            self.sync()
+
     def sync(self) -> None:
         """Sync every fragment now (those in flight land first): afterwards every rank holds
         the same bits in every parameter. Before an evaluation, a save, or at the end."""

@@ -77,6 +77,24 @@ def _rank_average_and_training():
     out["falls"] = sum(losses[-8:]) < 0.3 * sum(losses[:8])
     out["synced"] = _same_everywhere(_flat(model))
     out["stats"] = outer.stats
+    # the context manager and the optimizer's hook: the same bits as calling step()
+    runs = []
+    for hooked in (False, True):
+        model = _model(0, 64)
+        opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+        g.manual_seed(rank)
+        with pycomm.LocalSGD(model, sync_every=4, fragments=2, delay=1) as outer:
+            if hooked:
+                outer.hook(opt)
+            for _ in range(10):
+                x, y = _batch(g)
+                opt.zero_grad()
+                torch.nn.functional.mse_loss(model(x), y).backward()
+                opt.step()
+                if not hooked:
+                    outer.step()
+        runs.append(_flat(model))
+    out["hooked"] = torch.equal(*runs) and _same_everywhere(runs[1])
     # DiLoCo with its default outer Nesterov step also trains
     model = _model(0, 64)
     opt = torch.optim.AdamW(model.parameters(), lr=0.01)
@@ -91,7 +109,7 @@ def test_local_sgd_averages_and_trains_with_fragments_and_delay():
     for out in run_ranks(_rank_average_and_training, 2, timeout=90):
         assert out["broadcast"] and out["equal"] and out["synced"]
         assert out["mean"] < 1e-6
-        assert out["falls"] and out["diloco falls"]
+        assert out["falls"] and out["diloco falls"] and out["hooked"]
         s = out["stats"]
         assert s["syncs"] == 2 * 64 // 8 + 2 and s["skipped"] == 0  # and sync()'s two
         assert s["bytes_ddp"] > 20 * s["bytes_sent"] > 0
