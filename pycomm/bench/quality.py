@@ -257,6 +257,10 @@ def plot(records: list[dict[str, Any]], path: str) -> None:
 
 def main(argv: Optional[list[str]] = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    if "--local-sgd" in argv:  # the outer loops against DDP: a run of its own, its own flags
+        from pycomm.bench import quality_local_sgd
+
+        return quality_local_sgd.main([a for a in argv if a != "--local-sgd"])
     ap = _parser()
     args = ap.parse_args(argv)
     if args.list_tasks:

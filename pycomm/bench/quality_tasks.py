@@ -315,7 +315,7 @@ def _curve(losses: list[float], points: int = 40) -> list[float]:
     ]
 
 
-def _batches(task: Task, data, length: int, seed: int):
+def batches(task: Task, data, length: int, seed: int):
     """The rank's micro-batches: digits, ``length`` epochs, a reshuffle of its shard each;
     charlm, ``length`` batches of random windows of the training text. The same for every
     hook; every rank the same count."""
@@ -338,7 +338,7 @@ def _batches(task: Task, data, length: int, seed: int):
         yield seq[:, :-1], seq[:, 1:]
 
 
-def _loss(task: Task, model, batch) -> torch.Tensor:
+def loss_of(task: Task, model, batch) -> torch.Tensor:
     x, y = batch
     out = model(x)
     return F.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1))
@@ -355,7 +355,7 @@ def evaluate(task: Task, model: torch.nn.Module, data) -> float:
         held = data[1]
         starts = torch.linspace(0, len(held) - task.seq_len - 2, 64).long()
         seq = held[starts[:, None] + torch.arange(task.seq_len + 1)]
-        return _loss(task, model, (seq[:, :-1], seq[:, 1:])).item()
+        return loss_of(task, model, (seq[:, :-1], seq[:, 1:])).item()
     finally:
         model.train()
 
@@ -379,8 +379,8 @@ def _train_fsdp(task, data, vocab, hook, optimizer, seed, steps, progress, label
         comm = pycomm.fsdp.compress(model, hook=name, hook_options=options, all_gather=gather)
     opt = make_optimizer(optimizer, model.parameters(), task.lr)
     losses = []
-    for batch in _batches(task, data, steps, seed):
-        loss = _loss(task, model, batch)
+    for batch in batches(task, data, steps, seed):
+        loss = loss_of(task, model, batch)
         loss.backward()
         if task.max_grad_norm is not None:
             torch.nn.utils.clip_grad_norm_(model.parameters(), task.max_grad_norm)
@@ -416,8 +416,8 @@ def _train_one(task, data, vocab, hook, optimizer, seed, steps, progress, label)
         warnings.simplefilter("always")
         loop = pycomm.TrainLoop(ddp, opt, max_grad_norm=task.max_grad_norm)
     losses = []
-    for batch in _batches(task, data, steps, seed):
-        losses.append(loop.step(lambda b=batch: _loss(task, ddp, b)).item())
+    for batch in batches(task, data, steps, seed):
+        losses.append(loop.step(lambda b=batch: loss_of(task, ddp, b)).item())
         progress.update(label)
     value = evaluate(task, model, data)
     stats = pycomm.hook_state(ddp).stats

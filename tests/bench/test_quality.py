@@ -166,3 +166,18 @@ def test_nodes_need_fsdp_and_a_divisor_of_the_ranks(args, message, capsys):
         quality.main(args)
     assert info.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def test_local_sgd_quality_compares_each_variant_with_ddp():
+    """The outer loops' run: every variant's held-out loss after its sync, the same on every
+    rank, and its difference from DDP's (and, for int4, from the exact run) computed from them."""
+    from pycomm.bench import quality_local_sgd as q
+
+    names = ["ddp", "localsgd-H50", "localsgd-H50-exact", "diloco-H50"]
+    a, b = run_ranks(q.run_rank, 2, names, [0], 24, 4, timeout=120)
+    assert a == b  # synced: every rank evaluates the same parameters
+    rows = q.rows_of(a)
+    assert rows["ddp"]["vs_ddp"] == 0
+    assert rows["localsgd-H50"]["vs_exact"] == a["localsgd-H50"][0] / a["localsgd-H50-exact"][0] - 1
+    assert all(0 < r["loss"][0] < 10 for r in rows.values())
+    assert a["localsgd-H50"] != a["ddp"]  # the outer loop trained otherwise than DDP
