@@ -37,14 +37,12 @@ import contextlib
 import json
 import os
 import platform
-import subprocess
 import sys
 import time
 from typing import Any, Optional
 
 import torch
 
-import pycomm
 from pycomm.bench import link as _link
 from pycomm.bench.args import (
     RANK_RUNTIME_BYTES,
@@ -74,7 +72,7 @@ from pycomm.bench.session import measure
 from pycomm.hooks.registry import import_modules, user_modules
 from pycomm.hooks.state import ring_bytes
 
-_NETNS_FLAG = "--_in-netns"
+_NETNS_FLAG = _link.NETNS_FLAG
 
 # Flags of one model only: given with the other one, they are an error (not silently ignored).
 _MLP_FLAGS = {"width": "--width"}
@@ -665,13 +663,7 @@ def _document(
 def _in_namespace(argv: list[str]) -> int:
     """Re-run this benchmark, with the same flags, in a private network namespace; its exit
     status."""
-    env = dict(os.environ)
-    root = os.path.dirname(os.path.dirname(os.path.abspath(pycomm.__file__)))
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
-    # The namespace has no DNS: c10d warns on every connection that it cannot name the peer.
-    env.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
-    cmd = ["unshare", "-n", "--", sys.executable, "-m", "pycomm.bench", *argv, _NETNS_FLAG]
-    return subprocess.call(cmd, env=env)
+    return _link.rerun_in_netns(argv)
 
 
 if __name__ == "__main__":

@@ -23,9 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
 import sys
 import time
 from typing import Any, Optional
@@ -51,7 +49,7 @@ from pycomm.bench.nodes import Nodes, uplink
 NATIVE = "fsdp"  # FSDP2's own reduce-scatter
 NATIVE_HSDP = "hsdp"  # FSDP2's own HSDP (a 2-D mesh), with --nodes
 NO_RS = "no-rs"  # no reduce-scatter at all (NoReduceScatter): the rest of a step's bytes
-_NETNS_FLAG = "--_in-netns"
+_NETNS_FLAG = _link.NETNS_FLAG
 
 
 def shard(model: torch.nn.Module, mesh: Any = None) -> torch.nn.Module:
@@ -349,13 +347,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             reason = _link.cannot_shape() or _link.probe(total)
             if reason:
                 ap.error(f"--link {args.link}: {reason}")
-            env = dict(os.environ)
-            root = os.path.dirname(os.path.dirname(os.path.abspath(pycomm.__file__)))
-            env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
-            env.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
-            cmd = ["unshare", "-n", "--", sys.executable, "-m", "pycomm.bench", "--fsdp",
-                   *argv, _NETNS_FLAG]  # fmt: skip
-            return subprocess.call(cmd, env=env)
+            return _link.rerun_in_netns(["--fsdp", *argv])
         if args.nodes == 1:
             link["qdisc"] = _link.shape_loopback(total)
         link["shaped"] = True

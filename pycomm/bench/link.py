@@ -16,6 +16,7 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 from typing import Optional
 
 # tc's rate units (iproute2 tc_util.c, matched case-insensitively); a bare number is bit/s.
@@ -169,3 +170,18 @@ def tx_bytes(dev: str) -> int:
     except (OSError, ValueError, IndexError):
         pass
     return -1
+
+
+NETNS_FLAG = "--_in-netns"
+
+
+def rerun_in_netns(argv: list[str]) -> int:
+    """Re-run ``python -m pycomm.bench *argv`` in a private network namespace (``unshare -n``),
+    with :data:`NETNS_FLAG` added; its exit status. The namespace has no DNS: c10d would warn
+    on every connection that it cannot name the peer, so its C++ log is kept to errors."""
+    env = dict(os.environ)
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
+    env.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
+    cmd = ["unshare", "-n", "--", sys.executable, "-m", "pycomm.bench", *argv, NETNS_FLAG]
+    return subprocess.call(cmd, env=env)

@@ -18,7 +18,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 from typing import Any, Optional
@@ -29,7 +28,7 @@ import torch.distributed as dist
 import pycomm
 from pycomm.bench import link as _link
 
-_NETNS_FLAG = "--_in-netns"
+_NETNS_FLAG = _link.NETNS_FLAG
 COMPUTE, DDP, DDP_INT4 = "compute", "ddp", "ddp-int4"
 
 
@@ -156,18 +155,16 @@ def main(argv: Optional[list[str]] = None) -> int:
             with open(args.json, "w") as f:
                 json.dump(docs, f, indent=1)
         return 0
-    bits = _link.parse_rate(args.link)
+    try:
+        bits = _link.parse_rate(args.link)
+    except ValueError as e:
+        ap.error(f"--link {args.link}: {e}")
     total = bits * args.nprocs
     if not args._in_netns:
         reason = _link.cannot_shape() or _link.probe(total)
         if reason:
             ap.error(f"--link {args.link}: {reason}")
-        env = dict(os.environ)
-        root = os.path.dirname(os.path.dirname(os.path.abspath(pycomm.__file__)))
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
-        cmd = ["unshare", "-n", "--", sys.executable, "-m", "pycomm.bench", "--local-sgd",
-               *argv, _NETNS_FLAG]  # fmt: skip
-        return subprocess.call(cmd, env=env)
+        return _link.rerun_in_netns(["--local-sgd", *argv])
     _link.shape_loopback(total)
     params = sum(p.numel() for p in _model(args.width, args.layers).parameters())
     print(f"pycomm.bench --local-sgd: MLP {args.layers}x{args.width} ({params / 1e6:.2f}M "
