@@ -188,6 +188,10 @@ def _worker(
         fn, args, setup = pickle.loads(job) if isinstance(job, bytes) else job
         if setup is not None:
             setup(rank)
+        # A rank forked from the forkserver rounds its first multi-threaded matmul differently
+        # now and then (about 3 in 100 ranks: the thread pool starts inside that call), so two
+        # identical models in one rank disagreed at the first step. One small matmul first.
+        torch.mm(torch.ones(64, 64), torch.ones(64, 64))
         # backend is already resolved ('tcp' -> 'gloo'): launch() warned once, in the parent.
         init(backend, timeout=timeout)
         result = fn(*args)
