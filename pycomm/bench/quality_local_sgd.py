@@ -10,6 +10,12 @@ with DDP's of the same seed, and each int4 variant with the same run synced exac
 
     python -m pycomm.bench.quality --local-sgd                       # 2 ranks, 2 seeds
     python -m pycomm.bench.quality --local-sgd --nprocs 4 --json out.json
+    python -m pycomm.bench.quality --local-sgd --nprocs 4 --nodes 2  # DDP inside each node
+
+With ``--nodes M`` the ranks are M nodes (``pycomm.init(nodes=M)``): each variant trains DDP
+over its node's ranks (``pycomm.node_group()``) and syncs the outer loop across the nodes
+(``pycomm.cross_node_group()``), the run across slow links of docs/slow-links.md; DDP, the
+baseline, trains over every rank.
 """
 
 from __future__ import annotations
@@ -38,9 +44,15 @@ VARIANTS: dict[str, Optional[tuple]] = {
 }
 
 
-def run_rank(names: list[str], seeds: list[int], steps: int, warmup: int) -> dict:
+def run_rank(
+    names: list[str], seeds: list[int], steps: int, warmup: int, nodes: int = 1
+) -> dict:
     """Each variant's held-out loss per seed (the same on every rank)."""
     torch.set_num_threads(1)
+    inner = cross = None
+    if nodes > 1:
+        pycomm.init(nodes=nodes)
+        inner, cross = pycomm.node_group(), pycomm.cross_node_group()
     task = dataclasses.replace(TASKS["charlm"], steps=steps)
     train, held, vocab = docs_text()
     data = (train, held)
@@ -50,16 +62,23 @@ def run_rank(names: list[str], seeds: list[int], steps: int, warmup: int) -> dic
             torch.manual_seed(seed)
             model = build_model(task, vocab)
             v = VARIANTS[name]
-            net = pycomm.wrap(model, hook="allreduce") if v is None else model
+            net: Any = model
+            if v is None:
+                net = pycomm.wrap(model, hook="allreduce")
+            elif inner is not None:
+                net = pycomm.wrap(model, hook="allreduce", process_group=inner)
             opt = torch.optim.AdamW(net.parameters(), lr=task.lr["adamw"], weight_decay=0.01)
             outer: Any = _NoOuter()
             if v is not None:  # the warm start: the parameters averaged exactly every step
-                outer = pycomm.LocalSGD(model, sync_every=1, codec="allreduce")
+                outer = pycomm.LocalSGD(
+                    model, sync_every=1, codec="allreduce", process_group=cross
+                )
             for step, batch in enumerate(batches(task, data, steps, seed)):
                 if v is not None and step == warmup:  # the warm start ends: the variant's
                     kind, h, f, d, codec = v
                     cls = pycomm.LocalSGD if kind == "LocalSGD" else pycomm.DiLoCo
-                    outer = cls(model, sync_every=h, codec=codec, fragments=f, delay=d)
+                    outer = cls(model, sync_every=h, codec=codec, fragments=f, delay=d,
+                                process_group=cross)  # fmt: skip
                 opt.zero_grad()
                 loss_of(task, net, batch).backward()
                 torch.nn.utils.clip_grad_norm_(net.parameters(), 1.0)
@@ -90,6 +109,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--nprocs", type=int, default=2)
     ap.add_argument("--steps", type=int, default=2000, help="optimizer steps in all")
     ap.add_argument("--warmup", type=int, default=200, help="steps averaged every step first")
+    ap.add_argument("--nodes", type=int, default=1,
+                    help="nodes of --nprocs/--nodes ranks: DDP inside, the outer loop across")
     ap.add_argument("--seeds", default="0,1")
     ap.add_argument("--variants", default=",".join(VARIANTS))
     ap.add_argument("--json", default=None)
@@ -100,11 +121,14 @@ def main(argv: Optional[list[str]] = None) -> int:
         ap.error(f"--variants {args.variants}: expected ddp and some of {', '.join(VARIANTS)}")
     if not 0 <= args.warmup < args.steps:
         ap.error(f"--warmup {args.warmup}: expected 0 <= warmup < --steps {args.steps}")
+    if args.nodes < 1 or args.nprocs % args.nodes:
+        ap.error(f"--nodes {args.nodes}: expected a divisor of --nprocs {args.nprocs}")
     seeds = [int(s) for s in args.seeds.split(",")]
     res = pycomm.launch(run_rank, args.nprocs, names, seeds, args.steps, args.warmup,
-                        timeout=7200)[0]  # fmt: skip
+                        args.nodes, timeout=7200)[0]  # fmt: skip
     rows = rows_of(res)
-    print(f"charlm, {args.nprocs} ranks, {args.steps} steps ({args.warmup} averaged every step "
+    where = f" as {args.nodes} nodes (DDP inside)" if args.nodes > 1 else ""
+    print(f"charlm, {args.nprocs} ranks{where}, {args.steps} steps ({args.warmup} averaged every step "
           f"first), AdamW 3e-3, seeds {args.seeds}: held-out loss (nats/char)")  # fmt: skip
     print(f"{'variant':<22}{'loss per seed':>22}{'vs ddp':>10}{'vs exact':>10}")
     for n, r in rows.items():
