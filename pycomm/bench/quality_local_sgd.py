@@ -128,8 +128,9 @@ def main(argv: Optional[list[str]] = None) -> int:
                         args.nodes, timeout=7200)[0]  # fmt: skip
     rows = rows_of(res)
     where = f" as {args.nodes} nodes (DDP inside)" if args.nodes > 1 else ""
-    print(f"charlm, {args.nprocs} ranks{where}, {args.steps} steps ({args.warmup} averaged every step "
-          f"first), AdamW 3e-3, seeds {args.seeds}: held-out loss (nats/char)")  # fmt: skip
+    print(f"charlm, {args.nprocs} ranks{where}, {args.steps} steps ({args.warmup} averaged "
+          f"every step first), AdamW 3e-3, seeds {args.seeds}: held-out loss "
+          "(nats/char)")  # fmt: skip
     print(f"{'variant':<22}{'loss per seed':>22}{'vs ddp':>10}{'vs exact':>10}")
     for n, r in rows.items():
         each = " / ".join(f"{x:.4f}" for x in r["loss"])
