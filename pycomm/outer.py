@@ -92,7 +92,7 @@ class DiLoCo:
             raise RuntimeError(f"{self.where}: no process group; call pycomm.init() first")
         fields: dict[str, Any] = error_field(None)
         try:
-            params = self._check(model, sync_every, fragments, delay, process_group)
+            params = _params_of(self.where, model, sync_every, fragments, delay, process_group)
             outer_optimizer = outer_optimizer or self._default_outer
             if not callable(outer_optimizer):
                 raise TypeError(
@@ -119,7 +119,7 @@ class DiLoCo:
             for p in params:
                 dist.broadcast(p.data, src=src, group=process_group)
         self.outer = [torch.nn.Parameter(p.detach().clone()) for p in params]
-        self.optimizer = self._outer_optimizer(outer_optimizer)
+        self.optimizer = _outer_optimizer(self.where, outer_optimizer, self.outer)
         self.exchange = Exchange(codec, process_group, **(hook_options or {}))
         self.fragments = _split(list(range(len(params))), params, fragments)
         h = sync_every
@@ -134,58 +134,6 @@ class DiLoCo:
     @staticmethod
     def _default_outer(params: list) -> torch.optim.Optimizer:
         return _nesterov(params)
-
-    def _check(self, model: Any, h: Any, fragments: Any, delay: Any, group: Any) -> list:
-        """The parameters to sync, once the arguments are checked on this rank."""
-        where = self.where
-        if not isinstance(model, torch.nn.Module):
-            raise TypeError(f"{where}: model is a {type(model).__name__}, expected an nn.Module")
-        inner = model
-        if isinstance(model, torch.nn.parallel.DistributedDataParallel):
-            mine = dist.get_process_group_ranks(model.process_group)
-            outer = dist.get_process_group_ranks(group or dist.group.WORLD)
-            if len(set(mine) & set(outer)) > 1:
-                raise ValueError(
-                    f"{where}: the inner model is DDP over ranks {mine} and the outer sync over "
-                    f"ranks {outer}: they share ranks, so every step already averages what the "
-                    "outer sync would; expected DDP inside the node (pycomm.node_group()) and "
-                    "process_group=pycomm.cross_node_group(), or no DDP"
-                )
-            inner = model.module
-        check_int(where, "sync_every", h, 1)
-        check_int(where, "fragments", fragments, 1)
-        check_int(where, "delay", delay, 0)
-        params = [_local(p) for p in inner.parameters() if p.requires_grad]
-        if not params:
-            raise ValueError(f"{where}: the model has no trainable parameters")
-        if fragments > len(params) or fragments > h:
-            raise ValueError(
-                f"{where}: fragments={fragments}, expected at most the model's "
-                f"{len(params)} parameter tensors and sync_every={h} (a fragment syncs every "
-                "sync_every steps, H // F apart)"
-            )
-        if delay and delay >= h // fragments:
-            raise ValueError(
-                f"{where}: delay={delay}, expected 0 <= delay < sync_every // fragments = "
-                f"{h // fragments} (a fragment's sync lands before the next fragment's starts)"
-            )
-        return params
-
-    def _outer_optimizer(self, factory: Callable) -> torch.optim.Optimizer:
-        opt = factory(self.outer)
-        if not isinstance(opt, torch.optim.Optimizer):
-            raise TypeError(
-                f"{self.where}: outer_optimizer returned a {type(opt).__name__}, expected a "
-                "torch.optim.Optimizer"
-            )
-        given = [p for g in opt.param_groups for p in g["params"]]
-        if len(given) != len(self.outer) or any(a is not b for a, b in zip(given, self.outer)):
-            raise ValueError(
-                f"{self.where}: outer_optimizer built an optimizer over {len(given)} tensors "
-                f"that are not the {len(self.outer)} it was given; expected one over exactly "
-                "its params argument (the outer copy), in order"
-            )
-        return opt
 
     # --- the loop -----------------------------------------------------------------------
 
@@ -386,6 +334,60 @@ class LocalSGD(DiLoCo):
         super().__init__(
             model, sync_every, codec, _averaging, fragments, delay, process_group, hook_options
         )
+
+
+def _params_of(where: str, model: Any, h: Any, fragments: Any, delay: Any, group: Any) -> list:
+    """The parameters to sync, once the arguments are checked on this rank."""
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"{where}: model is a {type(model).__name__}, expected an nn.Module")
+    inner = model
+    if isinstance(model, torch.nn.parallel.DistributedDataParallel):
+        mine = dist.get_process_group_ranks(model.process_group)
+        outer = dist.get_process_group_ranks(group or dist.group.WORLD)
+        if len(set(mine) & set(outer)) > 1:
+            raise ValueError(
+                f"{where}: the inner model is DDP over ranks {mine} and the outer sync over "
+                f"ranks {outer}: they share ranks, so every step already averages what the "
+                "outer sync would; expected DDP inside the node (pycomm.node_group()) and "
+                "process_group=pycomm.cross_node_group(), or no DDP"
+            )
+        inner = model.module
+    check_int(where, "sync_every", h, 1)
+    check_int(where, "fragments", fragments, 1)
+    check_int(where, "delay", delay, 0)
+    params = [_local(p) for p in inner.parameters() if p.requires_grad]
+    if not params:
+        raise ValueError(f"{where}: the model has no trainable parameters")
+    if fragments > len(params) or fragments > h:
+        raise ValueError(
+            f"{where}: fragments={fragments}, expected at most the model's "
+            f"{len(params)} parameter tensors and sync_every={h} (a fragment syncs every "
+            "sync_every steps, H // F apart)"
+        )
+    if delay and delay >= h // fragments:
+        raise ValueError(
+            f"{where}: delay={delay}, expected 0 <= delay < sync_every // fragments = "
+            f"{h // fragments} (a fragment's sync lands before the next fragment's starts)"
+        )
+    return params
+
+
+def _outer_optimizer(where: str, factory: Callable, outer: list) -> torch.optim.Optimizer:
+    """``factory(outer)``, checked: an optimizer over exactly ``outer``, in order."""
+    opt = factory(outer)
+    if not isinstance(opt, torch.optim.Optimizer):
+        raise TypeError(
+            f"{where}: outer_optimizer returned a {type(opt).__name__}, expected a "
+            "torch.optim.Optimizer"
+        )
+    given = [p for g in opt.param_groups for p in g["params"]]
+    if len(given) != len(outer) or any(a is not b for a, b in zip(given, outer)):
+        raise ValueError(
+            f"{where}: outer_optimizer built an optimizer over {len(given)} tensors "
+            f"that are not the {len(outer)} it was given; expected one over exactly "
+            "its params argument (the outer copy), in order"
+        )
+    return opt
 
 
 def _split(order: list[int], params: list[torch.Tensor], n: int) -> list[list[int]]:

@@ -44,9 +44,7 @@ VARIANTS: dict[str, Optional[tuple]] = {
 }
 
 
-def run_rank(
-    names: list[str], seeds: list[int], steps: int, warmup: int, nodes: int = 1
-) -> dict:
+def run_rank(names: list[str], seeds: list[int], steps: int, warmup: int, nodes: int = 1) -> dict:
     """Each variant's held-out loss per seed (the same on every rank)."""
     torch.set_num_threads(1)
     inner = cross = None
@@ -70,9 +68,7 @@ def run_rank(
             opt = torch.optim.AdamW(net.parameters(), lr=task.lr["adamw"], weight_decay=0.01)
             outer: Any = _NoOuter()
             if v is not None:  # the warm start: the parameters averaged exactly every step
-                outer = pycomm.LocalSGD(
-                    model, sync_every=1, codec="allreduce", process_group=cross
-                )
+                outer = pycomm.LocalSGD(model, sync_every=1, codec="allreduce", process_group=cross)
             for step, batch in enumerate(batches(task, data, steps, seed)):
                 if v is not None and step == warmup:  # the warm start ends: the variant's
                     kind, h, f, d, codec = v
@@ -109,8 +105,12 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--nprocs", type=int, default=2)
     ap.add_argument("--steps", type=int, default=2000, help="optimizer steps in all")
     ap.add_argument("--warmup", type=int, default=200, help="steps averaged every step first")
-    ap.add_argument("--nodes", type=int, default=1,
-                    help="nodes of --nprocs/--nodes ranks: DDP inside, the outer loop across")
+    ap.add_argument(
+        "--nodes",
+        type=int,
+        default=1,
+        help="nodes of --nprocs/--nodes ranks: DDP inside, the outer loop across",
+    )
     ap.add_argument("--seeds", default="0,1")
     ap.add_argument("--variants", default=",".join(VARIANTS))
     ap.add_argument("--json", default=None)

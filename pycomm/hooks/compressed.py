@@ -286,11 +286,6 @@ class CompressedState(HookState):
 
     # --- stats -------------------------------------------------------------------------
 
-    def note_decode(self, st: torch.Tensor, step: int) -> None:
-        """Keep a decode's [squared norm, non-finite count] for ``step`` (see
-        :meth:`ResidualStore.note_decode`)."""
-        self.engine.note_decode(st, step)
-
     def fold(self) -> None:
         self.store.fold()
 
@@ -328,37 +323,45 @@ class CompressedState(HookState):
         }
 
     def check_fingerprint(self, state: dict[str, Any]) -> None:
-        # a checkpoint of a version without strict_skip (which kept two copies): its
-        # residuals are those of either way
-        options = state.get("fingerprint", {}).get("options")
-        if isinstance(options, dict) and "strict_skip" not in options:
-            fingerprint = {**state["fingerprint"]}
-            fingerprint["options"] = {**options, "strict_skip": self.strict_skip}
-            state = {**state, "fingerprint": fingerprint}
-        super().check_fingerprint(state)
+        super().check_fingerprint(_with_strict_skip(state, self.strict_skip))
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         super().load_state_dict(state)
         loaded = state.get("residuals", {})
-        for key, res in loaded.items():
-            for name, numel in self.engine.key_sizes(key).items():
-                got = res[name].numel() if name in res else 0
-                if got != numel:
-                    raise ValueError(
-                        f"pycomm {self.hook_name} hook: cannot load the residual of bucket "
-                        f"{key[0]} ({key[1]} elements): {name} has {got} elements, expected "
-                        f"{numel} for this world size and block"
-                    )
-                if res[name].dtype != self.residual_dtype:
-                    raise ValueError(
-                        f"pycomm {self.hook_name} hook: cannot load the residual of bucket "
-                        f"{key[0]} ({key[1]} elements): {name} has dtype {res[name].dtype}, "
-                        f"expected {self.residual_dtype} (residual_dtype)"
-                    )
+        _check_residuals(self, loaded)
         layout = state.get("layout")
         self.bucket_layout.load(layout)  # checked before anything changes
         self.iter = int(state["iter"])
         self.store.load(loaded)
+
+
+def _with_strict_skip(state: dict[str, Any], strict: bool) -> dict[str, Any]:
+    """A checkpoint of a version without ``strict_skip`` (which kept two copies) as one with
+    this state's: its residuals are those of either way."""
+    options = state.get("fingerprint", {}).get("options")
+    if isinstance(options, dict) and "strict_skip" not in options:
+        fingerprint = {**state["fingerprint"], "options": {**options, "strict_skip": strict}}
+        state = {**state, "fingerprint": fingerprint}
+    return state
+
+
+def _check_residuals(state: CompressedState, loaded: dict[tuple, dict]) -> None:
+    """Refuse (ValueError naming the bucket) loaded residuals of another size or dtype than
+    this state's engine keeps for their keys."""
+    for key, res in loaded.items():
+        for name, numel in state.engine.key_sizes(key).items():
+            got = res[name].numel() if name in res else 0
+            what = f"pycomm {state.hook_name} hook: cannot load the residual of bucket {key[0]}"
+            if got != numel:
+                raise ValueError(
+                    f"{what} ({key[1]} elements): {name} has {got} elements, expected "
+                    f"{numel} for this world size and block"
+                )
+            if res[name].dtype != state.residual_dtype:
+                raise ValueError(
+                    f"{what} ({key[1]} elements): {name} has dtype {res[name].dtype}, "
+                    f"expected {state.residual_dtype} (residual_dtype)"
+                )
 
 
 def _engine_options(state: CompressedState, options: dict[str, Any]) -> dict[str, Any]:

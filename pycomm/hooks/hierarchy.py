@@ -225,7 +225,7 @@ def node_reduce(
 
     ``finite_step``: a compressing state's step. Its decode (stage 2) sees only this rank's
     shard, so once stage 3 has gathered the others, their non-finite values are counted too
-    (``state.note_decode``, on the device, no host read): a NaN or Inf anywhere in the bucket
+    (``state.engine.note_decode``, on the device, no host read): a NaN or Inf anywhere in the bucket
     then keeps every rank's residuals as they were, as in the flat exchange.
     """
     L, n = plan.local_size, x.numel()
@@ -352,7 +352,7 @@ class _NodeStages:
                 lo, hi = min(self.plan.position * s, n), min((self.plan.position + 1) * s, n)
                 bad = (~torch.isfinite(flat[:lo])).sum() + (~torch.isfinite(flat[hi:])).sum()
                 stats = torch.stack([bad.new_zeros(()), bad]).double()
-                self.state.note_decode(stats, self.finite_step)
+                self.state.engine.note_decode(stats, self.finite_step)
             self.result.set_result(x)
         except BaseException as e:  # noqa: BLE001
             self.fail(e)
