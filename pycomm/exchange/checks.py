@@ -198,24 +198,25 @@ def as_exchange(exc: Exception, codec: Any, where: str) -> Exception:
     return type(exc)(text)
 
 
-def residual(where: str, call: str, residual: Any, state: Any, codec: str) -> None:
+def residual(where: str, call: str, residual: Any, keys: Any, codec: str) -> None:
     """Refuse a residual :meth:`Exchange.load_key` cannot give its key: not a tensor, not a
-    reduce-scatter's with error feedback, not the size and dtype ``state``'s codec keeps, or
-    not finite."""
+    reduce-scatter's with error feedback, not the size and dtype the engine of ``keys``
+    keeps, or not finite."""
     if not isinstance(residual, torch.Tensor):
         raise TypeError(
             f"{where}: residual is a {type(residual).__name__}, expected a tensor or None"
         )
-    feedback = getattr(state, "error_feedback", False)
+    engine = keys.engine
+    feedback = engine is not None and engine.error_feedback
     if call != "reduce_scatter" or not feedback:
         raise ValueError(
             f"{where}: a residual for a {call} of codec={codec!r} with "
             f"error_feedback={feedback}; expected residual=None, or reduce_scatter with "
             "error feedback"
         )
-    n, block, dtype = state.world_size, state.codec.block, state.residual_dtype
+    n, block, dtype = keys.world_size, engine.codec.block, engine.residual_dtype
     numel = residual.numel()
-    kept = state.engine.key_sizes((0, numel, PHASE_1)).get("r1")
+    kept = engine.key_sizes((0, numel, PHASE_1)).get("r1")
     if numel % (n * block) or kept != numel or residual.dtype != dtype:
         raise ValueError(
             f"{where}: residual of {numel} elements of {residual.dtype}, expected {n} chunks "

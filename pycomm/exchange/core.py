@@ -92,8 +92,8 @@ class Exchange:
         state.bind()
         self.codec_name, self.process_group = codec, process_group
         self.start_iter, self.check_order = start_iter, check_order
-        self._state: HookState = state
-        self._keys = Keys(state, self._issuer.group, hook_spec(codec).hook, start_iter)
+        # what the codec's configuration resolved to, kept by the keys; the state goes
+        self._keys = Keys(state, self._issuer.group, start_iter)
         self._stream = Stream(self._keys, check_order, self.where, self._keys.serial)
 
     def _build(self, codec: Any, group: Any, start_iter: Any, options: dict) -> HookState:
@@ -156,7 +156,7 @@ class Exchange:
             >>> ex.all_reduce(delta, key="delta").wait()
             >>> ex.all_reduce([p.data for p in model.parameters()], key="params").wait()
         """
-        where, dtypes = f"{self.where}.all_reduce", self._state.grad_dtypes
+        where, dtypes = f"{self.where}.all_reduce", self._keys.grad_dtypes
         flat, err = None, None
         try:
             if isinstance(tensor, (list, tuple)):
@@ -194,7 +194,7 @@ class Exchange:
         where, n, x, out, factor, err = f"{self.where}.reduce_scatter", self._world, *[None] * 4
         try:
             x, out = checks.pair(where, "reduce_scatter", output, input, op, n,
-                                 self._state.grad_dtypes, self._hierarchy)  # fmt: skip
+                                 self._keys.grad_dtypes, self._hierarchy)  # fmt: skip
             factor = checks.scale_of(where, op, scale, n, x.dtype)
         except (TypeError, ValueError) as e:
             err = e
@@ -215,7 +215,7 @@ class Exchange:
         where, x, out, err = f"{self.where}.all_gather", None, None, None
         try:
             x, out = checks.pair(where, "all_gather", output, input, "mean", self._world,
-                                 self._state.grad_dtypes, self._hierarchy)  # fmt: skip
+                                 self._keys.grad_dtypes, self._hierarchy)  # fmt: skip
         except (TypeError, ValueError) as e:
             err = e
         shape = f"{checks.shape(input)} into {checks.shape(output)}"
@@ -239,11 +239,11 @@ class Exchange:
 
     @property
     def _world(self) -> int:
-        return self._state.world_size
+        return self._keys.world_size
 
     @property
     def _hierarchy(self) -> Any:
-        return getattr(self._state, "hierarchy", None)
+        return self._keys.hierarchy
 
     # --- state --------------------------------------------------------------------------
 
@@ -318,7 +318,7 @@ class Exchange:
         except TypeError:
             raise TypeError(f"{where}: key={key!r} is not hashable") from None
         if residual is not None:
-            checks.residual(where, call, residual, self._state, self.codec_name)
+            checks.residual(where, call, residual, self._keys, self.codec_name)
         self._keys.load_key((call, key), calls, residual)
 
 

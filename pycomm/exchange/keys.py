@@ -1,7 +1,10 @@
-"""What an :class:`~pycomm.exchange.Exchange` keeps per key, and how each call is issued on
-the engine: the calls of each key (its warm-up), a list call's flat buffer, the exact paths,
-and compressed all-reduces of several keys fused into one exchange
-(:meth:`pycomm.hooks.engine.Engine.all_reduce_many`). Runs on the issuing thread
+"""What an :class:`~pycomm.exchange.Exchange` keeps, and how each call is issued on the
+engine: the codec's engine (codec, residuals, workspace, phase groups; none for the exact
+exchange), the counters, the calls of each key (its warm-up), a list call's flat buffer, each
+call's step and its commit, the exact paths, the node hierarchy (exact inside the node, the
+codec across), compressed all-reduces of several keys fused into one exchange
+(:meth:`pycomm.hooks.engine.Engine.all_reduce_many`), and the checkpoint. Tensors and keys
+only: no DDP bucket, hook function or bucket layout. Runs on the issuing thread
 (:mod:`pycomm.exchange.issue`), in call order.
 """
 
@@ -14,8 +17,18 @@ import torch
 import torch.distributed as dist
 
 from pycomm.exchange.issue import Issued
+from pycomm.hooks import hierarchy as hier
+from pycomm.hooks.allreduce import exact_allreduce
+from pycomm.hooks.compressed import check_residuals, codec_cross, with_strict_skip
 from pycomm.hooks.engine import PHASE_1
-from pycomm.hooks.state import HookState, completed, ring_bytes
+from pycomm.hooks.state import (
+    HookState,
+    add_call,
+    check_saved,
+    compare_steps,
+    completed,
+    ring_bytes,
+)
 
 __all__ = ["CallBucket", "Keys", "rank_order_sum", "returning"]
 
@@ -71,26 +84,47 @@ class CallBucket:
         return []
 
 
-def _sent(state: HookState) -> tuple[int, int]:
-    """The state's ``bytes_sent`` and ``bytes_fp32`` so far (no fold, no device wait)."""
-    counters = state.counters
+def _sent(counters: dict[str, Any]) -> tuple[int, int]:
+    """``bytes_sent`` and ``bytes_fp32`` so far."""
     return counters["bytes_sent"], counters["bytes_fp32"]
 
 
 class Keys:
-    """The keys of an Exchange and their calls, on the codec's state (its engine, residuals,
-    counters), issued on ``group``. ``hook``: the codec's hook function, which runs the exact
-    warm-up and the node hierarchy; ``start_iter``: each key's exact calls."""
+    """What an Exchange keeps and how it issues its calls on ``group``. Built from the codec's
+    resolved configuration (``state``: its hook state, bound, read once here and not kept):
+    the engine, bound to its phase groups; the counters; the fingerprint a checkpoint
+    carries; the node plan. ``start_iter``: each key's exact calls."""
 
-    def __init__(self, state: HookState, group: Any, hook: Callable, start_iter: int) -> None:
-        self.state, self.group, self.hook, self.start_iter = state, group, hook, start_iter
-        self.codec = getattr(state, "codec", None)
+    def __init__(self, state: HookState, group: Any, start_iter: int) -> None:
+        self.group, self.start_iter = group, start_iter
+        self.where, self.hook_name = state.where, state.hook_name
+        self.engine = getattr(state, "engine", None)
+        self.codec = None if self.engine is None else self.engine.codec
         self.serial = bool(getattr(state, "strict_skip", False))
+        self.grad_dtypes = state.grad_dtypes
+        self.hierarchy = getattr(state, "hierarchy", None)  # the option, as given
+        self.plan = getattr(state, "node_plan", None)  # the node hierarchy, resolved
+        self.world_size, self.rank = state.world_size, state.rank
+        self.fingerprint = state.fingerprint()
+        self.counters = state.counters  # the engine counts into the same dict
+        self.counters.pop("rebucketed_steps", None)  # DDP's
+        self.node_buffers: dict[tuple, dict] = {}  # the node hierarchy's, per key
+        self.iter = 0  # calls ended: the step of the engine's residual commits
+        self.open = False  # a call ended and its step is not committed yet
+        self.resumed_at: Optional[int] = 0  # steps to compare across the ranks first
         self.keys: dict[Hashable, int] = {}  # (call, key) -> its position, in order of use
         self.calls: dict[Hashable, int] = {}  # (call, key) -> calls issued (the warm-up)
         self.flats: dict[Hashable, torch.Tensor] = {}  # a list call's flat buffer, per key
         self.nonfinite: list[torch.Tensor] = []  # the exact calls' flags, not yet read
         self.bad_calls = 0
+
+    def count(self, bucket: Any, nbytes: int, collectives: int = 1,
+              bytes_fp32: Optional[int] = None, **levels: int) -> None:  # fmt: skip
+        """Account one call of ``bucket`` (a :class:`CallBucket`), as a hook state's
+        :meth:`~pycomm.hooks.HookState.count`: every call is a step."""
+        numel = bucket.buffer().numel()
+        add_call(self.counters, self.world_size, numel, nbytes, collectives, bytes_fp32,
+                 **levels)  # fmt: skip
 
     def flat(self, key: Hashable, numel: int, like: torch.Tensor) -> torch.Tensor:
         """The flat buffer of a list call of ``key``: its last one's, if of the same size,
@@ -110,19 +144,34 @@ class Keys:
         index = self.keys.setdefault(pair, len(self.keys))
         done = self.calls.get(pair, 0)
         self.calls[pair] = done + 1
-        new_step = getattr(self.state, "new_step", None)
-        if new_step is not None:
-            new_step()
+        if self.open:  # the last call's decodes are done: its residuals are committed
+            self.commit()
+            self.open = False
         return index, self.codec is not None and done >= self.start_iter
+
+    def end(self) -> None:
+        """A call's step ends (its residuals commit at the next call's begin)."""
+        self.iter += 1
+        self.open = True
+
+    def commit(self) -> None:
+        """Keep the last call's new residuals unless its decode came out non-finite."""
+        if self.engine is not None:
+            self.engine.store.commit(self.iter - 1, self.engine.device)
+
+    def check_resumed(self, device: torch.device) -> None:
+        """At the first call, and the first after a load: the ranks compare their steps."""
+        steps, self.resumed_at = self.resumed_at, None
+        if steps is not None and self.world_size > 1:
+            compare_steps(self.where, steps, self.group, device)
 
     def issued(
         self, fut: torch.futures.Future, result: Any, sent: int = 0, fp32: int = 0, end=True
     ) -> Issued:
-        """``end``: close the call's step (the hook function closes its own). An exact call's
-        result is read for ``stats["nonfinite_buckets"]``."""
-        end_step = getattr(self.state, "end_step", None)
-        if end and end_step is not None:
-            end_step()
+        """``end``: close the call's step. An exact call's result is read for
+        ``stats["nonfinite_buckets"]``."""
+        if end:
+            self.end()
         if self.codec is None:
             fut = fut.then(self._note_finite)
         return Issued(fut, result, sent, fp32)
@@ -138,7 +187,7 @@ class Keys:
     def nothing(self, index: int, x: torch.Tensor, result: Any) -> Issued:
         """A call of 0 elements, on every rank (the order check compares them): counted,
         nothing sent."""
-        self.state.count(CallBucket(index, x), 0, collectives=0, bytes_fp32=0)
+        self.count(CallBucket(index, x), 0, collectives=0, bytes_fp32=0)
         return self.issued(completed(result), result)
 
     # --- the calls ----------------------------------------------------------------------
@@ -146,11 +195,10 @@ class Keys:
     def direct(self, pair: tuple, flat: Optional[torch.Tensor]) -> bool:
         """Whether an all-reduce of ``pair`` runs on the engine directly: compressed (its
         key's warm-up done), on several ranks, flat (not the node hierarchy), not empty."""
-        state = self.state
         return (
             self.codec is not None
-            and state.world_size > 1
-            and getattr(state, "node_plan", None) is None
+            and self.world_size > 1
+            and self.plan is None
             and flat is not None
             and flat.numel() > 0
             and self.calls.get(pair, 0) >= self.start_iter
@@ -163,52 +211,71 @@ class Keys:
         index, compress = self.begin("all_reduce", key)
         if many:  # once the key's last call is done with its flat buffer
             torch.cat([t.detach().reshape(-1) for t in tensor], out=flat)
-        state, world = self.state, self.state.world_size
         if flat.numel() == 0:
             return self.nothing(index, flat, tensor)
         back = returning(tensor, flat if many else None)
-        if op == "sum" and not compress and world > 1 and getattr(state, "node_plan", None) is None:
+        world, plan = self.world_size, self.plan
+        if op == "sum" and not compress and world > 1 and plan is None:
             # the exact sum: torch's own all-reduce, bit for bit (no 1/N and back)
             nbytes = ring_bytes(flat.numel() * flat.element_size(), world)
-            state.count(CallBucket(index, flat), nbytes)
+            self.count(CallBucket(index, flat), nbytes)
             fut = dist.all_reduce(flat, group=self.group, async_op=True).get_future()
             return self.issued(fut.then(back), tensor, nbytes, ring_bytes(flat.numel() * 4, world))
-        before = _sent(state)
-        has_start = hasattr(state, "start_iter")
-        if has_start:  # the hook's own warm-up test (iter < start_iter), made this key's
-            state.start_iter = 0 if compress else state.iter + 1
+        before = _sent(self.counters)
         try:
-            fut = self.hook(state, CallBucket(index, flat))
+            fut = self.reduced(CallBucket(index, flat), flat, compress)
         finally:
-            if has_start:
-                state.start_iter = self.start_iter
-        nbytes = tuple(b - a for a, b in zip(before, _sent(state)))
+            self.end()
+        nbytes = tuple(b - a for a, b in zip(before, _sent(self.counters)))
         if op == "sum" and world > 1:
             fut = fut.then(lambda f: f.value().mul_(world))
+        return self.issued(fut.then(back), tensor, *nbytes, end=False)
 
-        def into(f: torch.futures.Future) -> torch.Tensor:
-            out = f.value()
-            if out.data_ptr() != flat.data_ptr():
-                flat.copy_(out)
-            return out
+    def reduced(self, bucket: CallBucket, x: torch.Tensor, compress: bool) -> torch.futures.Future:
+        """The mean of ``x`` over the ranks in place, where it is not the flat compressed
+        exchange: on one rank as it is; exact (the codec's warm-up, or ``"allreduce"``), as
+        DDP's all-reduce sums; on the node hierarchy, exact inside the node and exact or
+        through the codec across."""
+        self.check_resumed(x.device)
+        world, plan, index = self.world_size, self.plan, bucket.index()
+        if world == 1:
+            self.count(bucket, 0, collectives=0)
+            return completed(x)
+        if plan is None:  # exact: the codec's warm-up on its first phase group
+            group = self.group if self.engine is None else self.engine.phases.groups[0]
+            return exact_allreduce(self, bucket, x, group)
+        n, L, m = x.numel(), plan.local_size, plan.nodes
+        if self.engine is None:
+            cross = hier.exact_cross(plan, n)
+            return hier.node_reduce(self, plan, bucket, x, index, cross, prescale=1.0 / world)
+        if not compress:
+            cross = hier.exact_cross(plan, n, 1.0 / m)
+            return hier.node_reduce(self, plan, bucket, x, index, cross, postscale=1.0 / L)
+        step, engine = self.iter, self.engine
 
-        return self.issued(fut.then(into).then(back), tensor, *nbytes, end=False)
+        def issue(_bucket: Any, shard: torch.Tensor) -> torch.futures.Future:
+            key = (index, shard.numel(), str(shard.dtype))
+            return engine.all_reduce(shard, key, step, lambda *_: None)  # counted below
+
+        cross = codec_cross(engine, plan, n, issue)
+        return hier.node_reduce(self, plan, bucket, x, index, cross, postscale=1.0 / L,
+                                finite_step=step)  # fmt: skip
 
     def reduce_scatter(
         self, output: torch.Tensor, key: Hashable, x: torch.Tensor, out: torch.Tensor, factor
     ) -> Issued:
         index, compress = self.begin("reduce_scatter", key)
-        n, state, s = self.state.world_size, self.state, out.numel()
+        n, s = self.world_size, out.numel()
         if s == 0:
             return self.nothing(index, x, output)
         bucket, fp32 = CallBucket(index, x), (n - 1) * s * 4
         if n == 1:
-            state.count(bucket, 0, collectives=0, bytes_fp32=0)
+            self.count(bucket, 0, collectives=0, bytes_fp32=0)
             out.copy_(rank_order_sum(x.view(1, s), factor))
             return self.issued(completed(output), output)
         if not compress:
             nbytes = (n - 1) * s * x.element_size()
-            state.count(bucket, nbytes, bytes_fp32=fp32)
+            self.count(bucket, nbytes, bytes_fp32=fp32)
             recv = torch.empty_like(x)
             work = dist.all_to_all_single(recv, x, group=self.group, async_op=True)
 
@@ -218,26 +285,26 @@ class Keys:
                 return output
 
             return self.issued(work.get_future().then(total), output, nbytes, fp32)
-        fut, nbytes = state.engine.reduce_scatter(out, x, index, factor, state.iter, self.group, n)
-        state.count(bucket, nbytes, bytes_fp32=fp32)
+        fut, nbytes = self.engine.reduce_scatter(out, x, index, factor, self.iter, self.group, n)
+        self.count(bucket, nbytes, bytes_fp32=fp32)
         return self.issued(fut.then(returning(output)), output, nbytes, fp32)
 
     def all_gather(
         self, output: torch.Tensor, key: Hashable, x: torch.Tensor, out: torch.Tensor
     ) -> Issued:
         index, compress = self.begin("all_gather", key)
-        n, m, state = self.state.world_size, x.numel(), self.state
+        n, m = self.world_size, x.numel()
         if m == 0:
             return self.nothing(index, x, output)
         bucket, fp32 = CallBucket(index, x), (n - 1) * m * 4
         if n == 1:
-            state.count(bucket, 0, collectives=0, bytes_fp32=0)
+            self.count(bucket, 0, collectives=0, bytes_fp32=0)
             out.copy_(x)
             return self.issued(completed(output), output)
         if not compress:
             gathered = torch.empty(n * m, dtype=x.dtype, device=x.device)
             nbytes = (n - 1) * m * x.element_size()
-            state.count(bucket, nbytes, bytes_fp32=fp32)
+            self.count(bucket, nbytes, bytes_fp32=fp32)
             work = self.gather_rows(gathered.view(n, m), x.view(1, m))
 
             def place(f: torch.futures.Future) -> torch.Tensor:
@@ -246,8 +313,8 @@ class Keys:
                 return output
 
             return self.issued(work.then(place), output, nbytes, fp32)
-        fut, nbytes = state.engine.all_gather(out, x, state.iter, self.gather_rows, n)
-        state.count(bucket, nbytes, bytes_fp32=fp32)
+        fut, nbytes = self.engine.all_gather(out, x, self.iter, self.gather_rows, n)
+        self.count(bucket, nbytes, bytes_fp32=fp32)
         return self.issued(fut.then(returning(output)), output, nbytes, fp32)
 
     def gather_rows(self, rows: torch.Tensor, row: torch.Tensor) -> torch.futures.Future:
@@ -286,10 +353,10 @@ class Keys:
         """Compressed all-reduces of different keys (each ``(tensor, key, op, flat)``) on the
         engine, several of a two-phase codec as one exchange: each call's step, residual and
         decode its own, the bits of its exchange alone."""
-        state, world = self.state, self.state.world_size
+        world, counters = self.world_size, self.counters
         items, meta = [], []
         for tensor, key, op, flat in fuses:
-            state.check_resumed(flat.device)
+            self.check_resumed(flat.device)
             index, _ = self.begin("all_reduce", key)
             many = isinstance(tensor, (list, tuple))
             if many:
@@ -297,14 +364,14 @@ class Keys:
             bucket, sent = CallBucket(index, flat), {}
 
             def count(nbytes: int, collectives: int, bucket=bucket, sent=sent) -> None:
-                before = _sent(state)
-                state.count_exchange(bucket, nbytes, collectives)
-                sent["bytes"] = tuple(b - a for a, b in zip(before, _sent(state)))
+                before = _sent(counters)
+                self.count(bucket, nbytes, collectives=collectives)
+                sent["bytes"] = tuple(b - a for a, b in zip(before, _sent(counters)))
 
-            items.append((flat, (index, flat.numel(), str(flat.dtype)), state.iter, count))
+            items.append((flat, (index, flat.numel(), str(flat.dtype)), self.iter, count))
             meta.append((tensor, op, flat if many else None, sent))
-            state.end_step()
-        engine = state.engine
+            self.end()
+        engine = self.engine
         if len(items) > 1:
             futures = engine.all_reduce_many(items)
         else:
@@ -319,7 +386,9 @@ class Keys:
     # --- counters and state -------------------------------------------------------------
 
     def stats(self) -> dict[str, Any]:
-        stats = {k: v for k, v in self.state.stats.items() if k != "rebucketed_steps"}
+        if self.engine is not None:
+            self.engine.store.fold()  # the decodes' counts, read once done
+        stats = dict(self.counters)
         if self.codec is None:  # the exact exchange decodes nothing: its results are read
             bad, self.nonfinite = self.nonfinite, []
             self.bad_calls += sum(int(b) for b in bad)
@@ -327,24 +396,58 @@ class Keys:
         return stats
 
     def residual_bytes(self, key: Hashable) -> int:
-        store = getattr(self.state, "store", None)
-        if store is None or not getattr(self.state, "error_feedback", False):
+        engine = self.engine
+        if engine is None or not engine.error_feedback:
             return 0
         indices = [i for (_, k), i in self.keys.items() if k == key]
-        return sum(store.nbytes(i, pending=True) for i in indices)
+        return sum(engine.store.nbytes(i, pending=True) for i in indices)
 
     def state_dict(self) -> dict[str, Any]:
+        """In the format of the codec's hook state (what Exchanges saved before they had
+        their own): the fingerprint, rank, counters and, with a codec, the step and the
+        residuals."""
+        saved: dict[str, Any] = {
+            "fingerprint": self.fingerprint,
+            "rank": self.rank,
+            "world_size": self.world_size,
+            "stats": self.stats(),  # the exact exchange's nonfinite_buckets too
+        }
+        if self.engine is not None:
+            store = self.engine.store
+            if store.touched:
+                self.commit()
+            saved.update(iter=self.iter, residuals=store.snapshot())
+        saved["layout"] = None  # DDP's buckets: none here
         return {
-            "exchange": self.state.state_dict(),
+            "exchange": saved,
             "keys": list(self.keys),
             "calls": [self.calls.get(k, 0) for k in self.keys],
         }
 
     def load(self, state: dict[str, Any], keys: list, calls: list[int]) -> None:
-        self.state.load_state_dict(state["exchange"])
-        store = getattr(self.state, "store", None)
-        if store is not None:  # a key's first compressed call may come after the load
-            store.place_loaded()
+        saved = state["exchange"]
+        if self.engine is not None:
+            saved = with_strict_skip(saved, self.serial)
+        check_saved(self.hook_name, saved, self.fingerprint, self.rank, self.world_size)
+        if saved.get("layout") is not None:
+            raise ValueError(
+                f"{self.where}: cannot load a state with DDP's bucket layout (a DDP hook's); "
+                "expected what Exchange.state_dict() returns"
+            )
+        loaded = saved.get("residuals", {}) if self.engine is not None else {}
+        if self.engine is not None:
+            check_residuals(self.where, self.engine, loaded)
+        self.counters.clear()  # in place: the engine counts into this dict
+        self.counters.update(saved["stats"])
+        self.counters.pop("rebucketed_steps", None)
+        if self.engine is None:  # the engine's store counts a codec's itself
+            self.bad_calls, self.nonfinite = self.counters.pop("nonfinite_buckets", 0), []
+        steps = self.counters.get("steps")
+        self.resumed_at = steps if isinstance(steps, int) else None
+        if self.engine is not None:
+            self.iter = int(saved["iter"])
+            self.engine.store.load(loaded)
+            self.engine.store.place_loaded()  # a key's first compressed call may come later
         self.keys = {k: i for i, k in enumerate(keys)}
         self.calls = dict(zip(self.keys, calls))
 
@@ -353,4 +456,4 @@ class Keys:
         self.calls[pair] = calls
         if residual is not None:
             kept = {"r1": residual.detach().clone()}
-            self.state.store.put((index, residual.numel(), PHASE_1), kept)
+            self.engine.store.put((index, residual.numel(), PHASE_1), kept)

@@ -8,7 +8,7 @@ which ``pycomm.Exchange`` and ``pycomm.fsdp`` run too: each DDP bucket goes to
 
 import inspect
 import logging
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -323,19 +323,19 @@ class CompressedState(HookState):
         }
 
     def check_fingerprint(self, state: dict[str, Any]) -> None:
-        super().check_fingerprint(_with_strict_skip(state, self.strict_skip))
+        super().check_fingerprint(with_strict_skip(state, self.strict_skip))
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         super().load_state_dict(state)
         loaded = state.get("residuals", {})
-        _check_residuals(self, loaded)
+        check_residuals(self.where, self.engine, loaded)
         layout = state.get("layout")
         self.bucket_layout.load(layout)  # checked before anything changes
         self.iter = int(state["iter"])
         self.store.load(loaded)
 
 
-def _with_strict_skip(state: dict[str, Any], strict: bool) -> dict[str, Any]:
+def with_strict_skip(state: dict[str, Any], strict: bool) -> dict[str, Any]:
     """A checkpoint of a version without ``strict_skip`` (which kept two copies) as one with
     this state's: its residuals are those of either way."""
     options = state.get("fingerprint", {}).get("options")
@@ -345,22 +345,22 @@ def _with_strict_skip(state: dict[str, Any], strict: bool) -> dict[str, Any]:
     return state
 
 
-def _check_residuals(state: CompressedState, loaded: dict[tuple, dict]) -> None:
+def check_residuals(where: str, engine: Engine, loaded: dict[tuple, dict]) -> None:
     """Refuse (ValueError naming the bucket) loaded residuals of another size or dtype than
-    this state's engine keeps for their keys."""
+    ``engine`` keeps for their keys; ``where`` starts the message."""
     for key, res in loaded.items():
-        for name, numel in state.engine.key_sizes(key).items():
+        for name, numel in engine.key_sizes(key).items():
             got = res[name].numel() if name in res else 0
-            what = f"pycomm {state.hook_name} hook: cannot load the residual of bucket {key[0]}"
+            what = f"{where}: cannot load the residual of bucket {key[0]} ({key[1]} elements)"
             if got != numel:
                 raise ValueError(
-                    f"{what} ({key[1]} elements): {name} has {got} elements, expected "
-                    f"{numel} for this world size and block"
+                    f"{what}: {name} has {got} elements, expected {numel} for this world size "
+                    "and block"
                 )
-            if res[name].dtype != state.residual_dtype:
+            if res[name].dtype != engine.residual_dtype:
                 raise ValueError(
-                    f"{what} ({key[1]} elements): {name} has dtype {res[name].dtype}, "
-                    f"expected {state.residual_dtype} (residual_dtype)"
+                    f"{what}: {name} has dtype {res[name].dtype}, expected "
+                    f"{engine.residual_dtype} (residual_dtype)"
                 )
 
 
@@ -460,6 +460,18 @@ def compressed_hook(
     return per_bucket(state, bucket, dense, begin=begin, end=state.end_step)
 
 
+def codec_cross(engine: Engine, plan: hier.NodePlan, n: int, issue: Callable) -> hier.Cross:
+    """Stage 2 through ``engine``'s codec across the nodes, for an n-element bucket:
+    ``issue(shard_bucket, shard)`` starts the exchange of the shard; what it sends, a
+    two-phase exchange's rows or a one-phase codec's summed codes."""
+    codec, m = engine.codec, plan.nodes
+    s = hier.shard_size(n, plan.local_size)
+    if codec.two_phase:
+        c = engine.chunk(s)
+        return hier.Cross(issue, 2 * (m - 1) * (codec.code_bytes(c) + codec.scale_bytes(c)), 2)
+    return hier.Cross(issue, ring_bytes(codec.code_bytes(summed_numel(codec, s)), m), 1)
+
+
 def _node(state: CompressedState, bucket: dist.GradBucket, x: torch.Tensor):
     """The hook on the node hierarchy (pycomm.hooks.hierarchy): exact inside the node, this
     hook's exchange across nodes on the rank's shard; the exact one while warming up."""
@@ -470,21 +482,12 @@ def _node(state: CompressedState, bucket: dist.GradBucket, x: torch.Tensor):
         return hier.node_reduce(state, plan, bucket, x, bucket.index(), cross, postscale=1.0 / L)
 
     def reduce(state: CompressedState, bucket, x: torch.Tensor, index: int):
-        s = hier.shard_size(x.numel(), L)
-        if state.codec.two_phase:
-            c = state.engine.chunk(s)
-            row = state.codec.code_bytes(c) + state.codec.scale_bytes(c)
-            nbytes, calls = 2 * (m - 1) * row, 2
-        else:
-            numel = summed_numel(state.codec, s)
-            nbytes, calls = ring_bytes(state.codec.code_bytes(numel), m), 1
-
         step = state.iter  # now, in the hook: stage 2 runs later, from a callback
 
         def issue(shard_bucket, shard: torch.Tensor):
             return state.exchange(shard_bucket, shard, index, step)
 
-        cross = hier.Cross(issue, nbytes, calls)
+        cross = codec_cross(state.engine, plan, x.numel(), issue)
         return hier.node_reduce(
             state, plan, bucket, x, index, cross, postscale=1.0 / L, finite_step=step
         )

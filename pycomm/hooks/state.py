@@ -192,18 +192,9 @@ class HookState:
         bytes_inter=...`` (added to those counters). ``bytes_fp32``: what DDP's own reduction
         of the bucket sends, where that is not an fp32 ring all-reduce of its elements (a
         sparse gradient's)."""
-        s = self._stats
-        for name, value in levels.items():
-            s[name] = s.get(name, 0) + value
-        s["buckets"] += 1
-        s["collectives"] += collectives
-        s["bytes_sent"] += bytes_sent
-        if bytes_fp32 is None:
-            bytes_fp32 = ring_bytes(bucket.buffer().numel() * 4, self.world_size)
-        s["bytes_fp32"] += bytes_fp32
-        s["compression"] = s["bytes_fp32"] / s["bytes_sent"] if s["bytes_sent"] else 1.0
-        if bucket.is_last():
-            s["steps"] += 1
+        numel, last = bucket.buffer().numel(), bucket.is_last()
+        add_call(self._stats, self.world_size, numel, bytes_sent, collectives, bytes_fp32, last,
+                 **levels)  # fmt: skip
 
     def reduced_sqnorm(self) -> Optional[float]:
         """The squared L2 norm of the latest step's reduced gradients when the hook computed it
@@ -251,34 +242,72 @@ class HookState:
             >>> state.check_resumed(bucket.buffer().device)  # pycomm's per-bucket routine
         """
         steps, self._resumed_at = getattr(self, "_resumed_at", None), None
-        if steps is None or self.world_size == 1:
-            return
-        nccl = dist.get_backend(self.process_group) == "nccl"
-        v = torch.tensor([steps, -steps], dtype=torch.int64, device=device if nccl else "cpu")
-        dist.all_reduce(v, op=dist.ReduceOp.MAX, group=self.process_group)
-        most, least = v.tolist()
-        if most != -least:
-            raise ValueError(
-                f"{self.where}: the ranks' hook states have run different numbers of steps "
-                f"(from {-least} to {most}): some ranks loaded a state of another save, or "
-                "none; expected every rank to load the same save (pycomm.checkpoint.load and "
-                "load_rank_state check it as they load)"
-            )
+        if steps is not None and self.world_size > 1:
+            compare_steps(self.where, steps, self.process_group, device)
 
     def check_fingerprint(self, state: dict[str, Any]) -> None:
         """Refuse (ValueError naming the field) a checkpoint of another hook or config, or
         the state of another rank."""
-        differ = first_difference(state.get("fingerprint", {}), self.fingerprint())
-        if differ is not None:
-            path, theirs, mine = differ
-            raise ValueError(
-                f"pycomm: cannot load hook state: {path} is {theirs} in the checkpoint but "
-                f"{mine} here"
-            )
-        check_owner(self.hook_name, state, self.rank, self.world_size)
+        check_saved(self.hook_name, state, self.fingerprint(), self.rank, self.world_size)
 
 
 _ABSENT = object()
+
+
+def add_call(
+    stats: dict[str, Any],
+    world_size: int,
+    numel: int,
+    bytes_sent: int,
+    collectives: int = 1,
+    bytes_fp32: Optional[int] = None,
+    last: bool = True,
+    **levels: int,
+) -> None:
+    """Account in ``stats`` one call on ``numel`` elements that put ``bytes_sent`` on the wire
+    in ``collectives`` collectives (see :meth:`HookState.count`); ``last``: it ends a step."""
+    for name, value in levels.items():
+        stats[name] = stats.get(name, 0) + value
+    stats["buckets"] += 1
+    stats["collectives"] += collectives
+    stats["bytes_sent"] += bytes_sent
+    if bytes_fp32 is None:
+        bytes_fp32 = ring_bytes(numel * 4, world_size)
+    stats["bytes_fp32"] += bytes_fp32
+    stats["compression"] = stats["bytes_fp32"] / stats["bytes_sent"] if stats["bytes_sent"] else 1.0
+    if last:
+        stats["steps"] += 1
+
+
+def compare_steps(where: str, steps: int, group: Any, device: torch.device) -> None:
+    """The ranks of ``group`` compare the steps their states had run, in one small
+    all-reduce: a difference is a ValueError on every rank (see
+    :meth:`HookState.check_resumed`)."""
+    nccl = dist.get_backend(group) == "nccl"
+    v = torch.tensor([steps, -steps], dtype=torch.int64, device=device if nccl else "cpu")
+    dist.all_reduce(v, op=dist.ReduceOp.MAX, group=group)
+    most, least = v.tolist()
+    if most != -least:
+        raise ValueError(
+            f"{where}: the ranks' hook states have run different numbers of steps "
+            f"(from {-least} to {most}): some ranks loaded a state of another save, or "
+            "none; expected every rank to load the same save (pycomm.checkpoint.load and "
+            "load_rank_state check it as they load)"
+        )
+
+
+def check_saved(
+    hook: str, state: dict[str, Any], fingerprint: dict[str, Any], rank: int, world_size: int
+) -> None:
+    """Refuse (ValueError naming the field) a saved state whose fingerprint is not
+    ``fingerprint``, or that another rank or world size saved (:func:`check_owner`)."""
+    differ = first_difference(state.get("fingerprint", {}), fingerprint)
+    if differ is not None:
+        path, theirs, mine = differ
+        raise ValueError(
+            f"pycomm: cannot load hook state: {path} is {theirs} in the checkpoint but {mine} here"
+        )
+    check_owner(hook, state, rank, world_size)
 
 
 def first_difference(a: Any, b: Any, path: str = "") -> Optional[tuple[str, str, str]]:

@@ -925,6 +925,9 @@ def _rank_messages_name_the_exchange():
     exact = pycomm.Exchange("allreduce")
     exact.all_reduce(torch.full((4,), float("nan") if rank else 1.0), key="n").wait()
     out["exact nonfinite"] = exact.stats["nonfinite_buckets"]
+    resumed = pycomm.Exchange("allreduce")  # the count goes with the state
+    resumed.load_state_dict(exact.state_dict())
+    out["resumed nonfinite"] = resumed.stats["nonfinite_buckets"]
     out["keys"] = sorted(ex.stats)
     return out
 
@@ -935,5 +938,5 @@ def test_messages_and_counters_are_the_exchange_s():
         assert "hook" not in out["other rank"]
         assert "pycomm.Exchange.load_state_dict" in out["other rank"]
         assert "Exchange.state_dict() on each rank" in out["other rank"]
-        assert out["exact nonfinite"] == 1
+        assert out["exact nonfinite"] == 1 and out["resumed nonfinite"] == 1
         assert "rebucketed_steps" not in out["keys"] and "nonfinite_buckets" in out["keys"]
