@@ -83,7 +83,7 @@ from pycomm.hooks import CompressedState, hook_spec
 from pycomm.hooks.allreduce import AllreduceState
 from pycomm.hooks.config import agree, error_field, resolved_config
 from pycomm.hooks.registry import hook_names, registration
-from pycomm.hooks.state import HookState, accepts_dtype, dtype_names, unbound
+from pycomm.hooks.state import accepts_dtype, check_saved, dtype_names, unbound
 from pycomm.hsdp import NodeAllReduce, cross_group, is_node_group, node_mesh
 
 __all__ = [
@@ -372,14 +372,15 @@ class ModuleAllGather(_ModuleCollective, AllGather):
         return None
 
 
-class FSDPCompression(HookState):
+class FSDPCompression:
     """What :func:`compress` returns for a model: the :class:`pycomm.Exchange` that reduces
     its gradients (``exchange``), one :class:`ModuleReduceScatter` per ``FSDPModule``
     (``modules``, by name), with ``all_gather=`` a codec the all-gathers' Exchange
     (``all_gather_exchange``, else None) and one :class:`ModuleAllGather` per ``FSDPModule``
     (``all_gathers``, by name; empty without), their summed ``stats`` and one checkpointable
-    state per rank. A :class:`~pycomm.hooks.HookState`, so ``pycomm.checkpoint``'s
-    ``save_rank_state``/``load_rank_state`` take it as they take a DDP hook's state.
+    state per rank (its ``rank`` and ``world_size`` among every rank), which
+    ``pycomm.checkpoint``'s ``save_rank_state``/``load_rank_state`` take as they take a DDP
+    hook's state.
 
     Example:
         >>> comm = pycomm.fsdp.compress(model, hook="int8", hook_options={"error_feedback": True})
@@ -402,7 +403,8 @@ class FSDPCompression(HookState):
     ) -> None:
         # the rank that owns the state, among every rank (a mesh of some ranks numbers them
         # again from 0: two ranks' states would share a file, and load each other's)
-        super().__init__(None)
+        self.process_group = None
+        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         self.hook = hook
         self.hook_options = options
         self.modules = modules
@@ -460,10 +462,13 @@ class FSDPCompression(HookState):
         return {"hook": self.hook, **(self.resolved or self.hook_options)}
 
     def fingerprint(self) -> dict[str, Any]:
+        """What a saved state must match: the hook and its options, the world size, the
+        modules and their shapes, the all-gather's codec, HSDP's ranks per node."""
         gather = None
         if self.all_gather is not None:
             gather = {"codec": self.all_gather, "options": dict(self.all_gather_options)}
-        fp = {**super().fingerprint(), "modules": sorted(self.modules), "all_gather": gather}
+        fp = {"hook": self.hook_name, "options": self.options(), "world_size": self.world_size}
+        fp.update(modules=sorted(self.modules), all_gather=gather)
         if self.shapes is not None:  # each module's parameters: another model is refused
             fp["module shapes"] = self.shapes
         if self.hsdp:  # the ranks of a node (absent: not HSDP, as before it existed)
@@ -483,7 +488,7 @@ class FSDPCompression(HookState):
             if "module shapes" not in fingerprint and self.shapes is not None:
                 fingerprint["module shapes"] = self.shapes
             state = {**state, "fingerprint": fingerprint}
-        super().check_fingerprint(state)
+        check_saved(self.hook_name, state, self.fingerprint(), self.rank, self.world_size)
 
     @property
     def hsdp(self) -> bool:
