@@ -414,6 +414,15 @@ def _rank_node_and_warmup():
         node_err = float((t - exact).norm() / exact.norm())
         same = all(torch.equal(t, o) for o in _gathered(t))
         refused = _error(lambda: ex.reduce_scatter(torch.empty(10), torch.empty(40), key="r"))
+        # by the nodes, exact: the codec's warm-up call, and the exact exchange's every call
+        node_exact = []
+        for ex2 in (pycomm.Exchange("int8", hierarchy="node", start_iter=1),
+                    pycomm.Exchange("allreduce", hierarchy="node")):  # fmt: skip
+            u = torch.randn(4000, generator=g)
+            want = _exact_mean(u)
+            ex2.all_reduce(u, key="u").wait()
+            same_u = all(torch.equal(u, o) for o in _gathered(u))
+            node_exact.append((float((u - want).norm() / want.norm()), same_u))
         # the default, hierarchy='auto': all_reduce by the nodes, the other two flat over all
         auto = pycomm.Exchange("int8")
         x = torch.randn(4 * 300, generator=g)
@@ -430,7 +439,7 @@ def _rank_node_and_warmup():
         a, b = torch.empty(300), torch.empty(300)
         auto.reduce_scatter(a, x.clone(), key="x").wait()
         again.reduce_scatter(b, x.clone(), key="x").wait()
-        flat = (rs_err, ag_err, ag_same, torch.equal(a, b))
+        flat = (rs_err, ag_err, ag_same, torch.equal(a, b), node_exact)
     finally:
         set_nodes(None)
     warm = pycomm.Exchange("int8", start_iter=1)
@@ -448,7 +457,8 @@ def test_node_hierarchy_and_warm_up():
         assert same and 0 < node_err < 3e-2
         assert "hierarchy='node' runs all_reduce alone" in refused
         assert errs[0] < 1e-6 < errs[1] < 3e-2  # exact, then int8
-        rs_err, ag_err, ag_same, resumed = flat
+        assert all(err < 1e-6 and same for err, same in flat[4]), flat[4]
+        rs_err, ag_err, ag_same, resumed, _ = flat
         assert 0 < rs_err < 3e-2 and 0 < ag_err < 3e-2 and ag_same and resumed
 
 
