@@ -18,10 +18,9 @@ from pycomm.hooks import advice
 from pycomm.hooks import hierarchy as hier
 from pycomm.hooks.allreduce import exact_allreduce, per_bucket
 from pycomm.hooks.codec import Codec, check_codec
-from pycomm.hooks.engine import Engine, summed_numel
+from pycomm.hooks.engine import Engine, ResidualStore, summed_numel
 from pycomm.hooks.groups import phase_groups
 from pycomm.hooks.layout import BucketLayout
-from pycomm.hooks.residuals import ResidualStore
 from pycomm.hooks.state import (
     HookState,
     is_sparse,
