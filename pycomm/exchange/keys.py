@@ -30,7 +30,7 @@ from pycomm.hooks.state import (
     ring_bytes,
 )
 
-__all__ = ["CallBucket", "Keys", "rank_order_sum", "returning"]
+__all__ = ["CallBucket", "Keys", "Ledger", "rank_order_sum", "returning"]
 
 
 def rank_order_sum(rows: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
@@ -89,11 +89,12 @@ def _sent(counters: dict[str, Any]) -> tuple[int, int]:
     return counters["bytes_sent"], counters["bytes_fp32"]
 
 
-class Keys:
-    """What an Exchange keeps and how it issues its calls on ``group``. Built from the codec's
-    resolved configuration (``state``: its hook state, bound, read once here and not kept):
-    the engine, bound to its phase groups; the counters; the fingerprint a checkpoint
-    carries; the node plan. ``start_iter``: each key's exact calls."""
+class Ledger:
+    """What an Exchange keeps over ``group``: built from the codec's resolved configuration
+    (``state``: its hook state, bound, read once here and not kept), the engine, bound to its
+    phase groups; the counters; each key's position and calls (``start_iter``: each key's
+    exact calls); the calls' steps and their commit; the fingerprint and the checkpoint; the
+    node plan."""
 
     def __init__(self, state: HookState, group: Any, start_iter: int) -> None:
         self.group, self.start_iter = group, start_iter
@@ -126,6 +127,103 @@ class Keys:
         add_call(self.counters, self.world_size, numel, nbytes, collectives, bytes_fp32,
                  **levels)  # fmt: skip
 
+    def end(self) -> None:
+        """A call's step ends (its residuals commit at the next call's begin)."""
+        self.iter += 1
+        self.open = True
+
+    def commit(self) -> None:
+        """Keep the last call's new residuals unless its decode came out non-finite."""
+        if self.engine is not None:
+            self.engine.store.commit(self.iter - 1, self.engine.device)
+
+    def check_resumed(self, device: torch.device) -> None:
+        """At the first call, and the first after a load: the ranks compare their steps."""
+        steps, self.resumed_at = self.resumed_at, None
+        if steps is not None and self.world_size > 1:
+            compare_steps(self.where, steps, self.group, device)
+
+    # --- counters and state -------------------------------------------------------------
+
+    def stats(self) -> dict[str, Any]:
+        if self.engine is not None:
+            self.engine.store.fold()  # the decodes' counts, read once done
+        stats = dict(self.counters)
+        if self.codec is None:  # the exact exchange decodes nothing: its results are read
+            bad, self.nonfinite = self.nonfinite, []
+            self.bad_calls += sum(int(b) for b in bad)
+            stats["nonfinite_buckets"] = self.bad_calls
+        return stats
+
+    def residual_bytes(self, key: Hashable) -> int:
+        engine = self.engine
+        if engine is None or not engine.error_feedback:
+            return 0
+        indices = [i for (_, k), i in self.keys.items() if k == key]
+        return sum(engine.store.nbytes(i, pending=True) for i in indices)
+
+    def state_dict(self) -> dict[str, Any]:
+        """In the format of the codec's hook state (what Exchanges saved before they had
+        their own): the fingerprint, rank, counters and, with a codec, the step and the
+        residuals."""
+        saved: dict[str, Any] = {
+            "fingerprint": self.fingerprint,
+            "rank": self.rank,
+            "world_size": self.world_size,
+            "stats": self.stats(),  # the exact exchange's nonfinite_buckets too
+        }
+        if self.engine is not None:
+            store = self.engine.store
+            if store.touched:
+                self.commit()
+            saved.update(iter=self.iter, residuals=store.snapshot())
+        saved["layout"] = None  # DDP's buckets: none here
+        return {
+            "exchange": saved,
+            "keys": list(self.keys),
+            "calls": [self.calls.get(k, 0) for k in self.keys],
+        }
+
+    def load(self, state: dict[str, Any], keys: list, calls: list[int]) -> None:
+        saved = state["exchange"]
+        if self.engine is not None:
+            saved = with_strict_skip(saved, self.serial)
+        check_saved(self.hook_name, saved, self.fingerprint, self.rank, self.world_size)
+        if saved.get("layout") is not None:
+            raise ValueError(
+                f"{self.where}: cannot load a state with DDP's bucket layout (a DDP hook's); "
+                "expected what Exchange.state_dict() returns"
+            )
+        loaded = saved.get("residuals", {}) if self.engine is not None else {}
+        if self.engine is not None:
+            check_residuals(self.where, self.engine, loaded)
+        self.counters.clear()  # in place: the engine counts into this dict
+        self.counters.update(saved["stats"])
+        self.counters.pop("rebucketed_steps", None)
+        if self.engine is None:  # the engine's store counts a codec's itself
+            self.bad_calls, self.nonfinite = self.counters.pop("nonfinite_buckets", 0), []
+        steps = self.counters.get("steps")
+        self.resumed_at = steps if isinstance(steps, int) else None
+        if self.engine is not None:
+            self.iter = int(saved["iter"])
+            self.engine.store.load(loaded)
+            self.engine.store.place_loaded()  # a key's first compressed call may come later
+        self.keys = {k: i for i, k in enumerate(keys)}
+        self.calls = dict(zip(self.keys, calls))
+
+    def load_key(self, pair: tuple, calls: int, residual: Optional[torch.Tensor]) -> None:
+        index = self.keys[pair] = len(self.keys)
+        self.calls[pair] = calls
+        if residual is not None:
+            kept = {"r1": residual.detach().clone()}
+            self.engine.store.put((index, residual.numel(), PHASE_1), kept)
+
+
+class Keys(Ledger):
+    """How an Exchange's calls are issued on its :class:`Ledger`: each key's warm-up, a list
+    call's flat buffer, the exact paths, the node hierarchy, the engine's collectives, and
+    compressed all-reduces of several keys fused into one exchange."""
+
     def flat(self, key: Hashable, numel: int, like: torch.Tensor) -> torch.Tensor:
         """The flat buffer of a list call of ``key``: its last one's, if of the same size,
         dtype and device."""
@@ -148,22 +246,6 @@ class Keys:
             self.commit()
             self.open = False
         return index, self.codec is not None and done >= self.start_iter
-
-    def end(self) -> None:
-        """A call's step ends (its residuals commit at the next call's begin)."""
-        self.iter += 1
-        self.open = True
-
-    def commit(self) -> None:
-        """Keep the last call's new residuals unless its decode came out non-finite."""
-        if self.engine is not None:
-            self.engine.store.commit(self.iter - 1, self.engine.device)
-
-    def check_resumed(self, device: torch.device) -> None:
-        """At the first call, and the first after a load: the ranks compare their steps."""
-        steps, self.resumed_at = self.resumed_at, None
-        if steps is not None and self.world_size > 1:
-            compare_steps(self.where, steps, self.group, device)
 
     def issued(
         self, fut: torch.futures.Future, result: Any, sent: int = 0, fp32: int = 0, end=True
@@ -382,78 +464,3 @@ class Keys:
                 fut = fut.then(lambda f: f.value().mul_(world))
             out.append(Issued(fut.then(returning(tensor, flat)), tensor, *sent["bytes"]))
         return out
-
-    # --- counters and state -------------------------------------------------------------
-
-    def stats(self) -> dict[str, Any]:
-        if self.engine is not None:
-            self.engine.store.fold()  # the decodes' counts, read once done
-        stats = dict(self.counters)
-        if self.codec is None:  # the exact exchange decodes nothing: its results are read
-            bad, self.nonfinite = self.nonfinite, []
-            self.bad_calls += sum(int(b) for b in bad)
-            stats["nonfinite_buckets"] = self.bad_calls
-        return stats
-
-    def residual_bytes(self, key: Hashable) -> int:
-        engine = self.engine
-        if engine is None or not engine.error_feedback:
-            return 0
-        indices = [i for (_, k), i in self.keys.items() if k == key]
-        return sum(engine.store.nbytes(i, pending=True) for i in indices)
-
-    def state_dict(self) -> dict[str, Any]:
-        """In the format of the codec's hook state (what Exchanges saved before they had
-        their own): the fingerprint, rank, counters and, with a codec, the step and the
-        residuals."""
-        saved: dict[str, Any] = {
-            "fingerprint": self.fingerprint,
-            "rank": self.rank,
-            "world_size": self.world_size,
-            "stats": self.stats(),  # the exact exchange's nonfinite_buckets too
-        }
-        if self.engine is not None:
-            store = self.engine.store
-            if store.touched:
-                self.commit()
-            saved.update(iter=self.iter, residuals=store.snapshot())
-        saved["layout"] = None  # DDP's buckets: none here
-        return {
-            "exchange": saved,
-            "keys": list(self.keys),
-            "calls": [self.calls.get(k, 0) for k in self.keys],
-        }
-
-    def load(self, state: dict[str, Any], keys: list, calls: list[int]) -> None:
-        saved = state["exchange"]
-        if self.engine is not None:
-            saved = with_strict_skip(saved, self.serial)
-        check_saved(self.hook_name, saved, self.fingerprint, self.rank, self.world_size)
-        if saved.get("layout") is not None:
-            raise ValueError(
-                f"{self.where}: cannot load a state with DDP's bucket layout (a DDP hook's); "
-                "expected what Exchange.state_dict() returns"
-            )
-        loaded = saved.get("residuals", {}) if self.engine is not None else {}
-        if self.engine is not None:
-            check_residuals(self.where, self.engine, loaded)
-        self.counters.clear()  # in place: the engine counts into this dict
-        self.counters.update(saved["stats"])
-        self.counters.pop("rebucketed_steps", None)
-        if self.engine is None:  # the engine's store counts a codec's itself
-            self.bad_calls, self.nonfinite = self.counters.pop("nonfinite_buckets", 0), []
-        steps = self.counters.get("steps")
-        self.resumed_at = steps if isinstance(steps, int) else None
-        if self.engine is not None:
-            self.iter = int(saved["iter"])
-            self.engine.store.load(loaded)
-            self.engine.store.place_loaded()  # a key's first compressed call may come later
-        self.keys = {k: i for i, k in enumerate(keys)}
-        self.calls = dict(zip(self.keys, calls))
-
-    def load_key(self, pair: tuple, calls: int, residual: Optional[torch.Tensor]) -> None:
-        index = self.keys[pair] = len(self.keys)
-        self.calls[pair] = calls
-        if residual is not None:
-            kept = {"r1": residual.detach().clone()}
-            self.engine.store.put((index, residual.numel(), PHASE_1), kept)
