@@ -338,16 +338,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     _check_memory(ap, args, spec, params, len(hooks) + (args.link is not None))
     link: dict[str, Any] = {"rate": args.link, "shaped": False}
     if args.link is not None:
-        try:
-            bits = _link.parse_rate(args.link)
-        except ValueError as e:
-            ap.error(f"--link {args.link}: {e}")
-        total = bits * args.nprocs
-        if not args._in_netns:
-            reason = _link.cannot_shape() or _link.probe(total)
-            if reason:
-                ap.error(f"--link {args.link}: {reason}")
-            return _link.rerun_in_netns(["--fsdp", *argv])
+        rerun_argv = ["--fsdp", *argv]
+        total, rerun = _link.in_shaped_netns(ap, args.link, args.nprocs, args._in_netns, rerun_argv)
+        if rerun is not None:
+            return rerun
         if args.nodes == 1:
             link["qdisc"] = _link.shape_loopback(total)
         link["shaped"] = True

@@ -17,7 +17,7 @@ import re
 import shutil
 import subprocess
 import sys
-from typing import Optional
+from typing import Any, Optional
 
 # tc's rate units (iproute2 tc_util.c, matched case-insensitively); a bare number is bit/s.
 _UNITS = {
@@ -185,3 +185,20 @@ def rerun_in_netns(argv: list[str]) -> int:
     env.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
     cmd = ["unshare", "-n", "--", sys.executable, "-m", "pycomm.bench", *argv, NETNS_FLAG]
     return subprocess.call(cmd, env=env)
+
+
+def in_shaped_netns(ap: Any, rate: str, nprocs: int, in_netns: bool, argv: list[str]):
+    """``--link rate`` for ``nprocs`` ranks: (the loopback's total bits, None) inside the
+    private namespace; outside it, (total, the exit status of ``argv`` re-run in one,
+    :func:`rerun_in_netns`), or ``ap.error`` naming why the link cannot be shaped here."""
+    try:
+        bits = parse_rate(rate)
+    except ValueError as e:
+        ap.error(f"--link {rate}: {e}")
+    total = bits * nprocs
+    if in_netns:
+        return total, None
+    reason = cannot_shape() or probe(total)
+    if reason:
+        ap.error(f"--link {rate}: {reason}")
+    return total, rerun_in_netns(argv)

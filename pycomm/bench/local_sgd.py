@@ -155,16 +155,10 @@ def main(argv: Optional[list[str]] = None) -> int:
             with open(args.json, "w") as f:
                 json.dump(docs, f, indent=1)
         return 0
-    try:
-        bits = _link.parse_rate(args.link)
-    except ValueError as e:
-        ap.error(f"--link {args.link}: {e}")
-    total = bits * args.nprocs
-    if not args._in_netns:
-        reason = _link.cannot_shape() or _link.probe(total)
-        if reason:
-            ap.error(f"--link {args.link}: {reason}")
-        return _link.rerun_in_netns(["--local-sgd", *argv])
+    rerun_argv = ["--local-sgd", *argv]
+    total, rerun = _link.in_shaped_netns(ap, args.link, args.nprocs, args._in_netns, rerun_argv)
+    if rerun is not None:
+        return rerun
     _link.shape_loopback(total)
     params = sum(p.numel() for p in _model(args.width, args.layers).parameters())
     print(f"pycomm.bench --local-sgd: MLP {args.layers}x{args.width} ({params / 1e6:.2f}M "
