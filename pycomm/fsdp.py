@@ -80,8 +80,8 @@ except ImportError:  # FSDP calls allocate() and __call__(), nothing else
 from pycomm._validate import check_int, hook_options_of
 from pycomm.exchange import Exchange
 from pycomm.hooks import CompressedState, hook_spec
-from pycomm.hooks.allreduce import AllreduceState
 from pycomm.hooks.config import agree, error_field, resolved_config
+from pycomm.hooks.ddp import AllreduceState
 from pycomm.hooks.registry import hook_names, registration
 from pycomm.hooks.state import accepts_dtype, check_saved, dtype_names, unbound
 from pycomm.hsdp import NodeAllReduce, cross_group, is_node_group, node_mesh

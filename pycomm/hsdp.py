@@ -29,7 +29,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from pycomm.dist import all_gather_objects
 from pycomm.exchange import Exchange
-from pycomm.hooks.groups import new_groups
+from pycomm.exchange.engine import new_groups
 from pycomm.topology import Topology, topology
 
 __all__ = [

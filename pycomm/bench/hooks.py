@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 from pycomm.hooks.codec import Codec
-from pycomm.hooks.compressed import CompressedState
+from pycomm.hooks.ddp import CompressedState
 
 
 def compute_hook(state: object, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:

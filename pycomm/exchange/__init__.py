@@ -37,8 +37,29 @@ Rules a caller keeps, as for any collective of ``torch.distributed``:
   exchange.
 """
 
-from pycomm.exchange.core import Exchange
-from pycomm.exchange.issue import Work
-from pycomm.exchange.keys import rank_order_sum
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from pycomm.exchange.core import Exchange
+    from pycomm.exchange.issue import Work
+    from pycomm.exchange.keys import rank_order_sum
 
 __all__ = ["Exchange", "Work", "rank_order_sum"]
+
+
+def __getattr__(name: str) -> Any:
+    # imported when first used: the engine and the node hierarchy (this package's
+    # submodules) sit below pycomm.hooks, which the public face imports
+    if name == "Exchange":
+        from pycomm.exchange.core import Exchange
+
+        return Exchange
+    if name == "Work":
+        from pycomm.exchange.issue import Work
+
+        return Work
+    if name == "rank_order_sum":
+        from pycomm.exchange.keys import rank_order_sum
+
+        return rank_order_sum
+    raise AttributeError(f"module 'pycomm.exchange' has no attribute {name!r}")

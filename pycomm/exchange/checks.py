@@ -10,7 +10,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from pycomm.hooks.engine import PHASE_1
+from pycomm.exchange.engine import PHASE_1
 from pycomm.hooks.state import dtype_names
 
 __all__ = [

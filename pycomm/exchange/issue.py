@@ -29,8 +29,8 @@ from typing import Any, Callable, NamedTuple, Optional
 import torch
 import torch.distributed as dist
 
+from pycomm.exchange.engine import new_groups
 from pycomm.hooks.config import agree, error_field
-from pycomm.hooks.groups import new_groups
 
 __all__ = ["SLOTS", "Call", "Issued", "Issuer", "Stream", "Work"]
 

@@ -3,7 +3,7 @@ engine: the codec's engine (codec, residuals, workspace, phase groups; none for 
 exchange), the counters, the calls of each key (its warm-up), a list call's flat buffer, each
 call's step and its commit, the exact paths, the node hierarchy (exact inside the node, the
 codec across), compressed all-reduces of several keys fused into one exchange
-(:meth:`pycomm.hooks.engine.Engine.all_reduce_many`), and the checkpoint. Tensors and keys
+(:meth:`pycomm.exchange.engine.Engine.all_reduce_many`), and the checkpoint. Tensors and keys
 only: no DDP bucket, hook function or bucket layout. Runs on the issuing thread
 (:mod:`pycomm.exchange.issue`), in call order.
 """
@@ -16,19 +16,16 @@ from typing import Any, Callable, Optional
 import torch
 import torch.distributed as dist
 
-from pycomm.exchange.issue import Issued
-from pycomm.hooks import hierarchy as hier
-from pycomm.hooks.allreduce import exact_allreduce
-from pycomm.hooks.compressed import check_residuals, codec_cross, with_strict_skip
-from pycomm.hooks.engine import PHASE_1
-from pycomm.hooks.state import (
-    HookState,
-    add_call,
-    check_saved,
-    compare_steps,
+from pycomm.exchange import hierarchy as hier
+from pycomm.exchange.engine import (
+    PHASE_1,
+    check_residuals,
     completed,
+    exact_allreduce,
     ring_bytes,
 )
+from pycomm.exchange.issue import Issued
+from pycomm.hooks.state import HookState, add_call, check_saved, compare_steps, with_strict_skip
 
 __all__ = ["CallBucket", "Keys", "Ledger", "rank_order_sum", "returning"]
 
@@ -339,7 +336,7 @@ class Keys(Ledger):
             key = (index, shard.numel(), str(shard.dtype))
             return engine.all_reduce(shard, key, step, lambda *_: None)  # counted below
 
-        cross = codec_cross(engine, plan, n, issue)
+        cross = hier.codec_cross(engine, plan, n, issue)
         return hier.node_reduce(self, plan, bucket, x, index, cross, postscale=1.0 / L,
                                 finite_step=step)  # fmt: skip
 

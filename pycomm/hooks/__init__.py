@@ -9,7 +9,6 @@ import warnings
 from typing import Any
 
 from pycomm.hooks.advice import onebit_advice
-from pycomm.hooks.allreduce import AllreduceState, allreduce_hook
 from pycomm.hooks.auto import AutoState, auto_hook
 from pycomm.hooks.bucket import Bucket
 from pycomm.hooks.codec import (
@@ -23,7 +22,7 @@ from pycomm.hooks.codec import (
     OneBitCodec,
     check_codec,
 )
-from pycomm.hooks.compressed import CompressedState, compressed_hook
+from pycomm.hooks.ddp import AllreduceState, CompressedState, allreduce_hook, compressed_hook
 from pycomm.hooks.powersgd import PowerSGDHookState, powersgd_hook
 from pycomm.hooks.registry import HookSpec, hook_names, hook_spec, register_hook, unregister_hook
 from pycomm.hooks.state import HookState

@@ -72,18 +72,15 @@ import torch
 import torch.distributed as dist
 
 from pycomm._validate import check_int
-from pycomm.hooks import hierarchy as hier
-from pycomm.hooks.allreduce import exact_allreduce, per_bucket
+from pycomm.exchange import hierarchy as hier
+from pycomm.exchange.engine import exact_allreduce, phase_groups, ring_bytes
 from pycomm.hooks.codec import Codec
-from pycomm.hooks.compressed import CompressedState
-from pycomm.hooks.groups import phase_groups
-from pycomm.hooks.layout import BucketLayout
+from pycomm.hooks.ddp import BucketLayout, CompressedState, per_bucket
 from pycomm.hooks.registry import hook_names, hook_spec, spec_identity
 from pycomm.hooks.state import (
     HookState,
     accepts_dtype,
     dtype_names,
-    ring_bytes,
 )
 from pycomm.hooks.warmup import Warmup, timed, timed_allreduce
 

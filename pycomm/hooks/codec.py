@@ -2,7 +2,7 @@
 self-check a codec passes when it is registered.
 
 A codec turns a flat gradient into codes (and optional scales) and decodes-and-sums rows of
-them. The engine (:mod:`pycomm.hooks.engine`, under DDP's :func:`pycomm.hooks.compressed_hook`,
+them. The engine (:mod:`pycomm.exchange.engine`, under DDP's :func:`pycomm.hooks.compressed_hook`,
 ``pycomm.Exchange`` and ``pycomm.fsdp``) does everything else: the two-phase exchange, error
 feedback (the residuals' storage, ``residual_dtype``, keeping a step's new residuals apart until
 the step is known finite), ``start_iter``, ``hierarchy="node"``, the statistics, ``state_dict``

@@ -12,10 +12,9 @@ import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as _psgd
 
 from pycomm._validate import check_bool, check_int
-from pycomm.hooks.allreduce import sparse_allreduce
-from pycomm.hooks.groups import phase_groups
-from pycomm.hooks.layout import BucketLayout
-from pycomm.hooks.state import HookState, completed, is_sparse, ring_bytes
+from pycomm.exchange.engine import completed, phase_groups, ring_bytes
+from pycomm.hooks.ddp import BucketLayout, sparse_allreduce
+from pycomm.hooks.state import HookState, is_sparse
 
 # PowerSGDState's options and their defaults, read from its signature (it does not keep all of
 # them as attributes, random_seed for one).

@@ -26,7 +26,7 @@ from typing import Any, Callable, Optional
 
 from pycomm._validate import check_bool, check_int
 from pycomm.hooks.codec import check_codec
-from pycomm.hooks.compressed import CompressedState, codec_identity, compressed_hook
+from pycomm.hooks.ddp import CompressedState, codec_identity, compressed_hook
 from pycomm.hooks.state import HookState
 
 __all__ = [
@@ -361,7 +361,7 @@ def spec_identity(name: str) -> str:
 
     Example:
         >>> spec_identity("int8")
-        'pycomm.hooks.codec.Int8State, pycomm.hooks.compressed.compressed_hook, codec ...'
+        'pycomm.hooks.codec.Int8State, pycomm.hooks.ddp.compressed_hook, codec ...'
     """
     spec = _SPECS.get(name)
     if spec is None:

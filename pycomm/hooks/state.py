@@ -11,7 +11,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from pycomm.hooks.groups import completed
+from pycomm.exchange.engine import completed, ring_bytes
 
 __all__ = ["HookState", "check_bucket", "check_owner", "completed", "ring_bytes", "unbound"]
 
@@ -38,11 +38,6 @@ def unbound() -> Iterator[None]:
         yield
     finally:
         _UNBOUND.reset(token)
-
-
-def ring_bytes(nbytes: int, world_size: int) -> int:
-    """Bytes one rank sends in a ring all-reduce of ``nbytes``: 2(N-1)/N of the payload."""
-    return 2 * (world_size - 1) * nbytes // world_size
 
 
 class HookState:
@@ -367,7 +362,7 @@ def is_sparse(bucket: dist.GradBucket) -> bool:
     """Whether ``bucket`` holds a sparse gradient (``nn.Embedding(sparse=True)``,
     ``nn.EmbeddingBag(sparse=True)``): DDP gives each such gradient a bucket of its own, whose
     buffer is the gradient itself. Every pycomm hook reduces it exactly
-    (:func:`pycomm.hooks.allreduce.sparse_allreduce`), as DDP does."""
+    (:func:`pycomm.hooks.ddp.sparse_allreduce`), as DDP does."""
     return bucket.buffer().is_sparse
 
 
@@ -380,3 +375,13 @@ def check_bucket(hook: str, bucket: dist.GradBucket) -> torch.Tensor:
             f"{t.layout}, expected a dense floating-point gradient bucket"
         )
     return t
+
+
+def with_strict_skip(state: dict[str, Any], strict: bool) -> dict[str, Any]:
+    """A checkpoint of a version without ``strict_skip`` (which kept two copies) as one with
+    this state's: its residuals are those of either way."""
+    options = state.get("fingerprint", {}).get("options")
+    if isinstance(options, dict) and "strict_skip" not in options:
+        fingerprint = {**state["fingerprint"], "options": {**options, "strict_skip": strict}}
+        state = {**state, "fingerprint": fingerprint}
+    return state

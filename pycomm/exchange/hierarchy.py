@@ -28,8 +28,7 @@ import torch
 import torch.distributed as dist
 
 from pycomm.dist import all_gather_objects
-from pycomm.hooks.groups import Stage, completed, new_groups
-from pycomm.hooks.state import ring_bytes
+from pycomm.exchange.engine import Stage, completed, new_groups, ring_bytes, summed_numel
 from pycomm.topology import Topology, topology
 
 logger = logging.getLogger(__name__)
@@ -383,3 +382,15 @@ def exact_cross(plan: NodePlan, n: int, scale: Optional[float] = None) -> Cross:
 def fingerprint(plan: Optional[NodePlan]) -> str:
     """How the state reduces, for checkpoints: 'flat' or 'node: M nodes x L ranks'."""
     return "flat" if plan is None else plan.describe()
+
+
+def codec_cross(engine: Any, plan: NodePlan, n: int, issue: Callable) -> Cross:
+    """Stage 2 through ``engine``'s codec across the nodes, for an n-element bucket:
+    ``issue(shard_bucket, shard)`` starts the exchange of the shard; what it sends, a
+    two-phase exchange's rows or a one-phase codec's summed codes."""
+    codec, m = engine.codec, plan.nodes
+    s = shard_size(n, plan.local_size)
+    if codec.two_phase:
+        c = engine.chunk(s)
+        return Cross(issue, 2 * (m - 1) * (codec.code_bytes(c) + codec.scale_bytes(c)), 2)
+    return Cross(issue, ring_bytes(codec.code_bytes(summed_numel(codec, s)), m), 1)

@@ -1,0 +1,882 @@
+"""The DDP side: the state and hook function of every pycomm DDP hook but PowerSGD and
+``auto``, over the exchange's engine (:mod:`pycomm.exchange.engine`).
+
+- :func:`per_bucket`: the routine every hook runs on a bucket (the ranks' states compared
+  after a load, the sparse case, the dtype, one rank, the end of the step).
+- :class:`AllreduceState` and :func:`allreduce_hook`: DDP's own reduction, with byte
+  accounting (flat, or exact on the node hierarchy).
+- :class:`CompressedState` and :func:`compressed_hook`: every registered codec's hook (fp16,
+  bf16, int8, fp8, int4, onebit and users' codecs): its options, warm-up, node hierarchy,
+  advice, stats and checkpoints; past its warm-up each bucket goes to
+  :meth:`Engine.all_reduce <pycomm.exchange.engine.Engine.all_reduce>`.
+- :class:`BucketLayout`: a hook's own bucket layout.
+
+A hook's bucket layout. A compression hook's own bucket layout.
+
+With the model's parameters bound (``pycomm.wrap`` binds them), the hook names DDP's buckets
+by their parameters' positions and keeps DDP's buckets as they were at the first compressed
+step. Residuals, blocks and chunks follow that layout, so a freshly built DDP that buckets its
+first iteration differently (a resume) is re-bucketed into it and reduces bit for bit as the
+uninterrupted run would. Before the first compressed step, the layout a checkpoint records is
+DDP's latest one from a step after DDP's first (DDP rebuilds its buckets after its first
+iteration), so a checkpoint taken during the exact warm-up, or just before the first compressed
+step, resumes into the layout the uninterrupted run compresses with.
+"""
+
+import inspect
+import logging
+import threading
+from typing import Any, Callable, Optional
+
+import torch
+import torch.distributed as dist
+
+from pycomm._validate import check_bool, check_dtype, check_int
+from pycomm.exchange import hierarchy as hier
+from pycomm.exchange.engine import (
+    Engine,
+    ResidualStore,
+    check_residuals,
+    completed,
+    exact_allreduce,
+    phase_groups,
+    surfaced,
+)
+from pycomm.hooks import advice
+from pycomm.hooks.codec import Codec, check_codec
+from pycomm.hooks.state import (
+    HookState,
+    check_bucket,
+    dtype_names,
+    is_sparse,
+    with_strict_skip,
+)
+
+logger = logging.getLogger(__name__)
+
+_FLOATS = (torch.float32, torch.bfloat16, torch.float16)
+_RESIDUAL_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16"}
+
+# reduce(bucket, x, index) -> a future of x reduced: the exchange, on hook bucket ``index``
+Reduce = Callable[[Any, torch.Tensor, int], torch.futures.Future]
+
+
+class AllreduceState(HookState):
+    """State of :func:`allreduce_hook`: the process group and the stats.
+
+    ``hierarchy``: ``"auto"`` (default: ``"node"`` when the ranks span several nodes with
+    several ranks on each, else ``"flat"``), ``"flat"`` (one all-reduce over the group) or
+    ``"node"`` (fp32 reduce-scatter inside each node, all-reduce across nodes on 1/L of the
+    bucket, all-gather inside the node; see :mod:`pycomm.exchange.hierarchy`).
+
+    With the model's parameters bound (``pycomm.wrap`` binds them), a checkpoint records DDP's
+    buckets (after its first step), and a resumed run reduces its fresh DDP's first step in
+    them: with 3 ranks or more an all-reduce's sums depend on where an element sits, so that
+    step sums as the uninterrupted run's does.
+
+    Example:
+        >>> state = AllreduceState(process_group=None, hierarchy="node")
+        >>> ddp.register_comm_hook(state, allreduce_hook)
+    """
+
+    hook_name = "allreduce"
+    node_plan: Optional[hier.NodePlan] = None
+
+    def __init__(
+        self, process_group: Optional[dist.ProcessGroup] = None, hierarchy: str = "auto"
+    ) -> None:
+        self.hierarchy = hier.check_hierarchy(self.hook_name, hierarchy)
+        super().__init__(process_group)
+        self.bucket_layout = BucketLayout(self.where, self._stats)
+
+    def bind_parameters(self, params: list[torch.Tensor]) -> None:
+        """The model's trainable parameters in ``module.parameters()`` order: names DDP's
+        buckets, for the layout a checkpoint records. ``pycomm.wrap`` calls it."""
+        self.bucket_layout.bind(params)
+
+    def state_dict(self) -> dict[str, Any]:
+        saved = self.bucket_layout.saved()
+        return {
+            **super().state_dict(),
+            "layout": None if saved is None else [list(k) for k in saved],
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.check_fingerprint(state)
+        self.bucket_layout.load(state.get("layout"))  # checked before anything changes
+        super().load_state_dict(state)
+
+    def _bound(self) -> None:
+        self.node_plan = hier.resolve(self.hook_name, self.process_group, self.hierarchy)
+
+    def options(self) -> dict[str, Any]:
+        return {"hierarchy": self.hierarchy}
+
+    def fingerprint(self) -> dict[str, Any]:
+        return {**super().fingerprint(), "topology": hier.fingerprint(self.node_plan)}
+
+
+def allreduce_hook(
+    state: AllreduceState, bucket: dist.GradBucket
+) -> torch.futures.Future[torch.Tensor]:
+    """Average the bucket over the group with one asynchronous fp32 (or bucket-dtype)
+    all-reduce: bit for bit what DDP does without a hook.
+
+    DDP without a hook multiplies each gradient by 1/N (a double rounded to the bucket's
+    dtype) before summing, so this hook scales the same way before the same all-reduce: a
+    division by N would round differently whenever N is not a power of two.
+
+    Args:
+        state: the hook's :class:`AllreduceState` (process group, counters, hierarchy).
+        bucket: the DDP bucket that is ready: its flat buffer and the parameters it holds.
+
+    Returns:
+        A future of the reduced bucket buffer (same shape and dtype), which DDP copies into
+        the parameters' gradients.
+
+    Example:
+        >>> ddp.register_comm_hook(AllreduceState(None), allreduce_hook)
+    """
+
+    layout = state.bucket_layout
+
+    def dense(tensor: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
+        plan = state.node_plan
+        if plan is not None:
+            cross = hier.exact_cross(plan, tensor.numel())
+            return hier.node_reduce(
+                state, plan, bucket, tensor, bucket.index(), cross, prescale=1.0 / state.world_size
+            )
+        if layout.bound:
+            layout.observe(bucket)
+            if layout.loaded:  # resumed: the checkpoint's buckets (DDP's own once rebuilt)
+                exact = lambda b, t, _i: exact_allreduce(state, b, t, state.process_group)  # noqa: E731
+                return layout.run(bucket, tensor, exact)
+        return exact_allreduce(state, bucket, tensor, state.process_group)
+
+    return per_bucket(state, bucket, dense, end=layout.end_step)
+
+
+def per_bucket(
+    state: HookState,
+    bucket: dist.GradBucket,
+    dense: Callable[[torch.Tensor], torch.futures.Future[torch.Tensor]],
+    *,
+    begin: Optional[Callable[[], Any]] = None,
+    end: Optional[Callable[[], Any]] = None,
+    alone: bool = True,
+) -> torch.futures.Future[torch.Tensor]:
+    """The routine every pycomm hook runs on a bucket, written once: the ranks' loaded
+    states compared once after a load (:meth:`HookState.check_resumed`); ``begin()`` (a step's
+    bookkeeping, at every call); a sparse gradient's bucket reduced exactly as DDP does
+    (:func:`sparse_allreduce`); the dense bucket's buffer checked (a dense floating-point
+    tensor of one of ``state.grad_dtypes``, else a TypeError naming the hook, the bucket
+    and the dtype); on one rank (``alone``) the bucket as it is, counted; else
+    ``dense(buffer)``, the hook's own exchange; and ``end()`` after the step's last bucket,
+    whatever happened.
+
+    Example:
+        >>> def my_hook(state, bucket):
+        ...     return per_bucket(state, bucket, lambda x: my_exchange(state, bucket, x))
+    """
+    state.check_resumed(bucket.buffer().device)
+    if begin is not None:
+        begin()
+    try:
+        if is_sparse(bucket):  # exact, as DDP reduces it; at its place in the step
+            return sparse_allreduce(state, bucket)
+        x = check_bucket(state.hook_name, bucket)
+        dtypes = state.grad_dtypes
+        if dtypes is not None and x.dtype not in dtypes:
+            raise TypeError(
+                f"pycomm {state.hook_name} hook: bucket {bucket.index()} has dtype {x.dtype}, "
+                f"expected {dtype_names(dtypes)}"
+            )
+        if alone and state.world_size == 1:
+            state.count(bucket, 0, collectives=0)
+            return completed(x)
+        return surfaced(dense(x))
+    finally:
+        if end is not None and bucket.is_last():
+            end()
+
+
+def sparse_allreduce(
+    state: HookState, bucket: dist.GradBucket, group: Optional[dist.ProcessGroup] = None
+) -> torch.futures.Future[torch.Tensor]:
+    """Reduce a sparse gradient's bucket as DDP does without a hook: divide by N, then one
+    asynchronous sparse all-reduce on the state's process group (gloo gathers every rank's
+    indices and values). Every pycomm hook sends its sparse buckets this way, exactly and
+    uncompressed: their bytes count as sent and as the fp32 baseline alike.
+
+    It must take the same place among the group's collectives on every rank: issued from the
+    hook call itself (DDP calls the hooks in bucket order on every rank) where the hook issues
+    nothing on that group from callbacks, else in the hook's own chain, on its own ``group``
+    (powersgd's).
+
+    Example:
+        >>> if pycomm.hooks.is_sparse(bucket):
+        ...     return sparse_allreduce(state, bucket)
+    """
+    grad = bucket.buffer()
+    n = state.world_size
+    if n == 1:
+        state.count(bucket, 0, collectives=0, bytes_fp32=0)
+        return completed(grad)
+    # what this rank puts on the wire: its indices and values, to every other rank
+    payload = grad._indices().numel() * 8 + grad._values().numel() * grad.element_size()
+    state.count(bucket, (n - 1) * payload, bytes_fp32=(n - 1) * payload)
+    grad.div_(n)
+    work = dist.all_reduce(grad, group=group or state.process_group, async_op=True)
+
+    def done(fut: torch.futures.Future) -> torch.Tensor:
+        return fut.value()[0]  # a new sparse tensor: the input is not reduced in place
+
+    return work.get_future().then(done)
+
+
+class BucketLayout:
+    """The bound parameters and the layout of hook buckets over them.
+
+    Args:
+        where: how error messages start (``pycomm <hook> hook``).
+        stats: the hook's counters; ``rebucketed_steps`` is kept here.
+    """
+
+    def __init__(self, where: str, stats: dict[str, Any]) -> None:
+        self.where, self.stats = where, stats
+        self.params: Optional[list[torch.Tensor]] = None
+        self.param_index: dict[int, int] = {}
+        self.buckets: Optional[list[tuple[int, ...]]] = None  # parameter positions per bucket
+        self.index: dict[tuple[int, ...], int] = {}
+        self.recording = False  # the first compressed step is defining the layout
+        self.rebucket: Optional[_Rebucket] = None  # the current step's, when DDP's differ
+        # DDP's buckets as the hook saw them: the steps seen by this DDP, the current (or
+        # latest) step's keys, and the latest complete step's after DDP's first
+        self.steps = 0
+        self.current: list[tuple[int, ...]] = []
+        self.seen: Optional[list[tuple[int, ...]]] = None
+
+    @property
+    def bound(self) -> bool:
+        return self.params is not None
+
+    def bind(self, params: list[torch.Tensor]) -> None:
+        self.params = list(params)
+        self.param_index = {id(p): i for i, p in enumerate(self.params)}
+
+    def set(self, layout: list[tuple[int, ...]]) -> None:
+        """Take a layout (from a checkpoint); the next step re-buckets into it if needed."""
+        self.buckets = [tuple(k) for k in layout]
+        self.index = {k: i for i, k in enumerate(self.buckets)}
+        self.recording, self.rebucket = False, None
+
+    def load(self, layout: Optional[list[list[int]]]) -> None:
+        """Take a checkpoint's layout (None: none was recorded) after checking that it covers
+        each bound parameter once; a ValueError naming the difference, before any change."""
+        if layout is not None and self.params is not None:
+            seen = sorted(i for k in layout for i in k)
+            if seen != list(range(len(self.params))):
+                raise ValueError(
+                    f"{self.where}: the checkpoint's bucket layout covers parameters "
+                    f"{seen[:8]}..., expected each of the {len(self.params)} bound parameters "
+                    "once"
+                )
+        if layout is not None:
+            self.set(layout)
+        self.end_step()
+
+    def observe(self, bucket: dist.GradBucket) -> None:
+        """Note DDP's dense ``bucket`` of this step (at every hook call, exact steps too)."""
+        self.current.append(self.key(bucket))
+
+    def saved(self) -> Optional[list[tuple[int, ...]]]:
+        """The layout a checkpoint records: the hook's own once it compressed a step; before
+        that, DDP's latest from a step after DDP's first (its buckets are rebuilt then), so that
+        a resume compresses in the layout the uninterrupted run does; None if there is none."""
+        if self.buckets is not None:
+            return self.buckets
+        if self.current and self.steps >= 1:
+            return list(self.current)
+        return self.seen
+
+    def key(self, bucket: dist.GradBucket) -> tuple[int, ...]:
+        """The positions of ``bucket``'s parameters among the bound ones."""
+        try:
+            return tuple(self.param_index[id(p)] for p in bucket.parameters())
+        except KeyError:
+            raise ValueError(
+                f"{self.where}: bucket {bucket.index()} holds a parameter that is not among the "
+                "bound parameters (bind_parameters)"
+            ) from None
+
+    def end_step(self) -> None:
+        """Between two steps: the step whose buckets were observed is complete."""
+        self.rebucket = None
+        if self.current:
+            if self.steps >= 1:
+                self.seen = self.current
+            self.steps += 1
+            self.current = []
+
+    @property
+    def loaded(self) -> bool:
+        """Whether a layout is set that is not being recorded (a checkpoint's, or the one the
+        first compressed step recorded): exact steps run on it too, so that a resumed DDP's
+        first step, bucketed as a fresh DDP buckets it, sums as the uninterrupted run does
+        (with 3 ranks or more an all-reduce's sums depend on where an element sits)."""
+        return self.bound and self.buckets is not None and not self.recording
+
+    def run(self, bucket: dist.GradBucket, x: torch.Tensor, reduce: Reduce):
+        """``reduce`` (the two-phase or the 16-bit path) on the hook's layout: directly when
+        DDP's bucket is one of the layout's, else through a re-bucketing of this step."""
+        key = self.key(bucket)
+        if self.buckets is None or self.recording:  # the first compressed step defines it
+            if self.buckets is None:
+                self.set([])
+                self.recording = True
+            self.buckets.append(key)
+            r = self.index[key] = len(self.buckets) - 1
+            if bucket.is_last():
+                self.recording = False
+            if bucket.index() != r:  # the hook's bucket r from the first step on (DDP numbers
+                # a sparse bucket among them: a dense one after it is DDP's 1, the hook's 0)
+                bucket = _HookBucket(r, x, bucket.is_last(), [self.params[i] for i in key])
+            return reduce(bucket, x, r)
+        r = self.index.get(key)
+        if r is not None:
+            if bucket.index() != r:  # the hook's bucket r, whatever DDP numbers it
+                bucket = _HookBucket(r, x, bucket.is_last(), [self.params[i] for i in key])
+            return reduce(bucket, x, r)
+        rb = self.rebucket
+        if rb is None:
+            logger.info("%s: DDP's buckets differ from the hook's layout; re-bucketing", self.where)
+            rb = self.rebucket = _Rebucket(self, x.dtype, x.device)
+            self.stats["rebucketed_steps"] = self.stats.get("rebucketed_steps", 0) + 1
+        fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+        pending = set(key)
+        off, complete = 0, []
+        for i in key:
+            n = self.params[i].numel()
+            r, o = rb.where[i]
+            if r not in rb.buffers:
+                rb.buffers[r] = torch.empty(rb.sizes[r], dtype=rb.dtype, device=rb.device)
+            rb.buffers[r][o : o + n].copy_(x[off : off + n])
+            rb.owner[i] = (x, off, pending, fut)
+            rb.missing[r].discard(i)
+            if not rb.missing[r]:
+                complete.append(r)
+            off += n
+        if off != x.numel():
+            raise RuntimeError(
+                f"{self.where}: bucket {bucket.index()} has {x.numel()} elements but its "
+                f"parameters {off}"
+            )
+        complete.sort()
+        for r in complete:
+            # the step is counted once: on DDP's last bucket, by the last hook bucket it completes
+            last = bucket.is_last() and r == complete[-1]
+            hb = _HookBucket(r, rb.buffers[r], last, [self.params[i] for i in self.buckets[r]])
+            reduced = reduce(hb, rb.buffers[r], r)
+            reduced.then(lambda f, r=r: self._scatter(rb, r, f))
+        if bucket.is_last():
+            self.rebucket = None
+        return fut
+
+    def _scatter(self, rb: "_Rebucket", r: int, f: torch.futures.Future) -> None:
+        """Copy a reduced hook bucket back into the DDP buckets it came from; complete those
+        whose parameters are all back."""
+        try:
+            out = f.value()
+        except BaseException as e:  # noqa: BLE001 - handed to every waiting DDP bucket
+            for i in self.buckets[r]:
+                _x, _o, _pending, fut = rb.owner[i]
+                if not fut.done():
+                    fut.set_exception(e)
+            return
+        done = []
+        for i in self.buckets[r]:
+            x, off, pending, fut = rb.owner[i]
+            n = self.params[i].numel()
+            o = rb.where[i][1]
+            x[off : off + n].copy_(out[o : o + n])
+            with rb.lock:
+                pending.discard(i)
+                if not pending:
+                    done.append((x, fut))
+        for x, fut in done:
+            fut.set_result(x)
+
+
+class _Rebucket:
+    """One step of DDP buckets that differ from the hook's layout: each DDP bucket is copied
+    into the hook buckets holding its parameters; a hook bucket whose parameters have all
+    arrived is reduced (in the order they complete, the same on every rank); a DDP bucket's
+    future completes once all its parameters came back."""
+
+    def __init__(self, layout: BucketLayout, dtype: torch.dtype, device: torch.device) -> None:
+        params = layout.params
+        self.lock = threading.Lock()
+        self.where: dict[int, tuple[int, int]] = {}  # parameter -> (hook bucket, offset)
+        self.sizes: list[int] = []
+        self.buffers: dict[int, torch.Tensor] = {}  # allocated when a parameter arrives
+        self.missing: list[set[int]] = []
+        self.dtype, self.device = dtype, device
+        for r, key in enumerate(layout.buckets):
+            off = 0
+            for i in key:
+                self.where[i] = (r, off)
+                off += params[i].numel()
+            self.sizes.append(off)
+            self.missing.append(set(key))
+        # parameter -> (DDP bucket tensor, offset, that bucket's pending set, its future)
+        self.owner: dict[int, tuple[torch.Tensor, int, set[int], torch.futures.Future]] = {}
+
+
+class _HookBucket:
+    """A hook bucket as the exchange sees it (:class:`pycomm.hooks.Bucket`)."""
+
+    def __init__(
+        self, index: int, buffer: torch.Tensor, last: bool, params: list[torch.Tensor]
+    ) -> None:
+        self._index, self._buffer, self._last, self._params = index, buffer, last, params
+
+    def parameters(self) -> list[torch.Tensor]:
+        return list(self._params)
+
+    def index(self) -> int:
+        return self._index
+
+    def gradients(self) -> list[torch.Tensor]:
+        """The parameters' gradients as views of the buffer, as DDP's buckets give them."""
+        out, off = [], 0
+        for p in self._params:
+            out.append(self._buffer[off : off + p.numel()].view(p.shape))
+            off += p.numel()
+        return out
+
+    def buffer(self) -> torch.Tensor:
+        return self._buffer
+
+    def is_last(self) -> bool:
+        return self._last
+
+
+class CompressedState(HookState):
+    """State of a compression hook: its options, the engine (codec, residuals, buffers,
+    phase groups), the DDP side (warm-up, bucket layout, node hierarchy, advice), counters.
+
+    Options (all hooks; docs/reference.md, "The hooks", has what each does): ``start_iter``
+    (default 2, onebit 20; >= 2, DDP rebuilds its buckets after its first iteration),
+    ``error_feedback``, ``local_feedback`` (default True, onebit False), ``residual_dtype``
+    (``"float32"`` or ``"bfloat16"``), ``strict_skip`` (a second copy of the residuals) and
+    ``hierarchy``. ``stats`` adds to :class:`HookState`'s ``nonfinite_buckets``,
+    ``residual_bytes``, ``rebucketed_steps`` and the codec's own ``codec_bytes_sent``,
+    ``codec_bytes_fp32``, ``codec_compression`` (its compressed exchanges alone).
+    """
+
+    grad_dtypes = _FLOATS  # the engine encodes from fp32, bf16 or fp16 buckets
+    default_error_feedback = True
+    default_local_feedback = True
+    default_start_iter = 2
+    option_names: tuple = (
+        "start_iter", "error_feedback", "local_feedback", "residual_dtype", "strict_skip",
+        "hierarchy",
+    )  # fmt: skip
+
+    def __init__(self, process_group: Optional[dist.ProcessGroup] = None, **options: Any):
+        hook = self.hook_name
+        unknown = sorted(set(options) - set(self.option_names))
+        if unknown:
+            raise ValueError(
+                f"pycomm {hook} hook: unknown option {unknown[0]!r}; valid options: "
+                f"{', '.join(self.option_names)}"
+            )
+        # before binding, which resolves it
+        self.hierarchy = hier.check_hierarchy(hook, options.get("hierarchy", "auto"))
+        super().__init__(process_group)
+        self.start_iter = check_int(
+            self.where, "start_iter", options.get("start_iter", self.default_start_iter), 2
+        )
+        engine_options = _engine_options(self, options)
+        self.iter = 0
+        self._fold_next = False  # the next hook call starts a new step: commit the last one
+        self._stats.update(nonfinite_buckets=0, residual_bytes=0, rebucketed_steps=0)
+        # the exchange (codec, residuals kept per bucket and committed once a step is finite,
+        # buffers, phase groups) is the engine's; the hook's own parts: its bucket layout over
+        # the bound parameters, the warm-up, the node hierarchy, the optimizer advice
+        self.engine = Engine(self.where, self.make_codec(options), self._stats, **engine_options)
+        if getattr(self, "_stage", None) is not None:
+            self.engine.bind(self._stage, self.exchange_size)
+        self.bucket_layout = BucketLayout(self.where, self._stats)
+        # DDP buckets whose parameters were handed to the optimizer check (pycomm.hooks.advice)
+        # when no parameters were bound: a state registered with plain register_comm_hook
+        self._advice_buckets: set[int] = set()
+
+    node_plan: Optional[hier.NodePlan] = None  # the node hierarchy, when it resolves to it
+
+    # --- the engine's parts, as the hook and its callers read them -----------------------
+
+    @property
+    def codec(self) -> Codec:
+        """The hook's codec (the engine's)."""
+        return self.engine.codec
+
+    @codec.setter
+    def codec(self, codec: Codec) -> None:
+        self.engine.codec = codec
+
+    @property
+    def store(self) -> ResidualStore:
+        """The error-feedback residuals (the engine's)."""
+        return self.engine.store
+
+    @property
+    def error_feedback(self) -> bool:
+        return self.engine.error_feedback
+
+    @property
+    def local_feedback(self) -> bool:
+        return self.engine.local_feedback
+
+    @property
+    def residual_dtype(self) -> torch.dtype:
+        return self.engine.residual_dtype
+
+    @property
+    def strict_skip(self) -> bool:
+        return self.store.strict
+
+    @property
+    def residuals(self) -> dict[tuple, dict[str, torch.Tensor]]:
+        """Bucket key -> {"r1", "r2"}: the error-feedback residuals as of the last finite step
+        whose backward has returned (a step's residuals are kept once all its buckets are
+        decoded; read in the middle of a backward, the previous step's)."""
+        if self.store.touched and self._fold_next:
+            self.commit()
+        return self.store.residuals
+
+    def scale_residuals(self, factor: float) -> None:
+        for res in self.residuals.values():  # (committed first: the latest step's)
+            for t in res.values():
+                t.mul_(factor)
+        for res in (self.store.pending or {}).values():  # loaded, not placed yet
+            for t in res.values():
+                t.mul_(factor)
+
+    @property
+    def layout(self) -> Optional[list[tuple[int, ...]]]:
+        """The hook's buckets as parameter positions (None before the first compressed step
+        or without bound parameters)."""
+        return self.bucket_layout.buckets
+
+    @property
+    def last_sqnorm(self) -> float:
+        return self.store.last_sqnorm
+
+    def _bound(self) -> None:
+        if self.world_size > 1 or self.hierarchy == "node":  # "node" on one rank: refused
+            self.node_plan = hier.resolve(self.hook_name, self.process_group, self.hierarchy)
+            # with the node hierarchy the exchange runs across nodes only, on its own groups
+            plan = self.node_plan
+            stage = phase_groups(self.process_group) if plan is None else plan.cross
+            if hasattr(self, "engine"):
+                self.engine.bind(stage, self.exchange_size)
+            else:  # bound while HookState.__init__ runs: the engine comes next
+                self._stage = stage
+
+    @property
+    def exchange_size(self) -> int:
+        """Ranks in the compressed exchange: the group's, or the nodes' with the hierarchy."""
+        return self.world_size if self.node_plan is None else self.node_plan.nodes
+
+    def count_exchange(self, bucket: dist.GradBucket, nbytes: int, collectives: int) -> None:
+        """Account one compressed exchange of ``bucket`` that sends ``nbytes`` in the totals,
+        which the node hierarchy counts itself (its exact in-node stages included)."""
+        if self.node_plan is None:
+            self.count(bucket, nbytes, collectives=collectives)
+
+    def exchange(
+        self,
+        bucket: dist.GradBucket,
+        x: torch.Tensor,
+        index: Optional[int] = None,
+        step: Optional[int] = None,
+    ) -> torch.futures.Future[torch.Tensor]:
+        """The compressed exchange of ``x`` (``bucket``'s buffer, a bucket of the hook's
+        layout, or the node hierarchy's shard) through the engine, as the hook's bucket
+        ``index`` (default DDP's) for the hook's ``step`` (default the current one: the node
+        hierarchy issues it from a callback, possibly once the hook has moved on), counted in
+        the hook's totals."""
+        index = bucket.index() if index is None else index
+        step = self.iter if step is None else step
+
+        def count(nbytes: int, collectives: int) -> None:
+            self.count_exchange(bucket, nbytes, collectives)
+
+        return self.engine.all_reduce(x, (index, x.numel(), str(x.dtype)), step, count)
+
+    def bind_parameters(self, params: list[torch.Tensor]) -> None:
+        """The model's trainable parameters in ``module.parameters()`` order: names buckets
+        by their parameters' positions (see :attr:`layout`). ``pycomm.wrap`` calls it.
+
+        Example:
+            >>> state.bind_parameters([p for p in model.parameters() if p.requires_grad])
+        """
+        self.bucket_layout.bind(params)
+        if advice.gives_advice(self):
+            advice.watch(self, self.bucket_layout.params)
+
+    def watch_bucket(self, bucket: dist.GradBucket) -> None:
+        """Without bound parameters (a plain ``register_comm_hook``), hand each bucket's
+        parameters to the optimizer check (:mod:`pycomm.hooks.advice`) once."""
+        if self.bucket_layout.bound or bucket.index() in self._advice_buckets:
+            return
+        self._advice_buckets.add(bucket.index())
+        if advice.gives_advice(self):
+            advice.watch(self, bucket.parameters())
+
+    def fingerprint(self) -> dict[str, Any]:
+        fp = super().fingerprint()
+        fp["topology"] = hier.fingerprint(self.node_plan)
+        if self.bucket_layout.bound:
+            fp["parameters"] = [list(p.shape) for p in self.bucket_layout.params]
+        return fp
+
+    # A registered codec's factory (pycomm.hooks.register_hook(name, codec=...)): its keyword
+    # parameters are the hook's codec options, and make_codec calls it with them.
+    codec_factory: Optional[Any] = None
+    codec_option_names: tuple = ()
+
+    def make_codec(self, options: dict[str, Any]) -> Codec:
+        """The codec of this state for ``options`` (the subclass's format). The default
+        calls :attr:`codec_factory` with the codec's own options (set by ``register_hook``)."""
+        if self.codec_factory is None:
+            raise NotImplementedError(f"{type(self).__name__} has no codec_factory")
+        kwargs = {k: options[k] for k in self.codec_option_names if k in options}
+        self.codec_kwargs = kwargs
+        try:
+            codec = self.codec_factory(**kwargs)
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"{self.where}: {_refusal(str(e), kwargs)}") from e
+        check_codec(codec, self.where)
+        return codec
+
+    def codec_options(self) -> dict[str, Any]:
+        """A registered codec's options as this state runs them (its factory's defaults
+        filled in): part of :meth:`options`, so compared across ranks and checkpointed."""
+        if self.codec_factory is None:
+            return {}
+        sig = inspect.signature(self.codec_factory)
+        given = getattr(self, "codec_kwargs", {})
+        out = {k: given.get(k, sig.parameters[k].default) for k in self.codec_option_names}
+        # a dtype by its name: "bfloat16" and torch.bfloat16 are one option value
+        return {k: _named(v) for k, v in out.items()}
+
+    def identity(self) -> dict[str, Any]:
+        """The state class, and the codec's class and format (:func:`codec_identity`)."""
+        return {**super().identity(), **codec_identity(self.codec)}
+
+    def options(self) -> dict[str, Any]:
+        return {
+            "start_iter": self.start_iter,
+            "error_feedback": self.error_feedback,
+            "local_feedback": self.local_feedback,
+            "residual_dtype": _RESIDUAL_DTYPES[self.residual_dtype],
+            "strict_skip": self.strict_skip,
+            "hierarchy": self.hierarchy,
+            **self.codec_options(),
+        }
+
+    # --- layout ------------------------------------------------------------------------
+
+    def new_step(self) -> bool:
+        """Called at every hook call: at the first of a step, commit the previous step (its
+        decodes are all done by then) and return True."""
+        if not self._fold_next:
+            return False
+        self.commit()
+        self._fold_next = False
+        self.bucket_layout.end_step()
+        return True
+
+    def end_step(self) -> None:
+        """Called after DDP's last bucket of a step."""
+        self.iter += 1
+        self._fold_next = True
+
+    def commit(self) -> None:
+        """End of a step (all its buckets decoded): keep its new residuals unless some bucket
+        came out non-finite (see :class:`ResidualStore`)."""
+        self.store.commit(self.iter - 1, self.engine.device)
+
+    # --- stats -------------------------------------------------------------------------
+
+    def fold(self) -> None:
+        self.store.fold()
+
+    @property
+    def stats(self) -> dict[str, Any]:
+        self.fold()
+        return self._stats
+
+    def reduced_sqnorm(self) -> Optional[float]:
+        """The squared norm of the latest step's reduced gradients, summed over its buckets'
+        decode passes; None after a warm-up (exact all-reduce) step, on one rank, or with the
+        node hierarchy (each rank decodes only its shard)."""
+        self.fold()
+        last = self.iter - 1
+        if self.world_size == 1 or last < self.start_iter or self.node_plan is not None:
+            return None
+        return self.store.sqnorm.get(last)
+
+    # --- checkpoint --------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        if self.store.touched and not self._fold_next:
+            raise RuntimeError(
+                f"pycomm {self.hook_name} hook: state_dict() in the middle of a step; call it "
+                "after backward() has returned"
+            )
+        if self.store.touched:
+            self.commit()
+        saved = self.bucket_layout.saved()
+        return {
+            **super().state_dict(),
+            "iter": self.iter,
+            "residuals": self.store.snapshot(),
+            "layout": None if saved is None else [list(k) for k in saved],
+        }
+
+    def check_fingerprint(self, state: dict[str, Any]) -> None:
+        super().check_fingerprint(with_strict_skip(state, self.strict_skip))
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        super().load_state_dict(state)
+        loaded = state.get("residuals", {})
+        check_residuals(self.where, self.engine, loaded)
+        layout = state.get("layout")
+        self.bucket_layout.load(layout)  # checked before anything changes
+        self.iter = int(state["iter"])
+        self.store.load(loaded)
+
+
+def _engine_options(state: CompressedState, options: dict[str, Any]) -> dict[str, Any]:
+    """The engine's options of ``state`` from the hook's ``options``, each checked, with the
+    hook's defaults."""
+    where = state.where
+    return {
+        "error_feedback": check_bool(
+            where, "error_feedback", options.get("error_feedback", state.default_error_feedback)
+        ),
+        "local_feedback": check_bool(
+            where, "local_feedback", options.get("local_feedback", state.default_local_feedback)
+        ),
+        "residual_dtype": check_dtype(
+            where,
+            "residual_dtype",
+            options.get("residual_dtype", "float32"),
+            tuple(_RESIDUAL_DTYPES),
+        ),  # fmt: skip
+        "strict_skip": check_bool(where, "strict_skip", options.get("strict_skip", False)),
+    }
+
+
+def _named(value: Any) -> Any:
+    """A dtype as its name (``"bfloat16"``), any other option value as it is."""
+    return str(value).split(".")[-1] if isinstance(value, torch.dtype) else value
+
+
+def _refusal(message: str, kwargs: dict[str, Any]) -> str:
+    """A codec's refusal of its options as the hook's: ``block=12, expected ...`` when the
+    codec's message names one of them after its own prefix, else the options and the message."""
+    for name in kwargs:
+        head, sep, rest = message.partition(": ")
+        if sep and rest.startswith(f"{name}="):
+            return rest
+    return f"the codec refused options {kwargs}: {message}"
+
+
+def codec_identity(codec: Codec) -> dict[str, Any]:
+    """What two ranks' codecs must agree on to exchange codes: the codec's class and its
+    format (block, dtypes, phases, bytes of 8 blocks), so that a codec edited on one node, or
+    one with another default, is named before the first collective instead of hanging it."""
+    cls, m = type(codec), 8 * codec.block
+    return {
+        "codec": f"{cls.__module__}.{cls.__qualname__}",
+        "codec format": (
+            f"block {codec.block}, codes {codec.code_dtype}, scales {codec.scale_dtype}, "
+            f"{'two-phase' if codec.two_phase else 'one-phase'}, "
+            f"{codec.code_bytes(m)} + {codec.scale_bytes(m)} bytes per {m} elements"
+        ),
+    }
+
+
+def compressed_hook(
+    state: CompressedState, bucket: dist.GradBucket
+) -> torch.futures.Future[torch.Tensor]:
+    """Average the bucket over the group through the state's codec: the one hook function of
+    every registered codec, pycomm's and users' alike. The first ``state.start_iter``
+    iterations use the exact fp32 all-reduce.
+
+    Args:
+        state: a registered codec hook's state (``pycomm.hooks.hook_spec(name).state``, a
+            :class:`CompressedState` subclass): codec, options, residuals, counters.
+        bucket: the DDP bucket that is ready: its flat buffer and the parameters it holds.
+
+    Returns:
+        A future of the reduced bucket buffer (same shape and dtype), which DDP copies into
+        the parameters' gradients;
+        identical on every rank.
+
+    Example:
+        >>> state = pycomm.hooks.hook_spec("int8").state(process_group=None, block=64)
+        >>> ddp.register_comm_hook(state, pycomm.hooks.compressed_hook)
+    """
+
+    def begin() -> None:
+        state.new_step()  # at a step's first bucket: the previous step is committed
+        if not is_sparse(bucket):
+            state.watch_bucket(bucket)
+
+    def dense(x: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
+        if state.bucket_layout.bound:
+            state.bucket_layout.observe(bucket)
+        if state.node_plan is not None:
+            return _node(state, bucket, x)
+        if state.iter < state.start_iter:
+            group = state.engine.phases.groups[0]
+            if state.bucket_layout.loaded:  # resumed in the warm-up: the saved layout's sums
+                exact = lambda b, t, _i: exact_allreduce(state, b, t, group)  # noqa: E731
+                return state.bucket_layout.run(bucket, x, exact)
+            return exact_allreduce(state, bucket, x, group)
+        if state.bucket_layout.bound:
+            return state.bucket_layout.run(bucket, x, state.exchange)
+        return state.exchange(bucket, x)
+
+    return per_bucket(state, bucket, dense, begin=begin, end=state.end_step)
+
+
+def _node(state: CompressedState, bucket: dist.GradBucket, x: torch.Tensor):
+    """The hook on the node hierarchy (pycomm.exchange.hierarchy): exact inside the node, this
+    hook's exchange across nodes on the rank's shard; the exact one while warming up."""
+    plan = state.node_plan
+    L, m = plan.local_size, plan.nodes
+    if state.iter < state.start_iter:
+        cross = hier.exact_cross(plan, x.numel(), 1.0 / m)
+        return hier.node_reduce(state, plan, bucket, x, bucket.index(), cross, postscale=1.0 / L)
+
+    def reduce(state: CompressedState, bucket, x: torch.Tensor, index: int):
+        step = state.iter  # now, in the hook: stage 2 runs later, from a callback
+
+        def issue(shard_bucket, shard: torch.Tensor):
+            return state.exchange(shard_bucket, shard, index, step)
+
+        cross = hier.codec_cross(state.engine, plan, x.numel(), issue)
+        return hier.node_reduce(
+            state, plan, bucket, x, index, cross, postscale=1.0 / L, finite_step=step
+        )
+
+    if state.bucket_layout.bound:
+        return state.bucket_layout.run(bucket, x, lambda b, t, i: reduce(state, b, t, i))
+    return reduce(state, bucket, x, bucket.index())
