@@ -83,7 +83,7 @@ from pycomm.hooks import CompressedState, hook_spec
 from pycomm.hooks.config import agree, error_field, resolved_config
 from pycomm.hooks.ddp import AllreduceState
 from pycomm.hooks.registry import hook_names, registration
-from pycomm.hooks.state import accepts_dtype, check_saved, dtype_names, unbound
+from pycomm.hooks.state import check_saved, dtype_names, unbound
 from pycomm.hsdp import NodeAllReduce, cross_group, is_node_group, node_mesh
 
 __all__ = [
@@ -192,7 +192,7 @@ class _ModuleCollective:
     ) -> None:
         self.name = name
         self.exchange = exchange
-        self.grad_dtypes = dtypes  # what the codec takes (accepts_dtype reads it); None: any
+        self.grad_dtypes = dtypes  # what the codec takes ; None: any
         self.counters = {key: 0 for key in _COUNTERS}
         self._group: Any = exchange.process_group  # the last group FSDP passed, once checked
 
@@ -295,7 +295,7 @@ class ModuleReduceScatter(_ModuleCollective, ReduceScatter):
         synchronous (FSDP runs it in its reduce-scatter stream)."""
         where = self._where(group, ("input", input_tensor), ("an output", output_tensor))
         reduction = _reduction(op)
-        if self.grad_dtypes is not None and not accepts_dtype(self, input_tensor.dtype):
+        if self.grad_dtypes is not None and input_tensor.dtype not in self.grad_dtypes:
             # every rank reduces the same dtype: each raises here, none waits in a collective
             raise TypeError(
                 f"{where}: the {self.hook} hook reduces {dtype_names(self.grad_dtypes)} "
@@ -357,7 +357,7 @@ class ModuleAllGather(_ModuleCollective, AllGather):
         ``output_tensor``) into ``output_tensor`` (N chunks) on ``group``, through the codec;
         synchronous (FSDP runs it in its all-gather stream and waits on its event)."""
         where = self._where(group, ("all-gather output", output_tensor), ("an input", input_tensor))
-        if not accepts_dtype(self, input_tensor.dtype):
+        if input_tensor.dtype not in self.grad_dtypes:
             # every rank gathers the same dtype: each raises here, none waits in a collective
             raise TypeError(
                 f"{where}: all_gather={self.codec!r} encodes {dtype_names(self.grad_dtypes)} "
@@ -414,10 +414,11 @@ class FSDPCompression:
         self.all_gathers = dict(all_gathers or {})
         self.all_gather_exchange = all_gather_exchange
         self._fresh = copy.deepcopy(exchange.state_dict())  # what a format 1 loads into
-        # set by compress: the options resolved and the hook's defaults, each module's
+        # set by compress: the options resolved, what resolves the hook's defaults, each module's
         # parameter shapes (all in the fingerprint)
         self.resolved: Optional[dict[str, Any]] = None
-        self.defaults: Optional[dict[str, Any]] = None
+        self.spec: Any = None  # the hook's spec and what compress set of its options
+        self.given: dict[str, Any] = {}
         self.shapes: Optional[dict[str, list]] = None
 
     @property
@@ -483,8 +484,9 @@ class FSDPCompression:
         if isinstance(fingerprint, dict):
             fingerprint = dict(fingerprint)
             options = fingerprint.get("options")
-            if isinstance(options, dict) and self.defaults is not None:
-                fingerprint["options"] = {"hook": self.hook, **self.defaults, **options}
+            if isinstance(options, dict) and self.spec is not None:
+                defaults = _resolved_options(self.spec, self.given)
+                fingerprint["options"] = {"hook": self.hook, **defaults, **options}
             if "module shapes" not in fingerprint and self.shapes is not None:
                 fingerprint["module shapes"] = self.shapes
             state = {**state, "fingerprint": fingerprint}
@@ -688,20 +690,19 @@ def _gather_codec(
     resolved, or the ValueError/TypeError naming the argument, its value and what was
     expected."""
     what = f"{where}: all_gather={all_gather!r}"
-    names = _weight_codecs()
     if not isinstance(all_gather, str):
         raise TypeError(
-            f"{what}, expected None (FSDP's own all-gather) or a codec's name ({names})"
+            f"{what}, expected None (FSDP's own all-gather) or a codec's name ({_weight_codecs()})"
         )
     if all_gather == "allreduce":
         raise ValueError(
             f"{what}: the exact exchange is FSDP's own all-gather, expected all_gather=None "
-            f"for it (or a codec: {names})"
+            f"for it (or a codec: {_weight_codecs()})"
         )
     if all_gather not in hook_names():
         raise ValueError(
             f"{what}: not a registered hook, expected None (FSDP's own all-gather) or a codec "
-            f"({names}; pycomm.hooks.register_hook adds one)"
+            f"({_weight_codecs()}; pycomm.hooks.register_hook adds one)"
         )
     spec = hook_spec(all_gather, where)
     if spec.codec is None or not (
@@ -709,7 +710,7 @@ def _gather_codec(
     ):
         raise ValueError(
             f"{what}: a hook without a codec (DDP's alone) cannot encode weights, expected "
-            f"None (FSDP's own all-gather) or a codec ({names})"
+            f"None (FSDP's own all-gather) or a codec ({_weight_codecs()})"
         )
     if options is not None and not isinstance(options, dict):
         raise TypeError(
@@ -717,11 +718,9 @@ def _gather_codec(
             "or None"
         )
     options = dict(options or {})
-    with unbound():
-        base = spec.state(None)
-    own = tuple(getattr(base, "codec_option_names", ()))
+    own = tuple(getattr(spec.state, "codec_option_names", ()))
     for key in options:
-        if key not in base.options():
+        if key not in own and key not in getattr(spec.state, "option_names", ()):
             raise ValueError(
                 f"{where}: all_gather_options option {key!r}: not an option of codec "
                 f"{all_gather!r}, expected its own options ({', '.join(own) or 'none'})"
@@ -869,7 +868,9 @@ def compress(
             f"pycomm.fsdp.compress: model is a {type(model).__name__}, expected an nn.Module"
         )
     modules = _fsdp_modules(model)
-    spec, opts, group, gather = _agreed(hook, options, all_gather, all_gather_options, modules)
+    spec, opts, group, gather, resolved = _agreed(
+        hook, options, all_gather, all_gather_options, modules
+    )
     gather_exchange, gather_options, gathers = None, None, {}
     if gather is not None:
         _, gather_options, gather_dtypes = gather
@@ -896,10 +897,11 @@ def compress(
     comm = FSDPCompression(
         hook, opts, installed, exchange, all_gather, gather_options, gathers, gather_exchange
     )
-    # the defaults: what compress fills in itself (error_feedback off outside HSDP) over the
-    # hook's own
-    comm.resolved = _resolved_options(spec, opts)
-    comm.defaults = _resolved_options(spec, {k: v for k, v in opts.items() if k not in options})
+    comm.resolved = resolved
+    # the defaults (what compress fills in itself, error_feedback off outside HSDP, over the
+    # hook's own), resolved only to read a checkpoint
+    comm.given = {k: v for k, v in opts.items() if k not in options}
+    comm.spec = spec
     comm.shapes = {name: [list(p.shape) for p in m.parameters()] for name, m in modules}
     return comm
 
@@ -928,10 +930,11 @@ def _agreed(
     all_gather: Any,
     all_gather_options: Any,
     modules: list[tuple[str, FSDPModule]],
-) -> tuple[Any, dict[str, Any], Any, Any]:
+) -> tuple[Any, dict[str, Any], Any, Any, Any]:
     """Every check this rank can make, then every rank's resolved configuration compared
-    (the same error on every rank): the hook's spec, its options, the mesh's group and the
-    all-gather's checked codec (None: FSDP's own). Nothing is built, and no group created,
+    (the same error on every rank): the hook's spec, its options, the mesh's group, the
+    all-gather's checked codec (None: FSDP's own) and the hook's options as resolved (what
+    the checkpoint's fingerprint holds). Nothing is built, and no group created,
     before the ranks agree."""
     fields: dict[str, Any] = {}
     if isinstance(hook, str):  # a name registered on some ranks only: named on every rank
@@ -943,7 +946,7 @@ def _agreed(
     if isinstance(all_gather, str):
         fields[f"registration of all_gather {all_gather!r}"] = registration(all_gather)
     fields.update(error_field(None))
-    spec, opts, group, gather = None, {}, None, None
+    spec, opts, group, gather, resolved = None, {}, None, None, None
     try:
         for name, module in modules:
             if module in _COMPRESSED:
@@ -962,11 +965,17 @@ def _agreed(
                     "pycomm.fsdp.compress", "hook_options['start_iter']", opts["start_iter"], 0
                 )
             with unbound():
-                fields.update(resolved_config(spec.state(None, **own)))
+                state = spec.state(None, **own)
+            fields.update(resolved_config(state))
             if "start_iter" in opts:  # the value given, over the default resolved_config has
                 fields["hook option 'start_iter'"] = opts["start_iter"]
         else:
             fields["hook"] = hook
+            with unbound():
+                state = spec.state(None)
+        resolved = _named_options(state.options())
+        if "start_iter" in opts:
+            resolved["start_iter"] = opts["start_iter"]
         gather = _check_all_gather(all_gather, all_gather_options)
         if gather is not None:
             fields.update(gather[0])
@@ -978,7 +987,7 @@ def _agreed(
     fields["ranks of the mesh"] = None if group is None else dist.get_world_size(group)
     fields["HSDP (a mesh of pycomm.fsdp.node_mesh())"] = _is_hsdp(group)
     agree("pycomm.fsdp.compress", fields)
-    return spec, opts, group, gather
+    return spec, opts, group, gather, resolved
 
 
 def _reduction_comms(

@@ -66,7 +66,8 @@ if TYPE_CHECKING:
     from pycomm.hooks.codec import Codec
 
 __all__ = [
-    "PHASE_1", "Engine", "ResidualStore", "Stage", "Workspace", "check_residuals", "completed",
+    "PHASE_1", "Engine", "ResidualStore", "Stage", "Workspace", "add_call", "check_residuals",
+    "completed",
     "exact_allreduce", "new_groups", "phase_groups", "ring_bytes", "summed_numel",
 ]  # fmt: skip
 
@@ -215,6 +216,32 @@ def phase_groups(parent: Optional[dist.ProcessGroup]) -> Stage:
 def ring_bytes(nbytes: int, world_size: int) -> int:
     """Bytes one rank sends in a ring all-reduce of ``nbytes``: 2(N-1)/N of the payload."""
     return 2 * (world_size - 1) * nbytes // world_size
+
+
+def add_call(
+    stats: dict[str, Any],
+    world_size: int,
+    numel: int,
+    bytes_sent: int,
+    collectives: int = 1,
+    bytes_fp32: Optional[int] = None,
+    last: bool = True,
+    **levels: int,
+) -> None:
+    """Account in ``stats`` one call on ``numel`` elements that put ``bytes_sent`` on the wire
+    in ``collectives`` collectives (see :meth:`pycomm.hooks.HookState.count`); ``last``: it
+    ends a step."""
+    for name, value in levels.items():
+        stats[name] = stats.get(name, 0) + value
+    stats["buckets"] += 1
+    stats["collectives"] += collectives
+    stats["bytes_sent"] += bytes_sent
+    if bytes_fp32 is None:
+        bytes_fp32 = ring_bytes(numel * 4, world_size)
+    stats["bytes_fp32"] += bytes_fp32
+    stats["compression"] = stats["bytes_fp32"] / stats["bytes_sent"] if stats["bytes_sent"] else 1.0
+    if last:
+        stats["steps"] += 1
 
 
 def exact_allreduce(state: Any, bucket: Any, tensor: torch.Tensor, group) -> torch.futures.Future:

@@ -243,7 +243,7 @@ class Issuer:
         if err is None:
             stream.compared.add(pair)
         what = f"call {seq}: {call}(key={key!r}, {'refused input' if t is None else shape}, {how})"
-        fields = {**error_field(err), "the order of calls": what}
+        fields = {**error_field(err), "the order of calls": what} if compared else {}
         mark = what if err is None else f"{what} {err}"
         item = Call(stream, pair, mark, fields, compared, err, body, fuse)
         self._put(item)

@@ -19,13 +19,14 @@ import torch.distributed as dist
 from pycomm.exchange import hierarchy as hier
 from pycomm.exchange.engine import (
     PHASE_1,
+    add_call,
     check_residuals,
     completed,
     exact_allreduce,
     ring_bytes,
 )
 from pycomm.exchange.issue import Issued
-from pycomm.hooks.state import HookState, add_call, check_saved, compare_steps, with_strict_skip
+from pycomm.hooks.state import HookState, check_saved, compare_steps, with_strict_skip
 
 __all__ = ["CallBucket", "Keys", "Ledger", "rank_order_sum", "returning"]
 

@@ -11,7 +11,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from pycomm.exchange.engine import completed, ring_bytes
+from pycomm.exchange.engine import add_call, completed, ring_bytes
 
 __all__ = ["HookState", "check_bucket", "check_owner", "completed", "ring_bytes", "unbound"]
 
@@ -247,31 +247,6 @@ class HookState:
 
 
 _ABSENT = object()
-
-
-def add_call(
-    stats: dict[str, Any],
-    world_size: int,
-    numel: int,
-    bytes_sent: int,
-    collectives: int = 1,
-    bytes_fp32: Optional[int] = None,
-    last: bool = True,
-    **levels: int,
-) -> None:
-    """Account in ``stats`` one call on ``numel`` elements that put ``bytes_sent`` on the wire
-    in ``collectives`` collectives (see :meth:`HookState.count`); ``last``: it ends a step."""
-    for name, value in levels.items():
-        stats[name] = stats.get(name, 0) + value
-    stats["buckets"] += 1
-    stats["collectives"] += collectives
-    stats["bytes_sent"] += bytes_sent
-    if bytes_fp32 is None:
-        bytes_fp32 = ring_bytes(numel * 4, world_size)
-    stats["bytes_fp32"] += bytes_fp32
-    stats["compression"] = stats["bytes_fp32"] / stats["bytes_sent"] if stats["bytes_sent"] else 1.0
-    if last:
-        stats["steps"] += 1
 
 
 def compare_steps(where: str, steps: int, group: Any, device: torch.device) -> None:
