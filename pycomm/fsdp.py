@@ -192,7 +192,7 @@ class _ModuleCollective:
     ) -> None:
         self.name = name
         self.exchange = exchange
-        self.grad_dtypes = dtypes  # what the codec takes ; None: any
+        self.grad_dtypes = dtypes  # what the codec takes; None: any
         self.counters = {key: 0 for key in _COUNTERS}
         self._group: Any = exchange.process_group  # the last group FSDP passed, once checked
 
@@ -417,7 +417,7 @@ class FSDPCompression:
         # set by compress: the options resolved, what resolves the hook's defaults, each module's
         # parameter shapes (all in the fingerprint)
         self.resolved: Optional[dict[str, Any]] = None
-        self.spec: Any = None  # the hook's spec and what compress set of its options
+        self.spec: Any = None  # the hook's spec, and the options compress set itself
         self.given: dict[str, Any] = {}
         self.shapes: Optional[dict[str, list]] = None
 

@@ -37,6 +37,7 @@ Rules a caller keeps, as for any collective of ``torch.distributed``:
   exchange.
 """
 
+import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -47,19 +48,12 @@ if TYPE_CHECKING:
 __all__ = ["Exchange", "Work", "rank_order_sum"]
 
 
+_PUBLIC = {"Exchange": "core", "Work": "issue", "rank_order_sum": "keys"}
+
+
 def __getattr__(name: str) -> Any:
     # imported when first used: the engine and the node hierarchy (this package's
     # submodules) sit below pycomm.hooks, which the public face imports
-    if name == "Exchange":
-        from pycomm.exchange.core import Exchange
-
-        return Exchange
-    if name == "Work":
-        from pycomm.exchange.issue import Work
-
-        return Work
-    if name == "rank_order_sum":
-        from pycomm.exchange.keys import rank_order_sum
-
-        return rank_order_sum
-    raise AttributeError(f"module 'pycomm.exchange' has no attribute {name!r}")
+    if name not in _PUBLIC:
+        raise AttributeError(f"module 'pycomm.exchange' has no attribute {name!r}")
+    return getattr(importlib.import_module(f"pycomm.exchange.{_PUBLIC[name]}"), name)
