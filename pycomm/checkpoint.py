@@ -49,6 +49,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from pycomm.dist import all_gather_objects
 from pycomm.hooks import HookState
+from pycomm.hooks.accumulate import upgrade, upgrade_fingerprint
 from pycomm.wrap import STATE_ATTR, params_signature
 
 __all__ = [
@@ -361,7 +362,7 @@ def _read(
                 f"ranks, this process group has world_size={world}: the hook state is per rank "
                 "and does not carry over to another world size"
             )
-        state.check_fingerprint({"fingerprint": saved_hook})
+        state.check_fingerprint({"fingerprint": upgrade_fingerprint(saved_hook)})
         hook_path = _hook_file(path, rank, ckpt["id"])
         device = next((p.device for p in ddp.module.parameters()), torch.device("cpu"))
         try:
@@ -377,6 +378,7 @@ def _read(
                 f"pycomm.checkpoint.load: {hook_path} (the hook state of rank {rank}) cannot "
                 f"be read ({type(e).__name__}: {str(e).splitlines()[0][:200]})"
             ) from None
+        hook_sd = upgrade(hook_sd)  # a state saved while the stage wrapped the hook's
         state.check_fingerprint(hook_sd)
     if optimizer is not None:
         _check_optimizer(path, ckpt["optimizer"], optimizer)
@@ -505,7 +507,7 @@ def load_hook_state(obj: Any, gathered: dict[str, Any]) -> None:
             f"world_size={gathered['world_size']} ranks, this process group has "
             f"world_size={world}: the state is per rank and does not carry over"
         )
-    mine = gathered["states"][rank]
+    mine = upgrade(gathered["states"][rank])
     device = _state_device(state)
     state.load_state_dict(mine if device is None else _to_device(mine, device))
 
@@ -576,11 +578,12 @@ def _read_rank_state(state: HookState, directory: str) -> tuple[Optional[str], A
             f"has world_size={state.world_size}: the hook state is per rank and does not carry "
             "over to another world size"
         ), None
+    saved = upgrade(blob["state"])
     try:
-        state.check_fingerprint(blob["state"])
+        state.check_fingerprint(saved)
     except ValueError as e:
         return f"{path}: {e}", None
-    return None, blob["state"]
+    return None, saved
 
 
 def _steps(sd: Any) -> Optional[int]:

@@ -16,7 +16,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from pycomm._validate import check_bool, check_int
 from pycomm.hooks import advice
-from pycomm.hooks.accumulate import AccumulateState
+from pycomm.hooks.accumulate import Accumulate
 from pycomm.hooks.config import agree, error_field
 from pycomm.wrap import STATE_ATTR, ddp_parameters
 
@@ -147,8 +147,8 @@ class TrainLoop:
                 f"pycomm.TrainLoop: optimizer is a {type(optimizer).__name__}, expected a "
                 "torch.optim.Optimizer"
             )
-        stage = getattr(ddp, STATE_ATTR, None)
-        self._stage = stage if isinstance(stage, AccumulateState) else None
+        hook = getattr(ddp, STATE_ATTR, None)
+        self._stage: Optional[Accumulate] = getattr(hook, "accumulate", None)
         k, error = 1, None
         try:
             _check_optimizer(ddp, optimizer)
@@ -174,7 +174,6 @@ class TrainLoop:
             ddp.process_group,
         )
         self.ddp, self.optimizer, self.scaler = ddp, optimizer, scaler
-        hook = stage.inner if self._stage is not None else stage
         # here, before the first step; the optimizer's first step then does not warn again
         advice.advise(hook, optimizer)
         self.accumulate_steps = k
@@ -265,8 +264,7 @@ class TrainLoop:
         stepped = {id(p) for p in params if p.grad is not None}
         if not (stepped <= self._reduced <= {id(p) for p in params}):
             return None
-        state = self._stage if self._stage is not None else getattr(self.ddp, STATE_ATTR, None)
-        get = getattr(state, "reduced_sqnorm", None)
+        get = getattr(getattr(self.ddp, STATE_ATTR, None), "reduced_sqnorm", None)
         return get() if get is not None else None
 
     def _optimizer_step(self) -> None:
@@ -366,7 +364,7 @@ def _check_optimizer(ddp: DDP, optimizer: torch.optim.Optimizer) -> None:
 
 def _check_settings(
     ddp: DDP,
-    stage: Optional[AccumulateState],
+    stage: Optional[Accumulate],
     accumulate_steps: Optional[int],
     max_grad_norm: Optional[float],
     scaler: Optional[Any],

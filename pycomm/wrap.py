@@ -14,7 +14,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from pycomm._validate import check_int, hook_options_of
 from pycomm.dist import settle_at_exit
 from pycomm.hooks import HookState
-from pycomm.hooks.accumulate import AccumulateState, accumulate_hook
+from pycomm.hooks.accumulate import Accumulate, accumulate_hook
 from pycomm.hooks.auto import AutoState
 from pycomm.hooks.config import ERROR, agree, error_field, resolved_config
 from pycomm.hooks.registry import hook_names, hook_spec, registration
@@ -266,7 +266,6 @@ def _attach(ddp: DDP, state: HookState, fn: Callable, accumulate_steps: int) -> 
     if hasattr(state, "bind_parameters"):  # the hook's own bucket layout (resumes bit for bit)
         sparse = {id(p) for p in sparse_parameters(ddp)}
         state.bind_parameters([p for p in params if id(p) not in sparse])
-    auto = state
     if accumulate_steps > 1:
         wide = [str(p.dtype) for p in params if p.dtype not in _ACCUMULATED]
         if wide:  # the same on every rank: the ranks compared the parameters' dtypes
@@ -276,7 +275,7 @@ def _attach(ddp: DDP, state: HookState, fn: Callable, accumulate_steps: int) -> 
                 "gradients; expected accumulate_steps=1 (DDP's no_sync() for the micro-steps) "
                 "or those dtypes"
             )
-        state = AccumulateState(
+        Accumulate(  # the stage in front of the hook, part of its state
             state,
             fn,
             accumulate_steps,
@@ -286,14 +285,15 @@ def _attach(ddp: DDP, state: HookState, fn: Callable, accumulate_steps: int) -> 
         )
         fn = accumulate_hook
         _refuse_join(ddp, accumulate_steps)
-    if isinstance(auto, AutoState):  # forward and the start of backward, for its measurements
+    if isinstance(state, AutoState):  # forward and the start of backward, for its measurements
+        auto = state
         ddp.register_forward_pre_hook(lambda _module, _args: auto.forward_start())
         ddp.register_forward_hook(lambda _module, _args, _out: auto.forward_done())
     ddp.register_comm_hook(state, fn)
-    _REGISTERED.add(auto)
+    _REGISTERED.add(state)
     setattr(ddp, STATE_ATTR, state)
     ddp.register_forward_pre_hook(_forward_guard)
-    logger.info("pycomm: registered the %s hook with options %s", auto.hook_name, auto.options())
+    logger.info("pycomm: registered the %s hook with options %s", state.hook_name, state.options())
     return state
 
 
@@ -397,7 +397,8 @@ def _forward_guard(ddp: DDP, args: Any) -> None:
             "plain module to the framework and register the hook on its DDP instead "
             "(pycomm.accelerate.register, pycomm.lightning.DDPStrategy, pycomm.register)"
         )
-    k = getattr(state, "accumulate_steps", 1)
+    stage = getattr(state, "accumulate", None)
+    k = 1 if stage is None else stage.accumulate_steps
     if k > 1 and torch.is_grad_enabled() and not ddp.require_backward_grad_sync:
         raise RuntimeError(
             f"pycomm: two gradient accumulators: this model has pycomm's accumulate stage "

@@ -639,9 +639,7 @@ def _bucket_sizes(model: DDP) -> list[int]:
 
 
 def _auto_decision(state: Any) -> Optional[dict[str, Any]]:
-    """The decision of a pycomm ``auto`` hook state (or of the one inside an accumulate
-    stage), else None."""
-    state = getattr(state, "inner", state)
+    """The decision of a pycomm ``auto`` hook state, else None."""
     if getattr(state, "hook_name", None) != "auto":
         return None
     return state.stats["auto"]

@@ -1,15 +1,18 @@
 """The accumulate stage: gradient accumulation in fp32 that communicates once per k micro-steps.
 
-Every micro-step (one backward pass) adds each bucket into a persistent fp32 buffer. On the
-first k - 1 micro-steps the hook then returns the bucket zeroed, without communicating, so that
-the next backward's gradients hold only the next micro-batch; on the k-th it runs the inner
-hook (all-reduce, 16-bit, int8, 1-bit, PowerSGD) on the fp32 sum, writes the reduced result
-back into the bucket (in the gradients' dtype, rounded once) and starts a new window.
+The stage stands in front of the hook, as part of the hook's own state (``state.accumulate``):
+DDP calls :func:`accumulate_hook` with the hook's state, and the stage hands the hook function
+one bucket in k. Every micro-step (one backward pass) adds each bucket into a persistent fp32
+buffer. On the first k - 1 micro-steps the stage then returns the bucket zeroed, without
+communicating, so that the next backward's gradients hold only the next micro-batch; on the
+k-th it runs the hook (all-reduce, 16-bit, int8, 1-bit, PowerSGD, a user's) on the fp32 sum,
+writes the reduced result back into the bucket (in the gradients' dtype, rounded once) and
+starts a new window.
 
 Accumulators are kept per parameter, in segments laid out as DDP's buckets are, so that each
-bucket is one fused add and is handed to the inner hook as it is, with no gather. DDP rebuilds
-its buckets after the first iteration, which can fall inside an accumulation window: a bucket
-whose parameters live in other segments gets a new segment and their sums move into it. The
+bucket is one fused add and is handed to the hook as it is, with no gather. DDP rebuilds its
+buckets after the first iteration, which can fall inside an accumulation window: a bucket whose
+parameters live in other segments gets a new segment and their sums move into it. The
 checkpoint stores the sums per parameter, so it does not depend on the layout either.
 """
 
@@ -27,7 +30,7 @@ from pycomm.hooks.state import HookState, check_bucket, completed, is_sparse
 
 
 class _Fp32Bucket:
-    """What the inner hook sees on a boundary micro-step: DDP's bucket, with the fp32 sum as
+    """What the hook sees on a boundary micro-step: DDP's bucket, with the fp32 sum as
     its buffer (``index``, ``is_last``, ``parameters`` and ``gradients`` as DDP's)."""
 
     def __init__(self, bucket: dist.GradBucket, buffer: torch.Tensor) -> None:
@@ -69,11 +72,11 @@ class _Segment:
 
 # id(parameter) -> the live stage accumulating it: optimizer.step() on such a parameter in the
 # middle of the stage's window steps with gradients that were never reduced across ranks.
-_STAGE_OF: "weakref.WeakValueDictionary[int, AccumulateState]" = weakref.WeakValueDictionary()
+_STAGE_OF: "weakref.WeakValueDictionary[int, Accumulate]" = weakref.WeakValueDictionary()
 _STEP_HOOK: list = []
 
 
-def _watch(stage: "AccumulateState") -> None:
+def _watch(stage: "Accumulate") -> None:
     for p in stage.params:
         _STAGE_OF[id(p)] = stage
     if not _STEP_HOOK:
@@ -102,12 +105,19 @@ def _check_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> Non
             )
 
 
-class AccumulateState(HookState):
-    """State of :func:`accumulate_hook`: the inner hook and its state, ``accumulate_steps``,
-    the fp32 buffers and the micro-step counter.
+class Accumulate:
+    """The accumulate stage in front of a hook: ``accumulate_steps``, the fp32 sums, the
+    micro-step counter, and the hook function it hands each window's sum to.
+
+    It is part of the hook's state (``state.accumulate``; building it attaches it there), and
+    DDP runs it through :func:`accumulate_hook` on that state. The state's ``stats`` count
+    ``micro_steps``, ``accumulate_steps`` and ``accumulate_bytes`` (the fp32 sums' bytes), and
+    its ``state_dict()`` holds the stage's part under ``"accumulate"`` (the micro-step, the sums
+    per parameter mid-window, the parameters used so far in the window).
 
     Args:
-        inner_state, inner_hook: the hook that reduces the sum on every k-th micro-step.
+        state: the hook's state (a :class:`~pycomm.hooks.HookState`).
+        hook: the hook function that reduces the sum on every k-th micro-step.
         accumulate_steps: k >= 1.
         parameters: the model's trainable parameters, in ``module.parameters()`` order (the
             checkpoint names them by position).
@@ -123,32 +133,33 @@ class AccumulateState(HookState):
             them in fp32, and the hook only leaves them alone until the k-th micro-step.
 
     Example:
-        >>> inner = pycomm.hooks.hook_spec("int8").state(None)
+        >>> state = pycomm.hooks.hook_spec("int8").state(None)
         >>> params = [p for p in model.parameters() if p.requires_grad]
-        >>> state = AccumulateState(inner, pycomm.hooks.compressed_hook, 4, params)
+        >>> Accumulate(state, pycomm.hooks.compressed_hook, 4, params)
         >>> ddp.register_comm_hook(state, accumulate_hook)
     """
 
-    hook_name = "accumulate"
-
     def __init__(
         self,
-        inner_state: Any,
-        inner_hook: Callable,
+        state: HookState,
+        hook: Callable,
         accumulate_steps: int,
         parameters: Iterable[torch.Tensor],
         write_grads: bool = False,
         bucket_view: bool = False,
     ) -> None:
-        group = getattr(inner_state, "process_group", None)
-        super().__init__(group)
         check_int("pycomm accumulate", "accumulate_steps", accumulate_steps)
-        self.inner = inner_state
-        self.inner_hook = inner_hook
+        if state.accumulate is not None:
+            raise ValueError(
+                f"pycomm accumulate: the {state.hook_name} hook's state already has an "
+                "accumulate stage; expected a state of its own for each model"
+            )
+        self.hook = hook
         self.accumulate_steps = accumulate_steps
         self.params = list(parameters)
         self.write_grads = write_grads
         self.bucket_view = bucket_view
+        self.name = state.hook_name
         self._index = {id(p): i for i, p in enumerate(self.params)}
         self.micro_step = 0  # backward passes seen
         self._segments: dict[tuple[int, ...], _Segment] = {}
@@ -157,50 +168,27 @@ class AccumulateState(HookState):
         # parameters some rank used earlier in the window the checkpoint was saved in: their
         # gradients, which that run held, do not exist in this process
         self._used_loaded: set[int] = set()
+        self._counters = state.counters  # the state's live counters: the stage's go there too
+        self._count()
+        state.accumulate = self
         if accumulate_steps > 1:
             _watch(self)
-            # the inner hook sees DDP's k-th iterations alone, after DDP's first (whose buckets
-            # DDP rebuilds): the first it sees is a layout a checkpoint may record
-            layout = getattr(inner_state, "bucket_layout", None)
+            # the hook sees DDP's k-th iterations alone, after DDP's first (whose buckets DDP
+            # rebuilds): the first it sees is a layout a checkpoint may record
+            layout = getattr(state, "bucket_layout", None)
             if layout is not None and layout.steps == 0:
                 layout.steps = 1
 
-    # --- what the loop reads ------------------------------------------------------------
-
-    @property
-    def inner_name(self) -> str:
-        return getattr(self.inner, "hook_name", getattr(self.inner_hook, "__name__", "?"))
+    def _count(self) -> None:
+        self._counters["micro_steps"] = self.micro_step
+        self._counters["accumulate_steps"] = self.accumulate_steps
+        self._counters["accumulate_bytes"] = sum(
+            s.buffer.numel() * s.buffer.element_size() for s in self._segments.values()
+        )
 
     def boundary(self) -> bool:
         """Whether the next micro-step is the k-th of its window (the one that communicates)."""
         return self.micro_step % self.accumulate_steps == self.accumulate_steps - 1
-
-    def reduced_sqnorm(self) -> Optional[float]:
-        """The inner hook's squared norm of the latest reduced gradients, where it has one."""
-        get = getattr(self.inner, "reduced_sqnorm", None)
-        return get() if get is not None else None
-
-    def scale_residuals(self, factor: float) -> None:
-        """The inner hook's (the window's sums are reduced by then)."""
-        scale = getattr(self.inner, "scale_residuals", None)
-        if scale is not None:
-            scale(factor)
-
-    def options(self) -> dict[str, Any]:
-        inner = self.inner.options() if hasattr(self.inner, "options") else {}
-        return {"accumulate_steps": self.accumulate_steps, "inner": self.inner_name, **inner}
-
-    @property
-    def stats(self) -> dict[str, Any]:
-        inner = dict(self.inner.stats) if hasattr(self.inner, "stats") else {}
-        return {
-            **inner,
-            "micro_steps": self.micro_step,
-            "accumulate_steps": self.accumulate_steps,
-            "accumulate_bytes": sum(
-                s.buffer.numel() * s.buffer.element_size() for s in self._segments.values()
-            ),
-        }
 
     # --- layout ---------------------------------------------------------------------------
 
@@ -238,6 +226,7 @@ class AccumulateState(HookState):
                 seg.buffer[off : off + p.numel()].copy_(self._pending.pop(i).reshape(-1))
             self._home[i] = seg
         self._segments[key] = seg
+        self._count()
         return seg
 
     def in_place(self, dtype: torch.dtype) -> bool:
@@ -261,6 +250,7 @@ class AccumulateState(HookState):
                 self._pending = None
             if self.micro_step % self.accumulate_steps == 0:
                 self._used_loaded = set()
+            self._counters["micro_steps"] = self.micro_step
 
     def used(self, i: int, p: torch.Tensor) -> bool:
         """Whether some rank used parameter ``i`` in a micro-step of this window before the
@@ -295,20 +285,18 @@ class AccumulateState(HookState):
     # --- checkpoint -------------------------------------------------------------------------
 
     def fingerprint(self) -> dict[str, Any]:
-        inner = self.inner.fingerprint() if hasattr(self.inner, "fingerprint") else {}
+        """What a checkpoint's stage must match: k and the parameters' shapes."""
         return {
-            "hook": f"accumulate({self.inner_name})",
             "accumulate_steps": self.accumulate_steps,
             "parameters": [tuple(p.shape) for p in self.params],
-            "inner": inner,
-            "world_size": self.world_size,
         }
 
     def state_dict(self) -> dict[str, Any]:
-        """The micro-step counter, the sums per parameter (only mid-window) and the inner
-        hook's state."""
+        """The micro-step counter, the sums per parameter (only mid-window) and the parameters
+        some rank used so far in the window (mid-window only)."""
         sums: dict[int, torch.Tensor] = {}
-        if self.micro_step % self.accumulate_steps:
+        mid = self.micro_step % self.accumulate_steps != 0
+        if mid:
             for i, seg in self._home.items():
                 o = seg.offsets[seg.key.index(i)]
                 sums[i] = seg.buffer[o : o + self.params[i].numel()].clone()
@@ -321,85 +309,110 @@ class AccumulateState(HookState):
                     sums[i] = p.grad.detach().reshape(-1).float().clone()
             if self._pending:
                 sums.update({i: t.clone() for i, t in self._pending.items()})
-        used = sorted(i for i, p in enumerate(self.params) if self.used(i, p))
-        return {
-            "fingerprint": self.fingerprint(),
-            "rank": self.rank,
-            "world_size": self.world_size,
-            "micro_step": self.micro_step,
-            "sums": sums,
-            # parameters some rank used in the window so far (mid-window only)
-            "used": used if self.micro_step % self.accumulate_steps else [],
-            "inner": self.inner.state_dict() if hasattr(self.inner, "state_dict") else {},
-        }
+        used = [i for i, p in enumerate(self.params) if self.used(i, p)] if mid else []
+        return {"micro_step": self.micro_step, "sums": sums, "used": used}
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.check_fingerprint(state)
-        for i, t in state["sums"].items():
-            if t.numel() != self.params[i].numel():
+    def check_saved(self, saved: dict[str, Any]) -> None:
+        """Refuse (ValueError naming the parameter) a saved stage whose sums do not fit."""
+        for i, t in saved["sums"].items():
+            if not 0 <= i < len(self.params) or t.numel() != self.params[i].numel():
+                want = self.params[i].numel() if 0 <= i < len(self.params) else "no parameter"
                 raise ValueError(
                     f"pycomm accumulate: the checkpoint's sum of parameter {i} has {t.numel()} "
-                    f"elements, expected {self.params[i].numel()}"
+                    f"elements, expected {want}"
                 )
-        if hasattr(self.inner, "load_state_dict"):
-            self.inner.load_state_dict(state["inner"])
-        self.micro_step = int(state["micro_step"])
+
+    def load_state_dict(self, saved: dict[str, Any]) -> None:
+        self.check_saved(saved)
+        self.micro_step = int(saved["micro_step"])
         self._segments, self._home = {}, {}
-        self._pending = {i: t.detach().to(torch.float32).clone() for i, t in state["sums"].items()}
+        self._pending = {i: t.detach().to(torch.float32).clone() for i, t in saved["sums"].items()}
         # checkpoints without the list: every parameter with a sum counts as used
-        self._used_loaded = set(state.get("used", state["sums"].keys()))
+        self._used_loaded = set(saved.get("used", saved["sums"].keys()))
+        self._count()
+
+
+def upgrade(saved: Any) -> Any:
+    """A hook state saved while the stage wrapped the hook's state (its fingerprint's hook
+    ``"accumulate(<hook>)"``, the hook's own state under ``"inner"``), as the hook's state
+    with the stage's part under ``"accumulate"``; any other value as it is."""
+    if not isinstance(saved, dict) or "inner" not in saved:
+        return saved
+    fingerprint = upgrade_fingerprint(saved.get("fingerprint"))
+    if fingerprint is saved.get("fingerprint"):
+        return saved
+    stage = {k: saved[k] for k in ("micro_step", "sums", "used") if k in saved}
+    return {**saved["inner"], "fingerprint": fingerprint, "accumulate": stage}
+
+
+def upgrade_fingerprint(fingerprint: Any) -> Any:
+    """The fingerprint of a state :func:`upgrade` reads, as the hook's own now has it."""
+    hook = fingerprint.get("hook") if isinstance(fingerprint, dict) else None
+    if not (isinstance(hook, str) and hook.startswith("accumulate(")):
+        return fingerprint
+    stage = {k: fingerprint[k] for k in ("accumulate_steps", "parameters")}
+    return {**fingerprint["inner"], "accumulate": stage}
 
 
 def accumulate_hook(
-    state: AccumulateState, bucket: dist.GradBucket
+    state: HookState, bucket: dist.GradBucket
 ) -> torch.futures.Future[torch.Tensor]:
-    """Add the bucket into its fp32 sum; communicate (through the inner hook) only on every
-    ``accumulate_steps``-th micro-step, returning the reduced sum; else return zeros.
+    """The accumulate stage (``state.accumulate``, an :class:`Accumulate`) in front of the
+    hook: add the bucket into its fp32 sum, and only on every ``accumulate_steps``-th
+    micro-step hand the sum to the hook (``stage.hook(state, bucket)``), returning the reduced
+    sum; else return zeros.
 
     The gradient the optimizer sees after k micro-steps is what one step on the k times larger
     batch gives, when each micro-batch's loss is scaled by 1/k (``pycomm.TrainLoop`` does).
 
     Args:
-        state: an :class:`AccumulateState` holding the inner hook and its state, the fp32
-            sums and the micro-step count.
+        state: the hook's state, with its stage (``pycomm.wrap(..., accumulate_steps=k)``
+            builds it).
         bucket: the DDP bucket that is ready.
 
     Returns:
-        On a window's last micro-step, the inner hook's future of the reduced sum; on the
-        others, a completed future of zeros (or of the running sum held in the gradients when
-        they are views of the bucket).
+        On a window's last micro-step, the hook's future of the reduced sum; on the others, a
+        completed future of zeros (or of the running sum held in the gradients when they are
+        views of the bucket).
 
     Example:
         >>> ddp = pycomm.wrap(model, hook="int8", accumulate_steps=4)
         >>> pycomm.hook_state(ddp).stats["accumulate_bytes"]
     """
-    k = state.accumulate_steps
-    first = state.micro_step % k == 0
-    final = state.boundary()
+    stage = state.accumulate
+    if stage is None:
+        raise RuntimeError(
+            f"pycomm accumulate: the {state.hook_name} hook's state has no accumulate stage; "
+            "expected one built by pycomm.wrap(..., accumulate_steps=k) or Accumulate(state, ...)"
+        )
+    hook = stage.hook
+    k = stage.accumulate_steps
+    first = stage.micro_step % k == 0
+    final = stage.boundary()
     if is_sparse(bucket):
         # DDP hands the sparse gradient itself, and autograd adds each micro-step into it, as
-        # under no_sync(): leave it until the k-th, whose inner hook reduces it exactly
+        # under no_sync(): leave it until the k-th, whose hook reduces it exactly
         try:
-            if state.loading():
-                state.place_loaded_sparse(bucket)
+            if stage.loading():
+                stage.place_loaded_sparse(bucket)
             if not final:
                 return completed(bucket.buffer())
-            return state.inner_hook(state.inner, bucket)
+            return hook(state, bucket)
         finally:
-            state.end_micro_step(bucket)
-    x = check_bucket(f"{state.inner_name} (accumulate)", bucket)
-    if state.in_place(x.dtype):
+            stage.end_micro_step(bucket)
+    x = check_bucket(f"{state.hook_name} (accumulate)", bucket)
+    if stage.in_place(x.dtype):
         try:
-            if state.loading():
-                state.place_loaded(bucket, x)
+            if stage.loading():
+                stage.place_loaded(bucket, x)
             if not final:  # the gradients (views of x) hold the sum so far: leave them
                 return completed(x)
-            return state.inner_hook(state.inner, bucket)
+            return hook(state, bucket)
         finally:
-            state.end_micro_step(bucket)
+            stage.end_micro_step(bucket)
     try:
-        seg = state.segment(bucket, x)
-        if first and not state.loaded():
+        seg = stage.segment(bucket, x)
+        if first and not stage.loaded():
             seg.buffer.copy_(x)
         else:
             ops.accumulate_(seg.buffer, x)
@@ -407,15 +420,15 @@ def accumulate_hook(
             x.zero_()
             return completed(x)
         # decided now: the window's end (end_micro_step) forgets what a resume carried over
-        used = [state.used(i, p) for i, p in zip(seg.key, bucket.parameters())]
-        fut = state.inner_hook(state.inner, _Fp32Bucket(bucket, seg.buffer))
+        used = [stage.used(i, p) for i, p in zip(seg.key, bucket.parameters())]
+        fut = hook(state, _Fp32Bucket(bucket, seg.buffer))
     finally:
-        state.end_micro_step(bucket)
+        stage.end_micro_step(bucket)
 
     def write_back(f: torch.futures.Future) -> torch.Tensor:
         out = f.value()
         x.copy_(out)
-        if state.write_grads:
+        if stage.write_grads:
             for p, off, was_used in zip(bucket.parameters(), seg.offsets, used):
                 if not was_used:  # no rank used it in the window: DDP leaves it untouched
                     continue

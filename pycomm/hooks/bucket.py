@@ -1,6 +1,6 @@
 """The bucket protocol: what a hook function may call on the bucket it is given.
 
-DDP's ``GradBucket`` implements it, and so does each bucket pycomm hands an inner hook: the
+DDP's ``GradBucket`` implements it, and so does each bucket pycomm hands a hook function: the
 accumulate stage's fp32 sum (a boundary micro-step), the hook's own bucket layout (a bucket
 cut from the bound parameters) and the node hierarchy's shard (the cross-node stage). A hook
 written against these four methods runs under every one of them.

@@ -6,12 +6,15 @@ import contextlib
 import contextvars
 import logging
 from collections.abc import Iterator, Sequence
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 import torch.distributed as dist
 
 from pycomm.exchange.engine import add_call, completed, ring_bytes
+
+if TYPE_CHECKING:
+    from pycomm.hooks.accumulate import Accumulate
 
 __all__ = ["HookState", "check_bucket", "check_owner", "completed", "ring_bytes", "unbound"]
 
@@ -71,6 +74,9 @@ class HookState:
     # The gradient dtypes the hook reduces (None: every floating dtype). pycomm.register
     # refuses a model with another, naming the parameter, before the first backward.
     grad_dtypes: Optional[tuple[torch.dtype, ...]] = None
+    # The accumulate stage in front of the hook (pycomm.wrap(..., accumulate_steps=k) builds
+    # it): its part of fingerprint(), state_dict() and stats is kept here, in the base.
+    accumulate: Optional[Accumulate] = None
 
     def __init__(self, process_group: Optional[dist.ProcessGroup] = None) -> None:
         self.process_group = process_group
@@ -145,7 +151,8 @@ class HookState:
         """The counters as they stand, without what reading :attr:`stats` does first (a
         compression hook folds its decodes' results into them, which on an accelerator waits
         for the device): the byte and call counts are current, the decode counts
-        (``nonfinite_buckets``) may lag. A live dict; read it, do not write it.
+        (``nonfinite_buckets``) may lag. A live dict; read it, do not write it (the hook's
+        parts and its accumulate stage count into it).
 
         Example:
             >>> sent = state.counters["bytes_sent"]  # no wait for the device
@@ -171,8 +178,12 @@ class HookState:
         return None
 
     def fingerprint(self) -> dict[str, Any]:
-        """What must be equal for state to be shared across ranks or loaded from a checkpoint."""
-        return {"hook": self.hook_name, "options": self.options(), "world_size": self.world_size}
+        """What must be equal for state to be shared across ranks or loaded from a checkpoint
+        (with an accumulate stage, its k and parameter shapes under ``"accumulate"``)."""
+        fp = {"hook": self.hook_name, "options": self.options(), "world_size": self.world_size}
+        if self.accumulate is not None:
+            fp["accumulate"] = self.accumulate.fingerprint()
+        return fp
 
     def count(
         self,
@@ -208,13 +219,17 @@ class HookState:
 
     def state_dict(self) -> dict[str, Any]:
         """Counters, config fingerprint, and the rank and world size the state belongs to
-        (error-feedback residuals differ per rank); subclasses add their tensors."""
-        return {
+        (error-feedback residuals differ per rank), and an accumulate stage's part under
+        ``"accumulate"``; subclasses add their tensors to it."""
+        out = {
             "fingerprint": self.fingerprint(),
             "rank": self.rank,
             "world_size": self.world_size,
             "stats": dict(self.stats),
         }
+        if self.accumulate is not None:
+            out["accumulate"] = self.accumulate.state_dict()
+        return out
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state_dict`; a checkpoint of another hook or config is refused."""
@@ -223,6 +238,8 @@ class HookState:
         self._stats.update(state["stats"])
         steps = self._stats.get("steps")
         self._resumed_at = steps if isinstance(steps, int) else None
+        if self.accumulate is not None:
+            self.accumulate.load_state_dict(state["accumulate"])
 
     def check_resumed(self, device: torch.device) -> None:
         """At the hook's first bucket, and once after each :meth:`load_state_dict`, before
@@ -243,7 +260,16 @@ class HookState:
     def check_fingerprint(self, state: dict[str, Any]) -> None:
         """Refuse (ValueError naming the field) a checkpoint of another hook or config, or
         the state of another rank."""
+        hook = state.get("fingerprint", {}).get("hook")
+        if isinstance(hook, str) and hook.startswith("accumulate("):
+            raise ValueError(
+                f"pycomm {self.hook_name} hook: the state was saved by an earlier pycomm (its "
+                f"hook is {hook!r}, the accumulate stage around the hook's state); load it with "
+                "pycomm.checkpoint.load, load_hook_state or load_rank_state, which read it"
+            )
         check_saved(self.hook_name, state, self.fingerprint(), self.rank, self.world_size)
+        if self.accumulate is not None and "accumulate" in state:
+            self.accumulate.check_saved(state["accumulate"])
 
 
 _ABSENT = object()

@@ -489,7 +489,7 @@ def _rank_train(hook, options, accumulate):
     everyone = [torch.empty_like(flat) for _ in range(2)]
     dist.all_gather(everyone, flat)
     state = pycomm.hook_state(ddp)
-    stats = (state.inner if accumulate > 1 else state).stats
+    stats = state.stats
     return torch.equal(everyone[0], everyone[1]), losses, dict(stats)
 
 

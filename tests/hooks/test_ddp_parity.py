@@ -206,7 +206,7 @@ def _rank_sparse(hook, k, steps, max_grad_norm, cut=None):
                     "hook": pycomm.hook_state(ddp).state_dict(),
                 }
             )
-            assert any(t.is_sparse for t in saved["hook"]["sums"].values())
+            assert any(t.is_sparse for t in saved["hook"]["accumulate"]["sums"].values())
             model, ddp, loop_kw = _build_sparse(hook, k)
             model.load_state_dict(saved["model"])
             opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
@@ -474,7 +474,7 @@ def _rank_powersgd_unused(k):
         x, y = torch.randint(0, 50, (8, 5), generator=g), torch.randn(8, 3, generator=g)
         loop.step(lambda x=x, y=y: torch.nn.functional.mse_loss(ddp(x), y))
     state = pycomm.hook_state(ddp)
-    stats = (state.inner if k > 1 else state).stats
+    stats = state.stats
     return torch.cat([p.detach().reshape(-1) for p in ddp.module.parameters()]), stats
 
 

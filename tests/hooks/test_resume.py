@@ -57,9 +57,8 @@ def _rank_resume(hook, options, k, m, accumulate):
     pycomm.hook_state(ddp).load_state_dict(saved["hook"])
     train(loop, ddp, data[k:])
     state = pycomm.hook_state(ddp)
-    inner = state.inner if accumulate > 1 else state
-    stats = inner.stats
-    return straight, _flat(ddp.module), len(inner.bucket_layout.buckets or []), stats
+    stats = state.stats
+    return straight, _flat(ddp.module), len(state.bucket_layout.buckets or []), stats
 
 
 _PSGD = {"start_powerSGD_iter": 2, "matrix_approximation_rank": 1}

@@ -54,8 +54,9 @@ def test_states_are_built_before_the_process_group():
         pycomm.hooks.hook_spec("onebit").state(None),
         pycomm.hooks.hook_spec("powersgd").state(None),
     ]
-    stage = pycomm.hooks.accumulate.AccumulateState(states[2], pycomm.hooks.compressed_hook, 2, [])
-    for s in [*states, stage]:
+    stage = pycomm.hooks.accumulate.Accumulate(states[2], pycomm.hooks.compressed_hook, 2, [])
+    assert states[2].accumulate is stage
+    for s in states:
         assert s._world_size is None
     with pytest.raises(RuntimeError, match="before the process group exists"):
         _ = states[2].world_size
