@@ -49,7 +49,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from pycomm.dist import all_gather_objects
 from pycomm.hooks import HookState
-from pycomm.hooks.accumulate import upgrade, upgrade_fingerprint
+from pycomm.hooks import accumulate as stage
 from pycomm.wrap import STATE_ATTR, params_signature
 
 __all__ = [
@@ -211,7 +211,7 @@ def save(
         _check_extra(extra)
         _check_target(path)
         if state is not None:
-            _atomic_save(state.state_dict(), _hook_file(path, rank, save_id))
+            _atomic_save(stage.save_state(state), _hook_file(path, rank, save_id))
 
     # every hook file is in place (or every rank raises) before rank 0 commits: each rank's
     # outcome is gathered, so a rank that fails is named on every rank, never waited for
@@ -362,7 +362,7 @@ def _read(
                 f"ranks, this process group has world_size={world}: the hook state is per rank "
                 "and does not carry over to another world size"
             )
-        state.check_fingerprint({"fingerprint": upgrade_fingerprint(saved_hook)})
+        state.check_fingerprint({"fingerprint": stage.upgrade_fingerprint(saved_hook)})
         hook_path = _hook_file(path, rank, ckpt["id"])
         device = next((p.device for p in ddp.module.parameters()), torch.device("cpu"))
         try:
@@ -378,8 +378,8 @@ def _read(
                 f"pycomm.checkpoint.load: {hook_path} (the hook state of rank {rank}) cannot "
                 f"be read ({type(e).__name__}: {str(e).splitlines()[0][:200]})"
             ) from None
-        hook_sd = upgrade(hook_sd)  # a state saved while the stage wrapped the hook's
-        state.check_fingerprint(hook_sd)
+        hook_sd = stage.upgrade(hook_sd)  # a state saved while the stage wrapped the hook's
+        stage.check_state(state, hook_sd)
     if optimizer is not None:
         _check_optimizer(path, ckpt["optimizer"], optimizer)
     return {"ckpt": ckpt, "hook": hook_sd}
@@ -424,7 +424,7 @@ def load(path: PathLike, ddp: DDP, optimizer: Optional[torch.optim.Optimizer]) -
     if optimizer is not None:
         optimizer.load_state_dict(ckpt["optimizer"])
     if state is not None:
-        state.load_state_dict(hook_sd)
+        stage.load_state(state, hook_sd)
     logger.info("pycomm.checkpoint: loaded %s (rank %d of %d)", path, rank, world)
     return dict(ckpt["extra"])
 
@@ -476,7 +476,7 @@ def gather_hook_state(obj: Any) -> dict[str, Any]:
         >>> pycomm.checkpoint.load_hook_state(ddp, blob)        # each rank takes its own
     """
     state = _state_of("gather_hook_state", obj)
-    mine = _to_cpu(state.state_dict())
+    mine = _to_cpu(stage.save_state(state))
     if state.world_size > 1:
         states = all_gather_objects(
             mine, state.process_group, "pycomm.checkpoint.gather_hook_state"
@@ -507,9 +507,11 @@ def load_hook_state(obj: Any, gathered: dict[str, Any]) -> None:
             f"world_size={gathered['world_size']} ranks, this process group has "
             f"world_size={world}: the state is per rank and does not carry over"
         )
-    mine = upgrade(gathered["states"][rank])
+    mine = stage.upgrade(gathered["states"][rank])
     device = _state_device(state)
-    state.load_state_dict(mine if device is None else _to_device(mine, device))
+    mine = mine if device is None else _to_device(mine, device)
+    stage.check_state(state, mine)
+    stage.load_state(state, mine)
 
 
 def _state_device(state: HookState) -> Optional[torch.device]:
@@ -553,7 +555,7 @@ def save_rank_state(obj: Any, directory: PathLike) -> str:
             "format": RANK_STATE,
             "rank": state.rank,
             "world_size": state.world_size,
-            "state": _to_cpu(state.state_dict()),
+            "state": _to_cpu(stage.save_state(state)),
         },
         path,
     )
@@ -578,9 +580,9 @@ def _read_rank_state(state: HookState, directory: str) -> tuple[Optional[str], A
             f"has world_size={state.world_size}: the hook state is per rank and does not carry "
             "over to another world size"
         ), None
-    saved = upgrade(blob["state"])
+    saved = stage.upgrade(blob["state"])
     try:
-        state.check_fingerprint(saved)
+        stage.check_state(state, saved)
     except ValueError as e:
         return f"{path}: {e}", None
     return None, saved
@@ -647,7 +649,7 @@ def load_rank_state(obj: Any, directory: PathLike, *, missing: str = "error") ->
             "rank's file from the same save"
         )
     device = _state_device(state)
-    state.load_state_dict(sd if device is None else _to_device(sd, device))
+    stage.load_state(state, sd if device is None else _to_device(sd, device))
     logger.info(
         "pycomm.checkpoint: loaded the hook state of rank %d of %d from %s",
         state.rank,

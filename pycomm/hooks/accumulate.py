@@ -159,7 +159,6 @@ class Accumulate:
         self.params = list(parameters)
         self.write_grads = write_grads
         self.bucket_view = bucket_view
-        self.name = state.hook_name
         self._index = {id(p): i for i, p in enumerate(self.params)}
         self.micro_step = 0  # backward passes seen
         self._segments: dict[tuple[int, ...], _Segment] = {}
@@ -168,6 +167,7 @@ class Accumulate:
         # parameters some rank used earlier in the window the checkpoint was saved in: their
         # gradients, which that run held, do not exist in this process
         self._used_loaded: set[int] = set()
+        self.loads = 0  # load_state_dict calls (save_state/load_state see a state skip it)
         self._counters = state.counters  # the state's live counters: the stage's go there too
         self._count()
         state.accumulate = self
@@ -310,10 +310,22 @@ class Accumulate:
             if self._pending:
                 sums.update({i: t.clone() for i, t in self._pending.items()})
         used = [i for i, p in enumerate(self.params) if self.used(i, p)] if mid else []
-        return {"micro_step": self.micro_step, "sums": sums, "used": used}
+        return {
+            "accumulate_steps": self.accumulate_steps,
+            "micro_step": self.micro_step,
+            "sums": sums,
+            "used": used,
+        }
 
     def check_saved(self, saved: dict[str, Any]) -> None:
-        """Refuse (ValueError naming the parameter) a saved stage whose sums do not fit."""
+        """Refuse (ValueError naming what differs) a saved stage of another k, or whose sums
+        do not fit the parameters."""
+        k = saved.get("accumulate_steps", self.accumulate_steps)
+        if k != self.accumulate_steps:
+            raise ValueError(
+                f"pycomm accumulate: the checkpoint's stage has accumulate_steps={k}, this "
+                f"model's accumulate_steps={self.accumulate_steps}; expected the same k"
+            )
         for i, t in saved["sums"].items():
             if not 0 <= i < len(self.params) or t.numel() != self.params[i].numel():
                 want = self.params[i].numel() if 0 <= i < len(self.params) else "no parameter"
@@ -324,12 +336,50 @@ class Accumulate:
 
     def load_state_dict(self, saved: dict[str, Any]) -> None:
         self.check_saved(saved)
+        self.loads += 1
         self.micro_step = int(saved["micro_step"])
         self._segments, self._home = {}, {}
         self._pending = {i: t.detach().to(torch.float32).clone() for i, t in saved["sums"].items()}
         # checkpoints without the list: every parameter with a sum counts as used
         self._used_loaded = set(saved.get("used", saved["sums"].keys()))
         self._count()
+
+
+def save_state(state: Any) -> dict[str, Any]:
+    """``state.state_dict()``, with the stage's part under ``"accumulate"`` even where a
+    user's ``state_dict()`` does not extend the base's (``pycomm.checkpoint`` saves this)."""
+    saved = state.state_dict()
+    stage = getattr(state, "accumulate", None)  # (pycomm.LocalSGD and DiLoCo have none)
+    if stage is not None and "accumulate" not in saved:
+        saved = {**saved, "accumulate": stage.state_dict()}
+    return saved
+
+
+def check_state(state: Any, saved: dict[str, Any]) -> None:
+    """``state.check_fingerprint(saved)``, and the stage's part checked against the state's
+    stage whatever the state's own check covers: a ValueError when one side accumulates and
+    the other does not, or when the two stages differ."""
+    state.check_fingerprint(saved)
+    stage, part = getattr(state, "accumulate", None), saved.get("accumulate")
+    if (stage is None) != (part is None):
+        mine = "none" if stage is None else f"accumulate_steps={stage.accumulate_steps}"
+        theirs = "none" if part is None else f"accumulate_steps={part.get('accumulate_steps')}"
+        raise ValueError(
+            f"{getattr(state, 'where', 'pycomm')}: the checkpoint's accumulate stage is {theirs}, "
+            f"this model's is {mine}; expected the same accumulate_steps"
+        )
+    if stage is not None:
+        stage.check_saved(part)
+
+
+def load_state(state: Any, saved: dict[str, Any]) -> None:
+    """``state.load_state_dict(saved)``, and the stage's part loaded where a user's
+    ``load_state_dict()`` does not extend the base's (``pycomm.checkpoint`` loads this)."""
+    stage = getattr(state, "accumulate", None)
+    loads = None if stage is None else stage.loads
+    state.load_state_dict(saved)
+    if stage is not None and stage.loads == loads:
+        stage.load_state_dict(saved["accumulate"])
 
 
 def upgrade(saved: Any) -> Any:
@@ -342,6 +392,7 @@ def upgrade(saved: Any) -> Any:
     if fingerprint is saved.get("fingerprint"):
         return saved
     stage = {k: saved[k] for k in ("micro_step", "sums", "used") if k in saved}
+    stage["accumulate_steps"] = fingerprint["accumulate"]["accumulate_steps"]
     return {**saved["inner"], "fingerprint": fingerprint, "accumulate": stage}
 
 

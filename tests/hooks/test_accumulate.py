@@ -500,6 +500,27 @@ def test_a_state_saved_while_the_stage_wrapped_the_hook_resumes_bitwise():
         assert "load_hook_state" in message, r
 
 
+def _rank_other_stage():
+    ddp = pycomm.wrap(_model(), hook="int8", accumulate_steps=2)
+    ddp(torch.randn(3, WIDTH)).sum().backward()  # mid-window: the sums are saved
+    blob = pycomm.checkpoint.gather_hook_state(ddp)
+
+    def load(k):
+        into = pycomm.wrap(_model(), hook="int8", accumulate_steps=k)
+        return lambda: pycomm.checkpoint.load_hook_state(into, blob)
+
+    return errors_of({"k3": load(3), "k1": load(1), "k2": load(2)})
+
+
+def test_a_state_of_another_stage_is_refused_naming_it():
+    for r in run_ranks(_rank_other_stage, 2, timeout=120):
+        assert r["k2"] is None, r  # the check below could pass
+        for k in ("k3", "k1"):
+            kind, message = r[k]
+            assert kind == "ValueError" and "accumulate" in message, r
+        assert "2 in the checkpoint but 3 here" in r["k3"][1], r
+
+
 # --- bad input ---------------------------------------------------------------------------
 
 
