@@ -260,7 +260,8 @@ class HookState:
     def check_fingerprint(self, state: dict[str, Any]) -> None:
         """Refuse (ValueError naming the field) a checkpoint of another hook or config, or
         the state of another rank."""
-        hook = state.get("fingerprint", {}).get("hook")
+        saved = state.get("fingerprint")
+        hook = saved.get("hook") if isinstance(saved, dict) else None
         if isinstance(hook, str) and hook.startswith("accumulate("):
             raise ValueError(
                 f"pycomm {self.hook_name} hook: the state was saved by an earlier pycomm (its "
