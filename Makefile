@@ -15,7 +15,7 @@ $(PY):
 $(VENV)/.deps: $(PY)
 	$(PY) -m pip install -q --upgrade pip
 	$(if $(TORCH),$(PY) -m pip install -q "$(TORCH)")
-	$(PY) -m pip install -q setuptools wheel ninja numpy scikit-learn pytest pytest-timeout hypothesis ruff tqdm matplotlib
+	$(PY) -m pip install -q setuptools wheel ninja numpy scikit-learn pytest pytest-timeout hypothesis ruff import-linter tqdm matplotlib
 	# the real clients of tests/integrations/test_clients.py, installed without changing the
 	# torch above
 	$(PY) -m pip install -q lightning accelerate $(if $(TORCH),"$(TORCH)")
@@ -49,9 +49,11 @@ frameworks: install $(VENV)/.deps-frameworks
 		-m frameworks tests/integrations/test_transformers.py tests/integrations/test_ray.py \
 		tests/integrations/test_optional_clients.py tests/repo/test_docs.py
 
+# the package's layers and no import circle: the contracts in pyproject.toml (import-linter)
 lint: $(VENV)/.deps
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
+	cd $(CURDIR) && $(VENV)/bin/lint-imports
 
 # BENCH_ARGS: more flags, e.g. BENCH_ARGS="--json out.json --plot out.png" (see --help)
 bench: install

@@ -1,10 +1,10 @@
-"""Which pycomm modules one DDP bucket and one FSDP2 reduce-scatter pass through, counted at
-run time: every function and method defined in a pycomm module is wrapped to note its module
-when called, on whatever thread calls it (the caller's, the exchange's issuing thread, the
-collectives' callback threads), while one compressed step's backward runs. A "stop" is a call
-that enters another pycomm module than the one it is called from (on the same thread); the
-modules are the distinct ones entered. ``pycomm.ops`` (the kernels' Python face) counts;
-torch's modules do not.
+"""Which pycomm modules one DDP bucket, one FSDP2 reduce-scatter and one
+``pycomm.Exchange.all_reduce`` pass through, counted at run time: every function and method
+defined in a pycomm module is wrapped to note its module when called, on whatever thread calls
+it (the caller's, the exchange's issuing thread, the collectives' callback threads), while one
+compressed step's backward runs. A "stop" is a call that enters another pycomm module than the
+one it is called from (on the same thread); the modules are the distinct ones entered.
+``pycomm.ops`` (the kernels' Python face) counts; torch's modules do not.
 
     python benchmarks/path_modules.py              # int8, 2 ranks on gloo
     python benchmarks/path_modules.py --hook int4
@@ -110,11 +110,25 @@ def _fsdp(hook: str, trace: _Trace) -> list[str]:
     return trace.stop()
 
 
+def _exchange(hook: str, trace: _Trace) -> list[str]:
+    ex = pycomm.Exchange(hook)
+    t = torch.randn(256 * 256)
+    ex.all_reduce(t, key="t").wait()  # the key's first call (its order compared in full)
+    trace.start()
+    ex.all_reduce(t, key="t").wait()
+    _ = ex.stats  # every call done (its callbacks on the issuing thread)
+    return trace.stop()
+
+
 def run_rank(hook: str) -> dict[str, list[str]]:
     import pycomm.fsdp  # noqa: F401 - wrapped with the rest
 
     trace = _Trace()  # before the models: what they bind is the wrapped code
-    return {"DDP bucket": _ddp(hook, trace), "FSDP2 reduce-scatter": _fsdp(hook, trace)}
+    return {
+        "DDP bucket": _ddp(hook, trace),
+        "FSDP2 reduce-scatter": _fsdp(hook, trace),
+        "Exchange.all_reduce": _exchange(hook, trace),
+    }
 
 
 def main() -> int:

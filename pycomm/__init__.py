@@ -6,7 +6,7 @@ Example:
     >>> ddp = pycomm.wrap(model.to(info.device), hook="allreduce")
 """
 
-from pycomm import checkpoint, hooks, ops
+from pycomm import checkpoint, codec, hooks, ops
 from pycomm.dist import DistInfo, init, shutdown
 from pycomm.exchange import Exchange, Work
 from pycomm.hsdp import cross_node_group, node_group
@@ -28,6 +28,7 @@ __all__ = [
     "TrainLoop",
     "Work",
     "checkpoint",
+    "codec",
     "cross_node_group",
     "hook_state",
     "hooks",

@@ -23,8 +23,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from pycomm._validate import check_int, hook_options_of
 from pycomm.checkpoint import gather_hook_state, load_hook_state
+from pycomm.codec.agree import checked_everywhere
 from pycomm.hooks import HookState
-from pycomm.hooks.config import checked_everywhere
 from pycomm.train import follow_loss_scale
 from pycomm.wrap import STATE_ATTR, HookArg
 from pycomm.wrap import register as _register

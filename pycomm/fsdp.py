@@ -78,12 +78,10 @@ except ImportError:  # FSDP calls allocate() and __call__(), nothing else
     AllGather = ReduceScatter = object  # type: ignore[misc,assignment]
 
 from pycomm._validate import check_int, hook_options_of
+from pycomm.codec.agree import agree, check_saved, dtype_names, error_field
+from pycomm.codec.config import FLOATS, build_codec, codec_options, resolve
+from pycomm.codec.registry import ENGINE_OPTIONS, codec_identity, find_codec, qualified_name
 from pycomm.exchange import Exchange
-from pycomm.hooks import CompressedState, hook_spec
-from pycomm.hooks.config import agree, error_field, resolved_config
-from pycomm.hooks.ddp import AllreduceState
-from pycomm.hooks.registry import hook_names, registration
-from pycomm.hooks.state import check_saved, dtype_names, unbound
 from pycomm.hsdp import NodeAllReduce, cross_group, is_node_group, node_mesh
 
 __all__ = [
@@ -306,7 +304,9 @@ class ModuleReduceScatter(_ModuleCollective, ReduceScatter):
         x = input_tensor.contiguous()
         self._run(
             output_tensor,
-            lambda out: self.exchange.reduce_scatter(out, x, key=self.name, **reduction),
+            lambda out: self.exchange.reduce_scatter(
+                out, x, key=self.name, **reduction, async_op=False
+            ),
         )
         return None
 
@@ -368,7 +368,10 @@ class ModuleAllGather(_ModuleCollective, AllGather):
         # the input is encoded before any chunk of the output is written: FSDP's input may
         # be a view of this rank's chunk of the output
         x = input_tensor.contiguous()
-        self._run(output_tensor, lambda out: self.exchange.all_gather(out, x, key=self.name))
+        self._run(
+            output_tensor,
+            lambda out: self.exchange.all_gather(out, x, key=self.name, async_op=False),
+        )
         return None
 
 
@@ -608,11 +611,10 @@ def _replicated(modules: list[tuple[str, FSDPModule]]) -> Optional[str]:
 def _check(
     hook: Any, options: dict[str, Any], modules: list[tuple[str, FSDPModule]]
 ) -> tuple[Any, dict[str, Any], Any]:
-    """The hook's spec, the options its Exchange gets and the mesh's group, or the error for
-    this rank's ``hook``, ``options`` or modules."""
-    spec = hook_spec(hook, "pycomm.fsdp.compress")
-    compressed = isinstance(spec.state, type) and issubclass(spec.state, CompressedState)
-    exact = isinstance(spec.state, type) and issubclass(spec.state, AllreduceState)
+    """The hook's codec spec (None: ``"allreduce"``), the options its Exchange gets and the
+    mesh's group, or the error for this rank's ``hook``, ``options`` or modules."""
+    spec = find_codec(hook)
+    compressed, exact = spec is not None, hook == "allreduce"
     if not modules:
         raise ValueError(
             "pycomm.fsdp.compress: model has no FSDPModule; call "
@@ -621,7 +623,7 @@ def _check(
     if not (compressed or exact):
         raise ValueError(
             f"pycomm.fsdp.compress: hook={hook!r} is not a reduce-scatter: use 'allreduce' or "
-            f"a compressed hook ({', '.join(n for n in Exchange.codecs() if n != 'allreduce')})"
+            f"a registered codec ({', '.join(n for n in Exchange.codecs() if n != 'allreduce')})"
         )
     replicated = _replicated(modules)
     if replicated is not None:
@@ -662,9 +664,7 @@ def _weight_codecs() -> str:
         if name == "allreduce":
             continue
         try:
-            with unbound():
-                state = hook_spec(name).state(None)
-            if _error_of(state.codec) <= WEIGHT_ERROR_LIMIT:
+            if _error_of(find_codec(name).codec()) <= WEIGHT_ERROR_LIMIT:
                 fit.append(name)
         except Exception:  # noqa: BLE001 - a codec that fails here is not listed
             continue
@@ -686,9 +686,8 @@ def _round_trip(codec: Any, x: torch.Tensor) -> torch.Tensor:
 def _gather_codec(
     all_gather: Any, options: Any, where: str = "pycomm.fsdp.compress"
 ) -> tuple[Any, dict[str, Any]]:
-    """The unbound state of codec ``all_gather`` with ``options`` and its codec's own options
-    resolved, or the ValueError/TypeError naming the argument, its value and what was
-    expected."""
+    """Codec ``all_gather`` built with ``options`` and its own options resolved, or the
+    ValueError/TypeError naming the argument, its value and what was expected."""
     what = f"{where}: all_gather={all_gather!r}"
     if not isinstance(all_gather, str):
         raise TypeError(
@@ -699,18 +698,11 @@ def _gather_codec(
             f"{what}: the exact exchange is FSDP's own all-gather, expected all_gather=None "
             f"for it (or a codec: {_weight_codecs()})"
         )
-    if all_gather not in hook_names():
+    spec = find_codec(all_gather)
+    if spec is None:
         raise ValueError(
-            f"{what}: not a registered hook, expected None (FSDP's own all-gather) or a codec "
-            f"({_weight_codecs()}; pycomm.hooks.register_hook adds one)"
-        )
-    spec = hook_spec(all_gather, where)
-    if spec.codec is None or not (
-        isinstance(spec.state, type) and issubclass(spec.state, CompressedState)
-    ):
-        raise ValueError(
-            f"{what}: a hook without a codec (DDP's alone) cannot encode weights, expected "
-            f"None (FSDP's own all-gather) or a codec ({_weight_codecs()})"
+            f"{what}: not a registered codec, expected None (FSDP's own all-gather) or a codec "
+            f"({_weight_codecs()}; pycomm.codec.register_codec adds one)"
         )
     if options is not None and not isinstance(options, dict):
         raise TypeError(
@@ -718,9 +710,9 @@ def _gather_codec(
             "or None"
         )
     options = dict(options or {})
-    own = tuple(getattr(spec.state, "codec_option_names", ()))
+    own = spec.option_names
     for key in options:
-        if key not in own and key not in getattr(spec.state, "option_names", ()):
+        if key not in own and key not in ENGINE_OPTIONS:
             raise ValueError(
                 f"{where}: all_gather_options option {key!r}: not an option of codec "
                 f"{all_gather!r}, expected its own options ({', '.join(own) or 'none'})"
@@ -732,12 +724,10 @@ def _gather_codec(
                 f"the codec's own options ({', '.join(own) or 'none'})"
             )
     try:
-        with unbound():
-            state = spec.state(None, **options)
+        codec, kwargs = build_codec(f"pycomm {all_gather} hook", spec.codec, own, options)
     except (ValueError, TypeError) as e:
         raise type(e)(f"{where}: all_gather_options={options!r} for {all_gather!r}: {e}") from e
-    resolved = state.options()
-    return state, {key: resolved[key] for key in own if key in resolved}
+    return codec, codec_options(spec.codec, own, kwargs)
 
 
 def weight_error(
@@ -757,8 +747,8 @@ def weight_error(
         >>> pycomm.fsdp.weight_error("onebit") > pycomm.fsdp.WEIGHT_ERROR_LIMIT
         True
     """
-    state, _ = _gather_codec(all_gather, all_gather_options, "pycomm.fsdp.weight_error")
-    return _error_of(state.codec, tensor)
+    codec, _ = _gather_codec(all_gather, all_gather_options, "pycomm.fsdp.weight_error")
+    return _error_of(codec, tensor)
 
 
 def _error_of(codec: Any, tensor: Optional[torch.Tensor] = None) -> float:
@@ -787,8 +777,8 @@ def _check_all_gather(
                 "(e.g. 'int8') with them, or no all_gather_options"
             )
         return None
-    state, own = _gather_codec(all_gather, options)
-    err = _error_of(state.codec)
+    codec, own = _gather_codec(all_gather, options)
+    err = _error_of(codec)
     if not err <= WEIGHT_ERROR_LIMIT:
         raise ValueError(
             f"pycomm.fsdp.compress: all_gather={all_gather!r}: the codec cannot carry weights: "
@@ -799,12 +789,11 @@ def _check_all_gather(
         )
     # what the codec is, its own options, then its format (a difference in both named as the
     # option); the engine's options mean nothing here
-    config = resolved_config(state)
-    late = {k: config.pop(k) for k in ("codec format",) if k in config}
-    fields = {f"all_gather {k}": v for k, v in config.items() if not k.startswith("hook option ")}
+    identity = codec_identity(codec)
+    late = {"all_gather codec format": identity.pop("codec format")}
+    fields = {f"all_gather {k}": v for k, v in identity.items()}
     fields.update({f"all_gather option {key!r}": value for key, value in own.items()})
-    fields.update({f"all_gather {k}": v for k, v in late.items()})
-    return fields, own, tuple(state.grad_dtypes)
+    return {**fields, **late}, own, FLOATS
 
 
 def compress(
@@ -908,20 +897,11 @@ def compress(
 
 def _resolved_options(spec: Any, opts: dict[str, Any]) -> dict[str, Any]:
     """The hook's options ``opts`` with its defaults filled in, as a checkpoint's fingerprint
-    holds them (a dtype by its name)."""
+    holds them (a dtype by its name): codec ``spec``'s, or (None) the exact exchange's."""
+    if spec is None:
+        return {"hierarchy": "auto"}
     own = {k: v for k, v in opts.items() if k != "start_iter"}
-    with unbound():
-        resolved = spec.state(None, **own).options()
-    if "start_iter" in opts:
-        resolved["start_iter"] = opts["start_iter"]
-    return _named_options(resolved)
-
-
-def _named_options(options: dict[str, Any]) -> dict[str, Any]:
-    """Options as a checkpoint stores them: a dtype by its name."""
-    return {
-        k: str(v).split(".")[-1] if isinstance(v, torch.dtype) else v for k, v in options.items()
-    }
+    return resolve(spec, f"pycomm {spec.name} hook", own, opts.get("start_iter")).options()
 
 
 def _agreed(
@@ -939,12 +919,12 @@ def _agreed(
     fields: dict[str, Any] = {}
     if isinstance(hook, str):  # a name registered on some ranks only: named on every rank
         fields["hook"] = hook
-        fields[f"registration of hook {hook!r}"] = registration(hook)
+        fields[f"registration of hook {hook!r}"] = _registration(hook)
     fields["all_gather"] = (
         all_gather if all_gather is None or isinstance(all_gather, str) else repr(all_gather)
     )
     if isinstance(all_gather, str):
-        fields[f"registration of all_gather {all_gather!r}"] = registration(all_gather)
+        fields[f"registration of all_gather {all_gather!r}"] = _registration(all_gather)
     fields.update(error_field(None))
     spec, opts, group, gather, resolved = None, {}, None, None, None
     try:
@@ -956,26 +936,20 @@ def _agreed(
                     "compressed once, with every option in that one call"
                 )
         spec, opts, group = _check(hook, options, modules)
-        if issubclass(spec.state, CompressedState):
+        fields["hook"] = hook
+        if spec is not None:
             # start_iter is the Exchange's (per module, from 0); the DDP hook's own check
             # (>= 2, for DDP's bucket rebuild) does not apply
-            own = {k: v for k, v in opts.items() if k != "start_iter"}
             if "start_iter" in opts:
                 check_int(
                     "pycomm.fsdp.compress", "hook_options['start_iter']", opts["start_iter"], 0
                 )
-            with unbound():
-                state = spec.state(None, **own)
-            fields.update(resolved_config(state))
-            if "start_iter" in opts:  # the value given, over the default resolved_config has
-                fields["hook option 'start_iter'"] = opts["start_iter"]
+            own = {k: v for k, v in opts.items() if k != "start_iter"}
+            config = resolve(spec, f"pycomm {hook} hook", own, opts.get("start_iter"))
+            fields.update(config.fields())
+            resolved = config.options()
         else:
-            fields["hook"] = hook
-            with unbound():
-                state = spec.state(None)
-        resolved = _named_options(state.options())
-        if "start_iter" in opts:
-            resolved["start_iter"] = opts["start_iter"]
+            resolved = {"hierarchy": "auto"}
         gather = _check_all_gather(all_gather, all_gather_options)
         if gather is not None:
             fields.update(gather[0])
@@ -1001,9 +975,10 @@ def _reduction_comms(
     :class:`ModuleReduceScatter` each (``set_custom_reduce_scatter``), or under HSDP a
     :class:`NodeAllReduce` each (FSDP's own reduce-scatter inside the node, the hook's
     all-reduce across the nodes)."""
-    compressed = issubclass(spec.state, CompressedState)
+    compressed = spec is not None
     ex_opts = dict(opts)
-    start_iter = ex_opts.pop("start_iter", getattr(spec.state, "default_start_iter", 0))
+    default = spec.defaults.get("start_iter", 2) if compressed else 0
+    start_iter = ex_opts.pop("start_iter", default)
     ex_opts["hierarchy"] = "flat"  # the mesh decides the nodes
     if _is_hsdp(group):
         exchange = Exchange(
@@ -1013,7 +988,7 @@ def _reduction_comms(
     if compressed:
         ex_opts["local_feedback"] = True  # error feedback is on the reduce-scatter's input
     exchange = Exchange(hook, group, start_iter=start_iter, check_order=_CHECK, **ex_opts)
-    grad_dtypes = spec.state.grad_dtypes if compressed else None
+    grad_dtypes = FLOATS if compressed else None
     installed: dict[str, Any] = {}
     for name, module in modules:
         installed[name] = ModuleReduceScatter(name, hook, exchange, grad_dtypes)
@@ -1053,3 +1028,13 @@ def _install_node_all_reduce(
         module.set_all_reduce_hook(hook, stream=stream)
         installed[name] = hook
     return installed
+
+
+def _registration(name: str) -> str:
+    """Codec ``name``'s class in this process, ``exact`` for ``"allreduce"``, or ``not
+    registered``: what ranks compare first, so that a name registered on some ranks only is
+    named as such."""
+    if name == "allreduce":
+        return "exact"
+    spec = find_codec(name)
+    return "not registered" if spec is None else qualified_name(spec.codec)

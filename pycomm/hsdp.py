@@ -27,9 +27,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
+from pycomm.codec.groups import new_groups
 from pycomm.dist import all_gather_objects
 from pycomm.exchange import Exchange
-from pycomm.exchange.engine import new_groups
 from pycomm.topology import Topology, topology
 
 __all__ = [
@@ -235,7 +235,7 @@ class NodeAllReduce:
     def __call__(self, output: torch.Tensor) -> None:
         factor = None if self.divide_factor is None else self.divide_factor()
         work = self.exchange.all_reduce(
-            output, key=self.name, op="mean" if factor is None else "sum"
+            output, key=self.name, op="mean" if factor is None else "sum", async_op=False
         )
         work.wait()
         self.calls += 1

@@ -6,6 +6,7 @@ against another torch than the one running, the ImportError says which and how t
 
 from __future__ import annotations
 
+import importlib
 import os
 from collections.abc import Sequence
 from typing import Optional
@@ -17,8 +18,8 @@ REBUILD = "pip install --no-build-isolation -e .  (from the pycomm checkout; or 
 
 def _load_extension():
     _refuse_private_runtime()
-    try:
-        from pycomm import _C
+    try:  # by its full name: the extension, not the package's __init__
+        _C = importlib.import_module("pycomm._C")
     except ModuleNotFoundError as e:
         if e.name != "pycomm._C":
             raise

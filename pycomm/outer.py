@@ -27,9 +27,9 @@ import torch
 import torch.distributed as dist
 
 from pycomm._validate import check_int
+from pycomm.codec.agree import agree, error_field
+from pycomm.codec.groups import ring_bytes
 from pycomm.exchange import Exchange, Work
-from pycomm.hooks.config import agree, error_field
-from pycomm.hooks.state import ring_bytes
 
 __all__ = ["DiLoCo", "LocalSGD"]
 

@@ -45,7 +45,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import pycomm
 from pycomm._validate import check_hook_args
 from pycomm.checkpoint import load_rank_state, save_rank_state
-from pycomm.hooks.config import checked_everywhere
+from pycomm.codec.agree import checked_everywhere
 
 __all__ = ["load_state", "prepare_model", "save_state"]
 

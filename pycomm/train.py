@@ -15,9 +15,9 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from pycomm._validate import check_bool, check_int
+from pycomm.codec.agree import agree, error_field
 from pycomm.hooks import advice
 from pycomm.hooks.accumulate import Accumulate
-from pycomm.hooks.config import agree, error_field
 from pycomm.wrap import STATE_ATTR, ddp_parameters
 
 logger = logging.getLogger(__name__)

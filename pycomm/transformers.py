@@ -53,8 +53,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import pycomm
 from pycomm._validate import check_hook_args
 from pycomm.checkpoint import load_rank_state, save_rank_state
+from pycomm.codec.agree import checked_everywhere
 from pycomm.hooks import HookState
-from pycomm.hooks.config import checked_everywhere
 from pycomm.train import follow_loss_scale
 from pycomm.wrap import STATE_ATTR
 

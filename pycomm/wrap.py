@@ -12,13 +12,14 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from pycomm._validate import check_int, hook_options_of
+from pycomm.codec.agree import ERROR, agree, dtype_names, error_field
 from pycomm.dist import settle_at_exit
 from pycomm.hooks import HookState
 from pycomm.hooks.accumulate import Accumulate, accumulate_hook
 from pycomm.hooks.auto import AutoState
-from pycomm.hooks.config import ERROR, agree, error_field, resolved_config
+from pycomm.hooks.config import resolved_config
 from pycomm.hooks.registry import hook_names, hook_spec, registration
-from pycomm.hooks.state import accepts_dtype, dtype_names, unbound
+from pycomm.hooks.state import accepts_dtype, unbound
 
 logger = logging.getLogger(__name__)
 

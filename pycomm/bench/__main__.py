@@ -69,8 +69,8 @@ from pycomm.bench.runner import (
     user_hook_factory,
 )
 from pycomm.bench.session import measure
+from pycomm.codec.groups import ring_bytes
 from pycomm.hooks.registry import import_modules, user_modules
-from pycomm.hooks.state import ring_bytes
 
 _NETNS_FLAG = _link.NETNS_FLAG
 

@@ -10,7 +10,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from pycomm.hooks.codec import Codec
+from pycomm.codec import Codec
 from pycomm.hooks.ddp import CompressedState
 
 

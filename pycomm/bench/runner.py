@@ -33,9 +33,9 @@ from pycomm.bench.hooks import compute_hook, wire_state
 from pycomm.bench.link import lo_tx_bytes, tx_bytes
 from pycomm.bench.models import ModelSpec, batches, build, count_params, loss_fn
 from pycomm.bench.nodes import uplink
+from pycomm.codec.groups import ring_bytes
 from pycomm.dist import all_gather_objects
 from pycomm.hooks.registry import import_modules
-from pycomm.hooks.state import ring_bytes
 
 COMPUTE = "compute"  # the bucket comes back untouched: no communication at all
 BASELINE = "ddp"  # plain DDP, no hook: torch's own reduction

@@ -10,8 +10,8 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from pycomm.exchange.engine import PHASE_1
-from pycomm.hooks.state import dtype_names
+from pycomm.codec.agree import dtype_names
+from pycomm.codec.residuals import PHASE_1
 
 __all__ = [
     "CALLS", "alive", "as_exchange", "loadable", "pair", "residual", "scale_of", "shape",

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Hashable, Sequence
 from typing import Any, Optional, Union
 
@@ -10,12 +9,12 @@ import torch
 import torch.distributed as dist
 
 from pycomm._validate import check_int
+from pycomm.codec.agree import agree, error_field
+from pycomm.codec.config import Config, check_hierarchy, resolve
+from pycomm.codec.registry import codec_names, codec_spec, find_codec, qualified_name
 from pycomm.exchange import checks
 from pycomm.exchange.issue import Issuer, Stream, Work
 from pycomm.exchange.keys import Keys
-from pycomm.hooks.config import agree, error_field, resolved_config
-from pycomm.hooks.registry import hook_names, hook_spec, registration
-from pycomm.hooks.state import HookState, unbound
 
 __all__ = ["Exchange"]
 
@@ -26,8 +25,8 @@ class Exchange:
     """A compressed collective over ``process_group`` (default: the default group).
 
     Args:
-        codec: a registered hook with a codec (:meth:`codecs` lists them: ``"int8"``, a
-            user's...), or ``"allreduce"`` for the exact exchange (fp32 sums; float64
+        codec: a registered codec (:meth:`codecs` lists them: ``"int8"``, a user's...), or
+            ``"allreduce"`` for the exact exchange (fp32 sums; float64
             tensors too, summed in float64).
         process_group: the ranks that exchange; every one of them builds the ``Exchange``.
         start_iter: the warm-up, per key: the first ``start_iter`` calls of each ``key`` (and
@@ -65,92 +64,90 @@ class Exchange:
         **options: Any,
     ) -> None:
         _check_group(self.where, process_group)
-        fields: dict[str, Any] = {"hook": codec}
+        fields: dict[str, Any] = {"codec": codec}
         if isinstance(codec, str):
-            fields[f"registration of hook {codec!r}"] = registration(codec)
+            spec = find_codec(codec)
+            fields[f"registration of codec {codec!r}"] = (
+                "not registered" if spec is None else qualified_name(spec.codec)
+            )
         fields.update(error_field(None))  # where the ranks compare it: before the config
-        state = None
+        config, hierarchy = None, "auto"
         try:
-            state = self._build(codec, process_group, start_iter, options)
-            fields.update(resolved_config(state, hook_spec(codec).hook))
+            config, hierarchy = self._build(codec, start_iter, options)
+            fields.update({"option 'hierarchy'": hierarchy} if config is None else config.fields())
             if check_order not in _CHECKS:
                 raise ValueError(
                     f"{self.where}: check_order={check_order!r}, expected "
                     f"{', '.join(map(repr, _CHECKS))}"
                 )
         except Exception as e:  # noqa: BLE001 - a user's codec failing on one rank too
-            state = None
             fields.update(error_field(checks.as_exchange(e, codec, self.where)))
         fields["start_iter"] = start_iter
         fields["check_order"] = check_order
         agree(self.where, fields, process_group)
-        assert state is not None  # agree raised on every rank otherwise
         # the group's issuing thread, on a group of its own: it issues every collective of
         # the Exchanges over that group, so none meets the caller's own in another order
         self._issuer = Issuer.of(process_group)
-        state.process_group = self._issuer.group
-        state.bind()
         self.codec_name, self.process_group = codec, process_group
         self.start_iter, self.check_order = start_iter, check_order
-        # what the codec's configuration resolved to, kept by the keys; the state goes
-        self._keys = Keys(state, self._issuer.group, start_iter)
+        self._keys = Keys(codec, config, hierarchy, self._issuer.group, start_iter)
         self._stream = Stream(self._keys, check_order, self.where, self._keys.serial)
 
-    def _build(self, codec: Any, group: Any, start_iter: Any, options: dict) -> HookState:
+    def _build(self, codec: Any, start_iter: Any, options: dict) -> tuple[Optional[Config], str]:
+        """The codec's resolved configuration (None for ``"allreduce"``) and ``hierarchy``."""
         if not isinstance(codec, str):
             raise TypeError(
-                f"{self.where}: codec={codec!r}, expected the name of a registered hook "
-                f"with a codec, or 'allreduce' ({', '.join(self.codecs())})"
-            )
-        if codec not in hook_names():
-            raise ValueError(
-                f"{self.where}: codec={codec!r} is not registered; expected one of "
-                f"{', '.join(self.codecs())}"
+                f"{self.where}: codec={codec!r}, expected the name of a registered codec, or "
+                f"'allreduce' ({', '.join(self.codecs())})"
             )
         if codec not in self.codecs():
             raise ValueError(
-                f"{self.where}: codec={codec!r} is a hook without a codec (DDP's alone); "
-                f"expected one of {', '.join(self.codecs())}"
+                f"{self.where}: codec={codec!r} is not a registered codec; expected one of "
+                f"{', '.join(self.codecs())}"
             )
         check_int(self.where, "start_iter", start_iter, 0)
         if "start_iter" in options:
             raise TypeError(f"{self.where}: start_iter is given twice")
-        params = inspect.signature(hook_spec(codec).state).parameters
-        if not any(p.kind is p.VAR_KEYWORD for p in params.values()):
-            own = [name for name in params if name != "process_group"]
+        where = f"{self.where} (codec {codec!r})"
+        if codec == "allreduce":
             for name in options:
-                if name not in own:
+                if name != "hierarchy":
                     raise ValueError(
                         f"{self.where}: option {name!r} is not an option of codec {codec!r}, "
-                        f"expected its options ({', '.join(own) or 'none'})"
+                        "expected its options (hierarchy)"
                     )
-        with unbound():
-            state = hook_spec(codec).state(group, **options)
-        if hasattr(state, "start_iter"):
-            state.start_iter = start_iter  # DDP's warm-up (its bucket rebuild) is not ours
-        return state
+            return None, check_hierarchy(where, options.get("hierarchy", "auto"))
+        config = resolve(codec_spec(codec), where, options, start_iter=start_iter)
+        return config, config.hierarchy
 
     @staticmethod
     def codecs() -> list[str]:
-        """What ``codec=`` takes: ``"allreduce"`` and every registered hook with a codec.
+        """What ``codec=`` takes: ``"allreduce"`` and every registered codec
+        (:func:`pycomm.codec.codec_names`).
 
         Example:
             >>> pycomm.Exchange.codecs()[:3]
             ['allreduce', 'bf16', 'fp16']
         """
-        return [n for n in hook_names() if n == "allreduce" or hook_spec(n).codec is not None]
+        return ["allreduce", *codec_names()]
 
     # --- the calls ----------------------------------------------------------------------
 
     def all_reduce(
-        self, tensor: Union[torch.Tensor, Sequence[torch.Tensor]], key: Hashable, op: str = "mean"
+        self,
+        tensor: Union[torch.Tensor, Sequence[torch.Tensor]],
+        key: Hashable,
+        op: str = "mean",
+        *,
+        async_op: bool = True,
     ) -> Work:
         """Replace ``tensor`` (contiguous, float32, bfloat16 or float16; float64 too with
         ``"allreduce"``) by its mean over the ranks (``op="sum"``: the sum), sent through the
         codec with the error-feedback residual of ``key``. Every rank holds the same bits
         after it. A list (or tuple) of tensors of one dtype and device, any shapes and
         strides, is one exchange: copied into one flat buffer of ``key``, exchanged with
-        one residual, and copied back.
+        one residual, and copied back. ``async_op=False``: the call runs on this thread and
+        is done when it returns (see :meth:`reduce_scatter`).
 
         Example:
             >>> ex.all_reduce(delta, key="delta").wait()
@@ -168,7 +165,7 @@ class Exchange:
             err = e
         body = lambda: self._keys.all_reduce(tensor, key, op, flat)  # noqa: E731
         return self._submit("all_reduce", key, flat, f"op={op!r}", err, checks.shape(tensor),
-                            body, (tensor, key, op, flat))  # fmt: skip
+                            body, (tensor, key, op, flat), async_op)  # fmt: skip
 
     def reduce_scatter(
         self,
@@ -178,6 +175,7 @@ class Exchange:
         op: str = "mean",
         *,
         scale: Optional[float] = None,
+        async_op: bool = True,
     ) -> Work:
         """``dist.reduce_scatter_tensor``'s shapes: ``input`` holds N chunks of
         ``output.numel()`` elements, and ``output`` becomes this rank's chunk of their mean
@@ -186,6 +184,12 @@ class Exchange:
         exchange sums the N chunks in rank order (:func:`rank_order_sum`). ``scale``: each
         rank's input times ``scale``, then the sum (``ReduceOp.PREMUL_SUM``; it overrides
         ``op``).
+
+        ``async_op`` (default True): the call returns at once and the Exchange's thread
+        issues it; False, as ``torch.distributed``'s: the call is compared and issued on this
+        thread (once the calls made before it are issued) and done when it returns, for a
+        caller that waits at once (``pycomm.fsdp``'s reduce-scatters and all-gathers). On a
+        GPU either way works on the caller's current stream as it stands at the call.
 
         Example:
             >>> ex.reduce_scatter(shard, grads, key="grads").wait()
@@ -201,13 +205,16 @@ class Exchange:
         how = f"op={op!r}" if scale is None else f"scale={scale!r}"
         shape = f"{checks.shape(input)} into {checks.shape(output)}"
         body = lambda: self._keys.reduce_scatter(output, key, x, out, factor)  # noqa: E731
-        return self._submit("reduce_scatter", key, x, how, err, shape, body)
+        return self._submit("reduce_scatter", key, x, how, err, shape, body, None, async_op)
 
-    def all_gather(self, output: torch.Tensor, input: torch.Tensor, key: Hashable) -> Work:
+    def all_gather(
+        self, output: torch.Tensor, input: torch.Tensor, key: Hashable, *, async_op: bool = True
+    ) -> Work:
         """``dist.all_gather_into_tensor``'s shapes: ``output`` holds N chunks of
         ``input.numel()`` elements and becomes every rank's input, rank j's at chunk j, each
         sent encoded and decoded (this rank's own too, so every rank holds the same bits).
-        No residual; ``key`` names the call for the order of calls.
+        No residual; ``key`` names the call for the order of calls. ``async_op``: see
+        :meth:`reduce_scatter`.
 
         Example:
             >>> ex.all_gather(full_weights, my_shard, key="weights").wait()
@@ -220,16 +227,22 @@ class Exchange:
             err = e
         shape = f"{checks.shape(input)} into {checks.shape(output)}"
         body = lambda: self._keys.all_gather(output, key, x, out)  # noqa: E731
-        return self._submit("all_gather", key, x, "", err, shape, body)
+        return self._submit("all_gather", key, x, "", err, shape, body, None, async_op)
 
     def _submit(self, call: str, key: Hashable, t: Any, how: str, err: Any, shape: str,
-                body: Any, fuse: Any = None) -> Work:  # fmt: skip
+                body: Any, fuse: Any = None, async_op: bool = True) -> Work:  # fmt: skip
         if not checks.alive(self.process_group):
             raise RuntimeError(
                 f"{self.where}.{call}: the process group was destroyed; an Exchange lives "
                 "while the group it was built on does"
             )
-        return self._issuer.submit(self._stream, (call, key), t, how, err, shape, body, fuse)
+        if not isinstance(async_op, bool):
+            raise TypeError(f"{self.where}.{call}: async_op={async_op!r}, expected True or False")
+        work = self._issuer.submit(self._stream, (call, key), t, how, err, shape, body, fuse,
+                                   inline=not async_op)  # fmt: skip
+        if not async_op:
+            work.wait()
+        return work
 
     def _drain(self) -> None:
         """Wait until every call of this Exchange is issued and done (what one raised is

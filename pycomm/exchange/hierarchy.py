@@ -1,18 +1,19 @@
 """Hierarchical reduction (``hierarchy="node"``): exact inside a node, compressed across nodes.
 
-A bucket of n elements on a node of L ranks (M nodes) takes three stages:
+A tensor of n elements (a DDP bucket, an Exchange call) on a node of L ranks (M nodes) takes
+three stages:
 
 1. intra-node reduce-scatter in fp32 (an all-to-all on the node's first group): local rank p
    receives shard p (n/L elements, padded) of every rank on its node and sums it in fp32;
-2. across nodes, among the M ranks with the same local rank: the hook's own exchange (the
+2. across nodes, among the M ranks with the same local rank: the caller's exchange (the
    exact fp32 all-reduce, the 16-bit all-reduce or the compressed two-phase exchange) on that
-   shard alone, so each rank's cross-node traffic is 1/L of the bucket; error feedback lives
+   shard alone, so each rank's cross-node traffic is 1/L of the tensor; error feedback lives
    here only, on the shard;
 3. intra-node all-gather (the node's second group) of the reduced shards.
 
 Every rank ends with the same bits: stage 2 leaves a shard bitwise equal on the M ranks that
 hold it, and stage 3 copies it. Collective order: each stage has its own process groups and
-is issued in bucket order (a chain of futures per stage), whatever order the previous stage's
+is issued in call order (a chain of futures per stage), whatever order the previous stage's
 callbacks run in; the groups are created once per parent group and topology, at
 registration, in the same order on every rank, with the parent group's timeout.
 """
@@ -27,22 +28,12 @@ from typing import Any, Callable, Optional
 import torch
 import torch.distributed as dist
 
+from pycomm.codec.engine import summed_numel
+from pycomm.codec.groups import Stage, completed, future_on, new_groups, ring_bytes
 from pycomm.dist import all_gather_objects
-from pycomm.exchange.engine import Stage, completed, new_groups, ring_bytes, summed_numel
 from pycomm.topology import Topology, topology
 
 logger = logging.getLogger(__name__)
-
-HIERARCHIES = ("auto", "flat", "node")
-
-
-def check_hierarchy(hook: str, value: Any) -> str:
-    """``value`` if it is a valid ``hierarchy`` option, else a ValueError naming it."""
-    if not isinstance(value, str) or value not in HIERARCHIES:
-        raise ValueError(
-            f"pycomm {hook} hook: hierarchy={value!r}, expected one of 'auto', 'flat', 'node'"
-        )
-    return value
 
 
 @dataclass
@@ -55,8 +46,8 @@ class NodePlan:
     node_index: int  # its node's place among the group's nodes
     intra: Stage  # two groups over this node's ranks
     cross: Stage  # two groups over the ranks with this position on every node
-    cross_issued: torch.futures.Future  # stage 2 of the latest bucket was issued
-    gather_issued: torch.futures.Future  # stage 3 of the latest bucket was issued
+    cross_issued: torch.futures.Future  # stage 2 of the latest call was issued
+    gather_issued: torch.futures.Future  # stage 3 of the latest call was issued
 
     def describe(self) -> str:
         return f"node: {self.nodes} nodes x {self.local_size} ranks"
@@ -174,85 +165,68 @@ def _make_plan(world, everyone: list[Topology], nodes: dict) -> NodePlan:
     )
 
 
-class _ShardBucket:
-    """The bucket as the cross-node exchange sees it (:class:`pycomm.hooks.Bucket`): DDP's
-    index, last flag and parameters, the shard as its buffer."""
-
-    def parameters(self) -> list[torch.Tensor]:
-        return self._bucket.parameters()
-
-    def __init__(self, bucket, shard: torch.Tensor) -> None:
-        self._bucket, self._shard = bucket, shard
-
-    def index(self) -> int:
-        return self._bucket.index()
-
-    def buffer(self) -> torch.Tensor:
-        return self._shard
-
-    def is_last(self) -> bool:
-        return self._bucket.is_last()
-
-
 @dataclass(frozen=True)
 class Cross:
-    """Stage 2 of :func:`node_reduce`: ``issue(shard_bucket, shard)`` starts the exchange of
-    the fp32 shard across nodes (called in bucket order) and returns a future that completes
-    once ``shard`` holds the reduced values; ``bytes`` and ``collectives``: what it sends, for
-    the state's stats."""
+    """Stage 2 of :func:`node_reduce`: ``issue(shard)`` starts the exchange of the fp32 shard
+    across nodes (called in call order) and returns a future that completes once ``shard``
+    holds the reduced values; ``bytes`` and ``collectives``: what it sends, for the caller's
+    counters."""
 
-    issue: Callable[[Any, torch.Tensor], torch.futures.Future]
+    issue: Callable[[torch.Tensor], torch.futures.Future]
     bytes: int
     collectives: int
 
 
 def node_reduce(
-    state: Any,
     plan: NodePlan,
-    bucket,
     x: torch.Tensor,
     index: int,
     cross: Cross,
     *,
+    buffers: dict,
+    count: Callable[..., None],
+    engine: Any = None,
     prescale: Optional[float] = None,
     postscale: Optional[float] = None,
     finite_step: Optional[int] = None,
 ) -> torch.futures.Future[torch.Tensor]:
-    """Reduce ``x`` (bucket ``index``) in the three stages of the module's docstring, stage 2
-    being ``cross``. ``prescale`` multiplies ``x`` before stage 1 (the exact all-reduce scales
-    by 1/N as DDP does), ``postscale`` the node's summed shard.
+    """Reduce ``x`` (the caller's tensor ``index``) in the three stages of the module's
+    docstring, stage 2 being ``cross``. ``buffers``: the caller's dict, where each tensor's
+    fp32 buffers are kept; ``count(bytes_sent, collectives=..., bytes_intra=...,
+    bytes_inter=...)`` accounts the call in the caller's counters. ``prescale`` multiplies
+    ``x`` before stage 1 (the exact all-reduce scales by 1/N as DDP does), ``postscale`` the
+    node's summed shard.
 
-    ``finite_step``: a compressing state's step. Its decode (stage 2) sees only this rank's
-    shard, so once stage 3 has gathered the others, their non-finite values are counted too
-    (``state.engine.note_decode``, on the device, no host read): a NaN or Inf anywhere in the bucket
-    then keeps every rank's residuals as they were, as in the flat exchange.
+    ``finite_step``: the step of ``engine``'s exchange (stage 2). Its decode sees only this
+    rank's shard, so once stage 3 has gathered the others, their non-finite values are
+    counted too (``engine.note_decode``, on the device, no host read): a NaN or Inf anywhere
+    in ``x`` then keeps every rank's residuals as they were, as in the flat exchange.
     """
     L, n = plan.local_size, x.numel()
     s = shard_size(n, L)
-    ws = _workspace(state, x, index, L, s)
+    ws = _workspace(buffers, x, index, L, s)
     if prescale is not None:
         x.mul_(prescale)
     send = x.view(L, s) if ws["send"] is None else _padded_copy(x, ws["send"])
     intra_bytes = 2 * (L - 1) * s * 4
-    state.count(
-        bucket,
+    count(
         intra_bytes + cross.bytes,
         collectives=2 + cross.collectives,
         bytes_intra=intra_bytes,
         bytes_inter=cross.bytes,
     )
-    stages = _NodeStages(state, plan, bucket, x, ws, send, cross, postscale, finite_step)
+    stages = _NodeStages(engine, plan, x, ws, send, cross, postscale, finite_step)
     return stages.start()
 
 
-def _workspace(state: Any, x: torch.Tensor, index: int, L: int, s: int) -> dict:
-    """The bucket's fp32 buffers, kept on the state: what stage 1 receives, this rank's
+def _workspace(buffers: dict, x: torch.Tensor, index: int, L: int, s: int) -> dict:
+    """The tensor's fp32 buffers, kept in ``buffers``: what stage 1 receives, this rank's
     shard, and a padded send buffer unless ``x`` itself can be sent."""
     key = ("node", index, x.numel(), str(x.dtype))
-    ws = state.node_buffers.get(key)
+    ws = buffers.get(key)
     if ws is None:
         f32 = dict(dtype=torch.float32, device=x.device)
-        ws = state.node_buffers[key] = {
+        ws = buffers[key] = {
             "recv": torch.empty(L, s, **f32),
             "shard": torch.empty(s, **f32),
             "send": None if _in_place(x, L, s) else torch.empty(L, s, **f32),
@@ -269,15 +243,15 @@ def _padded_copy(x: torch.Tensor, send: torch.Tensor) -> torch.Tensor:
 
 
 class _NodeStages:
-    """One bucket's stages, each issued from the completion of the one before and after the
-    previous bucket's issue of the same stage (``plan.cross_issued``, ``plan.gather_issued``),
-    so that every rank issues each stage's collectives in bucket order."""
+    """One call's stages, each issued from the completion of the one before and after the
+    previous call's issue of the same stage (``plan.cross_issued``, ``plan.gather_issued``),
+    so that every rank issues each stage's collectives in call order."""
 
-    def __init__(self, state, plan, bucket, x, ws, send, cross, postscale, finite_step) -> None:
-        self.state, self.plan, self.bucket, self.x = state, plan, bucket, x
+    def __init__(self, engine, plan, x, ws, send, cross, postscale, finite_step) -> None:
+        self.engine, self.plan, self.x = engine, plan, x
         self.ws, self.send, self.cross = ws, send, cross
         self.postscale, self.finite_step = postscale, finite_step
-        self.result: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+        self.result: torch.futures.Future[torch.Tensor] = future_on(x.device)
         self.done = torch.empty(0)
 
     def start(self) -> torch.futures.Future[torch.Tensor]:
@@ -293,7 +267,7 @@ class _NodeStages:
         return self.result
 
     def fail(self, e: BaseException, *chains: torch.futures.Future) -> None:
-        """Releases the later buckets' waits on ``chains`` and fails this bucket's result."""
+        """Releases the later calls' waits on ``chains`` and fails this call's result."""
         for c in chains:
             if not c.done():
                 c.set_result(self.done)
@@ -309,7 +283,7 @@ class _NodeStages:
             torch.sum(self.ws["recv"], dim=0, out=shard)
             if self.postscale is not None:
                 shard.mul_(self.postscale)
-            reduced = self.cross.issue(_ShardBucket(self.bucket, shard), shard)
+            reduced = self.cross.issue(shard)
         except BaseException as e:  # noqa: BLE001 - handed to DDP through the future
             self.fail(e, self.cross_issued, self.gather_issued)
             return
@@ -339,7 +313,7 @@ class _NodeStages:
         work.get_future().then(self.finish)
 
     def finish(self, fut: torch.futures.Future) -> None:
-        """The bucket's values back in ``x``; the other shards' non-finite values counted."""
+        """The tensor's values back in ``x``; the other shards' non-finite values counted."""
         x, n = self.x, self.x.numel()
         try:
             fut.value()
@@ -351,14 +325,14 @@ class _NodeStages:
                 lo, hi = min(self.plan.position * s, n), min((self.plan.position + 1) * s, n)
                 bad = (~torch.isfinite(flat[:lo])).sum() + (~torch.isfinite(flat[hi:])).sum()
                 stats = torch.stack([bad.new_zeros(()), bad]).double()
-                self.state.engine.note_decode(stats, self.finite_step)
+                self.engine.note_decode(stats, self.finite_step)
             self.result.set_result(x)
         except BaseException as e:  # noqa: BLE001
             self.fail(e)
 
 
 def shard_size(n: int, local_size: int) -> int:
-    """Elements of each rank's shard of an n-element bucket on a node of ``local_size``."""
+    """Elements of each rank's shard of an n-element tensor on a node of ``local_size``."""
     return max(1, math.ceil(n / local_size))
 
 
@@ -368,9 +342,9 @@ def _in_place(x: torch.Tensor, L: int, s: int) -> bool:
 
 def exact_cross(plan: NodePlan, n: int, scale: Optional[float] = None) -> Cross:
     """Stage 2 as the exact fp32 all-reduce (sum, optionally pre-scaled) over the cross
-    group, for an n-element bucket: one collective, a ring all-reduce's bytes of the shard."""
+    group, for an n-element tensor: one collective, a ring all-reduce's bytes of the shard."""
 
-    def issue(_bucket, shard: torch.Tensor) -> torch.futures.Future:
+    def issue(shard: torch.Tensor) -> torch.futures.Future:
         if scale is not None:
             shard.mul_(scale)
         work = dist.all_reduce(shard, group=plan.cross.groups[0], async_op=True)
@@ -385,8 +359,8 @@ def fingerprint(plan: Optional[NodePlan]) -> str:
 
 
 def codec_cross(engine: Any, plan: NodePlan, n: int, issue: Callable) -> Cross:
-    """Stage 2 through ``engine``'s codec across the nodes, for an n-element bucket:
-    ``issue(shard_bucket, shard)`` starts the exchange of the shard; what it sends, a
+    """Stage 2 through ``engine``'s codec across the nodes, for an n-element tensor:
+    ``issue(shard)`` starts the exchange of the shard; what it sends, a
     two-phase exchange's rows or a one-phase codec's summed codes."""
     codec, m = engine.codec, plan.nodes
     s = shard_size(n, plan.local_size)

@@ -10,27 +10,39 @@ The comparison (``check_order="every"``): one all-reduce (MAX) of a fixed-size t
 how many calls this rank queued and the 56-bit digest of each (and their negations, so that
 one MAX gives every rank the largest and the smallest value of each slot). The calls every
 rank had queued are compared: where a digest differs, that call is compared in full (one
-object gather, :func:`pycomm.hooks.config.agree`), which raises the ValueError naming each
+object gather, :func:`pycomm.codec.agree.agree`), which raises the ValueError naming each
 rank's call on every rank; the calls past what every rank queued are compared again with the
 next ones. So the batches, and the collectives issued for them, are the same on every rank.
+
+A call its caller waits for at once (``async_op=False``: FSDP2's reduce-scatter and
+all-gather) runs on the caller's thread instead, once every call queued before it is issued:
+no hop to the thread and back, the same order on every rank.
+
+On a GPU a call works on the caller's stream as it was when the call was made: a queued call
+records an event on the caller's current stream and the issuing thread's side stream waits
+for it before the call's first kernel (the caller may have queued work on its tensors on a
+stream of its own, as FSDP2 does, right before the call); an inline call runs on the
+caller's current stream itself. Its result is ready on the stream that waits for it
+(``Work.wait()``, ``get_future().wait()``): the futures know their device.
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
 import hashlib
 import os
 import queue
 import threading
 import time
-from collections.abc import Hashable
+from collections.abc import Hashable, Iterator
 from typing import Any, Callable, NamedTuple, Optional
 
 import torch
 import torch.distributed as dist
 
-from pycomm.exchange.engine import new_groups
-from pycomm.hooks.config import agree, error_field
+from pycomm.codec.agree import agree, error_field
+from pycomm.codec.groups import new_groups
 
 __all__ = ["SLOTS", "Call", "Issued", "Issuer", "Stream", "Work"]
 
@@ -134,9 +146,11 @@ class Call:
         err: Optional[Exception],
         body: Callable[[], Issued],
         fuse: Any = None,
+        ready: Optional[tuple[Any, Any]] = None,
     ) -> None:
         self.stream, self.pair, self.mark, self.fields = stream, pair, mark, fields
         self.compared, self.err, self.body, self.fuse = compared, err, body, fuse
+        self.ready = ready  # on a GPU, queued: (device, the caller's stream's event)
         self.work = Work()
         self.checked = threading.Event()  # its comparison is done (passed or failed)
         self.failed: Optional[BaseException] = None
@@ -198,6 +212,10 @@ class Issuer:
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._thread: Optional[threading.Thread] = None
         self._pid = os.getpid()
+        # held while calls are compared and issued, by the thread or an inline caller
+        self._lock = threading.Lock()
+        self._queued = 0  # calls put in the queue and not yet issued or failed
+        self._streams: dict[Any, Any] = {}  # the side stream of each GPU
 
     @classmethod
     def of(cls, parent: Any) -> Issuer:
@@ -221,12 +239,14 @@ class Issuer:
         shape: str,
         body: Callable[[], Issued],
         fuse: Any = None,
+        inline: bool = False,
     ) -> Work:
         """Queue a call of ``stream`` and return its :class:`Work`. ``err``: this rank's
         refusal of its arguments, raised here; the ranks compare it like the call, so each
         raises the first error any of them met. A key's first call (and a refused one) waits
         for its comparison, so a difference raises here on every rank; a later call's
-        difference fails its ``wait()``."""
+        difference fails its ``wait()``. ``inline``: compared and issued on this thread, once
+        the calls queued before it are issued."""
         call, key = pair
         try:
             first = pair not in stream.compared
@@ -245,9 +265,16 @@ class Issuer:
         what = f"call {seq}: {call}(key={key!r}, {'refused input' if t is None else shape}, {how})"
         fields = {**error_field(err), "the order of calls": what} if compared else {}
         mark = what if err is None else f"{what} {err}"
-        item = Call(stream, pair, mark, fields, compared, err, body, fuse)
-        self._put(item)
-        if err is None and not (compared and first):
+        ready = None
+        if not inline and t is not None and t.device.type == "cuda":
+            ready = (t.device, torch.cuda.current_stream(t.device).record_event())
+            t.record_stream(self.side_stream(t.device))  # in use there until the call is done
+        item = Call(stream, pair, mark, fields, compared, err, body, fuse, ready)
+        if inline:
+            self._inline(item)
+        else:
+            self._put(item)
+        if err is None and not (compared and first) and not inline:
             return item.work
         item.checked.wait()
         if item.failed is not None:
@@ -256,14 +283,44 @@ class Issuer:
             raise err
         return item.work
 
-    def _put(self, item: Any) -> None:
-        if self._pid != os.getpid():  # a forked child: the parent's thread is not here
+    def _inline(self, item: Call) -> None:
+        """Compare and issue ``item`` on this thread, once nothing queued is left to issue."""
+        self._forked()
+        while not item.checked.is_set():
+            with self._lock:
+                if self._queued == 0:
+                    try:
+                        passed, _ = self.checks([item])
+                    except Exception as e:  # noqa: BLE001 - the comparison's collective failed
+                        item.fail(e)
+                        return
+                    self.issue(passed, fuse=False)
+                    continue
+            self.drain()
+
+    def _forked(self) -> None:
+        """In a forked child, the parent's thread and queue are not here: start afresh."""
+        if self._pid != os.getpid():
             self._queue, self._thread, self._pid = queue.SimpleQueue(), None, os.getpid()
+            self._lock, self._queued = threading.Lock(), 0
+
+    def side_stream(self, device: Any) -> Any:
+        """The stream the issuing thread issues the calls of ``device`` (a GPU) on."""
+        s = self._streams.get(device)
+        if s is None:
+            s = self._streams[device] = torch.cuda.Stream(device)
+        return s
+
+    def _put(self, item: Any) -> None:
+        self._forked()
         if self._thread is None:
             self._thread = threading.Thread(
                 target=_serve, args=(self, self._queue), name="pycomm-exchange", daemon=True
             )
             self._thread.start()
+        if isinstance(item, Call):
+            with self._lock:
+                self._queued += 1
         self._queue.put(item)
 
     def drain(self) -> None:
@@ -318,13 +375,14 @@ class Issuer:
                 for c in run:
                     c.checked.set()
                     stream.settle(None if stream.serial else c.pair)
-                if len(run) > 1:
-                    issued = stream.runner.run_fused([c.fuse for c in run])
-                elif run[0].err is not None:  # every rank refused it alike: each raised it
+                if run[0].err is not None:  # every rank refused it alike: each raised it
                     run[0].work.fail(run[0].err, observed=True)
                     continue
-                else:
-                    issued = [run[0].body()]
+                with self.on_callers_stream(run):
+                    if len(run) > 1:
+                        issued = stream.runner.run_fused([c.fuse for c in run])
+                    else:
+                        issued = [run[0].body()]
             except Exception as e:  # noqa: BLE001 - handed to the callers' wait()
                 for c in run:
                     if not c.work.issued:
@@ -333,6 +391,20 @@ class Issuer:
             for c, done in zip(run, issued):
                 c.work.set(*done)
                 stream.inflight[c.pair] = c.work
+
+    @contextlib.contextmanager
+    def on_callers_stream(self, run: list[Call]) -> Iterator[None]:
+        """On a GPU, the calls of ``run`` issued on the side stream, after the work their
+        callers had queued when they made them (each call's event); else as they are."""
+        ready = [c.ready for c in run if c.ready is not None]
+        if not ready:
+            yield
+            return
+        side = self.side_stream(ready[0][0])
+        for _, event in ready:
+            side.wait_event(event)
+        with torch.cuda.stream(side):
+            yield
 
 
 def _runs(calls: list[Call], fuse: bool) -> list[list[Call]]:
@@ -384,11 +456,13 @@ def _serve(issuer: Issuer, q: queue.SimpleQueue) -> None:
             and len(calls) < SLOTS
         ):
             calls.append(pending.popleft())
-        try:
-            passed, again = issuer.checks(calls)
-        except Exception as e:  # noqa: BLE001 - the comparison's collective failed
-            for c in calls:
-                c.fail(e)
-            passed, again = [], []
-        pending.extendleft(reversed(again))
-        issuer.issue(passed, fuse=digests and issuer.world > 1)
+        with issuer._lock:
+            try:
+                passed, again = issuer.checks(calls)
+            except Exception as e:  # noqa: BLE001 - the comparison's collective failed
+                for c in calls:
+                    c.fail(e)
+                passed, again = [], []
+            pending.extendleft(reversed(again))
+            issuer.issue(passed, fuse=digests and issuer.world > 1)
+            issuer._queued -= len(calls) - len(again)

@@ -16,19 +16,15 @@ from typing import Any, Callable, Optional
 import torch
 import torch.distributed as dist
 
+from pycomm.codec.agree import check_saved, with_strict_skip
+from pycomm.codec.config import Config
+from pycomm.codec.engine import add_call
+from pycomm.codec.groups import compare_steps, completed, phase_groups, ring_bytes
+from pycomm.codec.residuals import PHASE_1, check_residuals
 from pycomm.exchange import hierarchy as hier
-from pycomm.exchange.engine import (
-    PHASE_1,
-    add_call,
-    check_residuals,
-    completed,
-    exact_allreduce,
-    ring_bytes,
-)
 from pycomm.exchange.issue import Issued
-from pycomm.hooks.state import HookState, check_saved, compare_steps, with_strict_skip
 
-__all__ = ["CallBucket", "Keys", "Ledger", "rank_order_sum", "returning"]
+__all__ = ["Keys", "Ledger", "rank_order_sum", "returning"]
 
 
 def rank_order_sum(rows: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
@@ -62,26 +58,6 @@ def returning(result: Any, flat: Optional[torch.Tensor] = None) -> Callable:
     return done
 
 
-class CallBucket:
-    """A call's tensor as the engine's bucket (:class:`pycomm.hooks.Bucket`): its key's
-    position, the flat tensor, and one call a step."""
-
-    def __init__(self, index: int, flat: torch.Tensor) -> None:
-        self._index, self._flat = index, flat
-
-    def index(self) -> int:
-        return self._index
-
-    def buffer(self) -> torch.Tensor:
-        return self._flat
-
-    def is_last(self) -> bool:
-        return True
-
-    def parameters(self) -> list[torch.Tensor]:
-        return []
-
-
 def _sent(counters: dict[str, Any]) -> tuple[int, int]:
     """``bytes_sent`` and ``bytes_fp32`` so far."""
     return counters["bytes_sent"], counters["bytes_fp32"]
@@ -94,19 +70,36 @@ class Ledger:
     exact calls); the calls' steps and their commit; the fingerprint and the checkpoint; the
     node plan."""
 
-    def __init__(self, state: HookState, group: Any, start_iter: int) -> None:
-        self.group, self.start_iter = group, start_iter
-        self.where, self.hook_name = state.where, state.hook_name
-        self.engine = getattr(state, "engine", None)
+    def __init__(
+        self, name: str, config: Optional[Config], hierarchy: str, group: Any, start_iter: int
+    ) -> None:
+        self.group, self.start_iter, self.hook_name = group, start_iter, name
+        self.where = f"pycomm.Exchange (codec {name!r})"
+        self.world_size, self.rank = dist.get_world_size(group), dist.get_rank(group)
+        self.hierarchy = hierarchy  # the option, as given
+        self.plan = hier.resolve(name, group, hierarchy)  # the node hierarchy, resolved
+        self.counters: dict[str, Any] = dict.fromkeys(
+            ("steps", "buckets", "collectives", "bytes_sent", "bytes_fp32"), 0
+        )
+        self.counters["compression"] = 1.0
+        options: dict[str, Any] = {"hierarchy": hierarchy}
+        self.engine, self.serial, self.grad_dtypes = None, False, None
+        if config is not None:  # the engine counts into the same dict
+            self.counters.update(nonfinite_buckets=0, residual_bytes=0)
+            self.engine = config.engine(self.where, self.counters)
+            if self.world_size > 1 or self.plan is not None:
+                plan, stage = self.plan, phase_groups(group)
+                size = self.world_size if plan is None else plan.nodes
+                self.engine.bind(stage if plan is None else plan.cross, size)
+            options, self.grad_dtypes = config.options(), config.grad_dtypes
+            self.serial = bool(config.engine_options["strict_skip"])
         self.codec = None if self.engine is None else self.engine.codec
-        self.serial = bool(getattr(state, "strict_skip", False))
-        self.grad_dtypes = state.grad_dtypes
-        self.hierarchy = getattr(state, "hierarchy", None)  # the option, as given
-        self.plan = getattr(state, "node_plan", None)  # the node hierarchy, resolved
-        self.world_size, self.rank = state.world_size, state.rank
-        self.fingerprint = state.fingerprint()
-        self.counters = state.counters  # the engine counts into the same dict
-        self.counters.pop("rebucketed_steps", None)  # DDP's
+        self.fingerprint = {
+            "hook": name,
+            "options": options,
+            "world_size": self.world_size,
+            "topology": hier.fingerprint(self.plan),
+        }
         self.node_buffers: dict[tuple, dict] = {}  # the node hierarchy's, per key
         self.iter = 0  # calls ended: the step of the engine's residual commits
         self.open = False  # a call ended and its step is not committed yet
@@ -117,13 +110,25 @@ class Ledger:
         self.nonfinite: list[torch.Tensor] = []  # the exact calls' flags, not yet read
         self.bad_calls = 0
 
-    def count(self, bucket: Any, nbytes: int, collectives: int = 1,
+    def count(self, numel: int, nbytes: int, collectives: int = 1,
               bytes_fp32: Optional[int] = None, **levels: int) -> None:  # fmt: skip
-        """Account one call of ``bucket`` (a :class:`CallBucket`), as a hook state's
-        :meth:`~pycomm.hooks.HookState.count`: every call is a step."""
-        numel = bucket.buffer().numel()
+        """Account one call on ``numel`` elements that sent ``nbytes``: every call is a
+        step."""
         add_call(self.counters, self.world_size, numel, nbytes, collectives, bytes_fp32,
                  **levels)  # fmt: skip
+
+    def counting(self, numel: int) -> Any:
+        """A count of one call on ``numel`` elements (:func:`~pycomm.exchange.hierarchy.
+        node_reduce`'s ``count``)."""
+        return lambda nbytes, **kw: self.count(numel, nbytes, **kw)
+
+    def exact_mean(self, x: torch.Tensor, group: Any) -> torch.futures.Future:
+        """The exact mean as DDP takes it: scaled by 1/N (DDP's own rounding), then one
+        asynchronous all-reduce on ``group``."""
+        self.count(x.numel(), ring_bytes(x.numel() * x.element_size(), self.world_size))
+        x.mul_(1.0 / self.world_size)
+        work = dist.all_reduce(x, group=group, async_op=True)
+        return work.get_future().then(returning(x))
 
     def end(self) -> None:
         """A call's step ends (its residuals commit at the next call's begin)."""
@@ -232,10 +237,12 @@ class Keys(Ledger):
             flat = self.flats[key] = torch.empty(numel, dtype=like.dtype, device=like.device)
         return flat
 
-    def begin(self, call: str, key: Hashable) -> tuple[int, bool]:
+    def begin(self, call: str, key: Hashable, device: torch.device) -> tuple[int, bool]:
         """The position of ``(call, key)`` (new ones in order of first use) and whether this
         call goes through the codec (the key's ``start_iter`` exact calls done); the step
-        before it committed."""
+        before it committed. The first call since built or loaded, of any kind, has the
+        ranks compare their steps first (:meth:`check_resumed`)."""
+        self.check_resumed(device)
         pair = (call, key)
         index = self.keys.setdefault(pair, len(self.keys))
         done = self.calls.get(pair, 0)
@@ -267,7 +274,7 @@ class Keys(Ledger):
     def nothing(self, index: int, x: torch.Tensor, result: Any) -> Issued:
         """A call of 0 elements, on every rank (the order check compares them): counted,
         nothing sent."""
-        self.count(CallBucket(index, x), 0, collectives=0, bytes_fp32=0)
+        self.count(x.numel(), 0, collectives=0, bytes_fp32=0)
         return self.issued(completed(result), result)
 
     # --- the calls ----------------------------------------------------------------------
@@ -288,7 +295,7 @@ class Keys(Ledger):
         if self.direct(("all_reduce", key), flat):
             return self.run_fused([(tensor, key, op, flat)])[0]
         many = isinstance(tensor, (list, tuple))
-        index, compress = self.begin("all_reduce", key)
+        index, compress = self.begin("all_reduce", key, flat.device)
         if many:  # once the key's last call is done with its flat buffer
             torch.cat([t.detach().reshape(-1) for t in tensor], out=flat)
         if flat.numel() == 0:
@@ -298,12 +305,12 @@ class Keys(Ledger):
         if op == "sum" and not compress and world > 1 and plan is None:
             # the exact sum: torch's own all-reduce, bit for bit (no 1/N and back)
             nbytes = ring_bytes(flat.numel() * flat.element_size(), world)
-            self.count(CallBucket(index, flat), nbytes)
+            self.count(flat.numel(), nbytes)
             fut = dist.all_reduce(flat, group=self.group, async_op=True).get_future()
             return self.issued(fut.then(back), tensor, nbytes, ring_bytes(flat.numel() * 4, world))
         before = _sent(self.counters)
         try:
-            fut = self.reduced(CallBucket(index, flat), flat, compress)
+            fut = self.reduced(index, flat, compress)
         finally:
             self.end()
         nbytes = tuple(b - a for a, b in zip(before, _sent(self.counters)))
@@ -311,51 +318,51 @@ class Keys(Ledger):
             fut = fut.then(lambda f: f.value().mul_(world))
         return self.issued(fut.then(back), tensor, *nbytes, end=False)
 
-    def reduced(self, bucket: CallBucket, x: torch.Tensor, compress: bool) -> torch.futures.Future:
+    def reduced(self, index: int, x: torch.Tensor, compress: bool) -> torch.futures.Future:
         """The mean of ``x`` over the ranks in place, where it is not the flat compressed
         exchange: on one rank as it is; exact (the codec's warm-up, or ``"allreduce"``), as
         DDP's all-reduce sums; on the node hierarchy, exact inside the node and exact or
         through the codec across."""
-        self.check_resumed(x.device)
-        world, plan, index = self.world_size, self.plan, bucket.index()
+        world, plan = self.world_size, self.plan
         if world == 1:
-            self.count(bucket, 0, collectives=0)
+            self.count(x.numel(), 0, collectives=0)
             return completed(x)
         if plan is None:  # exact: the codec's warm-up on its first phase group
             group = self.group if self.engine is None else self.engine.phases.groups[0]
-            return exact_allreduce(self, bucket, x, group)
+            return self.exact_mean(x, group)
         n, L, m = x.numel(), plan.local_size, plan.nodes
+        node = {"buffers": self.node_buffers, "count": self.counting(n)}
         if self.engine is None:
             cross = hier.exact_cross(plan, n)
-            return hier.node_reduce(self, plan, bucket, x, index, cross, prescale=1.0 / world)
+            return hier.node_reduce(plan, x, index, cross, **node, prescale=1.0 / world)
         if not compress:
             cross = hier.exact_cross(plan, n, 1.0 / m)
-            return hier.node_reduce(self, plan, bucket, x, index, cross, postscale=1.0 / L)
+            return hier.node_reduce(plan, x, index, cross, **node, postscale=1.0 / L)
         step, engine = self.iter, self.engine
 
-        def issue(_bucket: Any, shard: torch.Tensor) -> torch.futures.Future:
+        def issue(shard: torch.Tensor) -> torch.futures.Future:
             key = (index, shard.numel(), str(shard.dtype))
             return engine.all_reduce(shard, key, step, lambda *_: None)  # counted below
 
         cross = hier.codec_cross(engine, plan, n, issue)
-        return hier.node_reduce(self, plan, bucket, x, index, cross, postscale=1.0 / L,
+        return hier.node_reduce(plan, x, index, cross, **node, engine=engine, postscale=1.0 / L,
                                 finite_step=step)  # fmt: skip
 
     def reduce_scatter(
         self, output: torch.Tensor, key: Hashable, x: torch.Tensor, out: torch.Tensor, factor
     ) -> Issued:
-        index, compress = self.begin("reduce_scatter", key)
+        index, compress = self.begin("reduce_scatter", key, x.device)
         n, s = self.world_size, out.numel()
         if s == 0:
             return self.nothing(index, x, output)
-        bucket, fp32 = CallBucket(index, x), (n - 1) * s * 4
+        fp32 = (n - 1) * s * 4
         if n == 1:
-            self.count(bucket, 0, collectives=0, bytes_fp32=0)
+            self.count(x.numel(), 0, collectives=0, bytes_fp32=0)
             out.copy_(rank_order_sum(x.view(1, s), factor))
             return self.issued(completed(output), output)
         if not compress:
             nbytes = (n - 1) * s * x.element_size()
-            self.count(bucket, nbytes, bytes_fp32=fp32)
+            self.count(x.numel(), nbytes, bytes_fp32=fp32)
             recv = torch.empty_like(x)
             work = dist.all_to_all_single(recv, x, group=self.group, async_op=True)
 
@@ -366,25 +373,25 @@ class Keys(Ledger):
 
             return self.issued(work.get_future().then(total), output, nbytes, fp32)
         fut, nbytes = self.engine.reduce_scatter(out, x, index, factor, self.iter, self.group, n)
-        self.count(bucket, nbytes, bytes_fp32=fp32)
+        self.count(x.numel(), nbytes, bytes_fp32=fp32)
         return self.issued(fut.then(returning(output)), output, nbytes, fp32)
 
     def all_gather(
         self, output: torch.Tensor, key: Hashable, x: torch.Tensor, out: torch.Tensor
     ) -> Issued:
-        index, compress = self.begin("all_gather", key)
+        index, compress = self.begin("all_gather", key, x.device)
         n, m = self.world_size, x.numel()
         if m == 0:
             return self.nothing(index, x, output)
-        bucket, fp32 = CallBucket(index, x), (n - 1) * m * 4
+        fp32 = (n - 1) * m * 4
         if n == 1:
-            self.count(bucket, 0, collectives=0, bytes_fp32=0)
+            self.count(x.numel(), 0, collectives=0, bytes_fp32=0)
             out.copy_(x)
             return self.issued(completed(output), output)
         if not compress:
             gathered = torch.empty(n * m, dtype=x.dtype, device=x.device)
             nbytes = (n - 1) * m * x.element_size()
-            self.count(bucket, nbytes, bytes_fp32=fp32)
+            self.count(x.numel(), nbytes, bytes_fp32=fp32)
             work = self.gather_rows(gathered.view(n, m), x.view(1, m))
 
             def place(f: torch.futures.Future) -> torch.Tensor:
@@ -394,7 +401,7 @@ class Keys(Ledger):
 
             return self.issued(work.then(place), output, nbytes, fp32)
         fut, nbytes = self.engine.all_gather(out, x, self.iter, self.gather_rows, n)
-        self.count(bucket, nbytes, bytes_fp32=fp32)
+        self.count(x.numel(), nbytes, bytes_fp32=fp32)
         return self.issued(fut.then(returning(output)), output, nbytes, fp32)
 
     def gather_rows(self, rows: torch.Tensor, row: torch.Tensor) -> torch.futures.Future:
@@ -436,16 +443,15 @@ class Keys(Ledger):
         world, counters = self.world_size, self.counters
         items, meta = [], []
         for tensor, key, op, flat in fuses:
-            self.check_resumed(flat.device)
-            index, _ = self.begin("all_reduce", key)
+            index, _ = self.begin("all_reduce", key, flat.device)
             many = isinstance(tensor, (list, tuple))
             if many:
                 torch.cat([t.detach().reshape(-1) for t in tensor], out=flat)
-            bucket, sent = CallBucket(index, flat), {}
+            sent: dict[str, Any] = {}
 
-            def count(nbytes: int, collectives: int, bucket=bucket, sent=sent) -> None:
+            def count(nbytes: int, collectives: int, numel=flat.numel(), sent=sent) -> None:
                 before = _sent(counters)
-                self.count(bucket, nbytes, collectives=collectives)
+                self.count(numel, nbytes, collectives=collectives)
                 sent["bytes"] = tuple(b - a for a, b in zip(before, _sent(counters)))
 
             items.append((flat, (index, flat.numel(), str(flat.dtype)), self.iter, count))

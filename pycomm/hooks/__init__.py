@@ -1,4 +1,5 @@
-"""pycomm's DDP communication hooks, their states, the codec protocol and the hook registry.
+"""pycomm's DDP communication hooks, their states and the hook registry (the codec protocol
+and the built-in codecs are :mod:`pycomm.codec`'s, named here too).
 
 Every hook here works with ``ddp.register_comm_hook(state, hook)``; ``pycomm.wrap`` and
 ``pycomm.register`` take a registered name (:func:`register_hook`), a :class:`HookState`
@@ -8,10 +9,7 @@ instance, or a ``(state, hook)`` pair.
 import warnings
 from typing import Any
 
-from pycomm.hooks.advice import onebit_advice
-from pycomm.hooks.auto import AutoState, auto_hook
-from pycomm.hooks.bucket import Bucket
-from pycomm.hooks.codec import (
+from pycomm.codec import (
     Bf16Codec,
     Codec,
     Fp8Codec,
@@ -22,52 +20,17 @@ from pycomm.hooks.codec import (
     OneBitCodec,
     check_codec,
 )
+from pycomm.hooks.auto import AutoState, auto_hook
+from pycomm.hooks.bucket import Bucket
 from pycomm.hooks.ddp import AllreduceState, CompressedState, allreduce_hook, compressed_hook
 from pycomm.hooks.powersgd import PowerSGDHookState, powersgd_hook
 from pycomm.hooks.registry import HookSpec, hook_names, hook_spec, register_hook, unregister_hook
 from pycomm.hooks.state import HookState
 
-# The built-in hooks, in auto's order of exactness (the tie-break): the most exact first. The
-# codecs are registered as a user's are (register_hook(name, codec=...)), with their defaults.
-# bucket_cap_mb: pycomm.wrap's DDP bucket size for them (docs/reference.md, "The DDP bucket
-# size"); onebit keeps DDP's.
+# The hooks with a state of their own; every registered codec (pycomm.codec registers the
+# built-in ones, bf16 to onebit) is a hook too. allreduce is the most exact of auto's choices.
 register_hook(
     "allreduce", AllreduceState, allreduce_hook, auto=True, description="exact fp32 all-reduce"
-)
-_HALF = {"bf16": Bf16Codec, "fp16": Fp16Codec}
-for _name, _codec in _HALF.items():
-    register_hook(
-        _name,
-        codec=_codec,
-        auto=True,
-        defaults={"error_feedback": False},
-        bucket_cap_mb=8.0,
-        description=f"{_name} all-reduce",
-    )
-for _name, _codec, _text in (
-    ("int8", Int8Codec, "int8 codes, a fp32 scale per 64"),
-    ("fp8", Fp8Codec, "float8 e4m3 codes, a fp32 scale per 64"),
-    ("int4", Int4Codec, "int4 codes (two a byte), a fp32 scale per 128"),
-):
-    register_hook(
-        _name,
-        codec=_codec,
-        auto=True,
-        bucket_cap_mb=8.0,
-        description=f"{_text}, error feedback, two-phase exchange",
-    )
-del _name, _codec, _text
-# error feedback on the reduced chunk alone and 20 exact iterations: with each rank's own
-# residual, or without the warm-up, onebit fell further behind the exact all-reduce in the
-# quality suite (benchmarks/README.md, "Training quality"); and it advises against momentum
-# and Adam (onebit_advice)
-register_hook(
-    "onebit",
-    codec=OneBitCodec,
-    auto=True,
-    defaults={"start_iter": 20, "local_feedback": False},
-    advice=onebit_advice,
-    description="sign bits, a bf16 scale per 64, error feedback, two-phase exchange",
 )
 register_hook("powersgd", PowerSGDHookState, powersgd_hook, description="torch's PowerSGD")
 register_hook("auto", AutoState, auto_hook, description="measured choice among the hooks above")

@@ -72,16 +72,14 @@ import torch
 import torch.distributed as dist
 
 from pycomm._validate import check_int
+from pycomm.codec.agree import dtype_names
+from pycomm.codec.codecs import Codec
+from pycomm.codec.config import check_hierarchy
+from pycomm.codec.groups import phase_groups, ring_bytes
 from pycomm.exchange import hierarchy as hier
-from pycomm.exchange.engine import exact_allreduce, phase_groups, ring_bytes
-from pycomm.hooks.codec import Codec
-from pycomm.hooks.ddp import BucketLayout, CompressedState, per_bucket
+from pycomm.hooks.ddp import BucketLayout, CompressedState, exact_allreduce, per_bucket
 from pycomm.hooks.registry import hook_names, hook_spec, spec_identity
-from pycomm.hooks.state import (
-    HookState,
-    accepts_dtype,
-    dtype_names,
-)
+from pycomm.hooks.state import HookState, accepts_dtype
 from pycomm.hooks.warmup import Warmup, timed, timed_allreduce
 
 logger = logging.getLogger(__name__)
@@ -340,7 +338,7 @@ class AutoState(HookState):
             )
         return (
             check_allow(options.get("allow", DEFAULT_ALLOW)),
-            hier.check_hierarchy("auto", options.get("hierarchy", "auto")),
+            check_hierarchy("pycomm auto hook", options.get("hierarchy", "auto")),
             check_int("pycomm auto hook", "start_iter", options.get("start_iter", 5), 2),
         )
 

@@ -23,7 +23,6 @@ iteration), so a checkpoint taken during the exact warm-up, or just before the f
 step, resumes into the layout the uninterrupted run compresses with.
 """
 
-import inspect
 import logging
 import threading
 from typing import Any, Callable, Optional
@@ -31,31 +30,55 @@ from typing import Any, Callable, Optional
 import torch
 import torch.distributed as dist
 
-from pycomm._validate import check_bool, check_dtype, check_int
+from pycomm._validate import check_int
+from pycomm.codec.agree import dtype_names, with_strict_skip
+from pycomm.codec.codecs import Codec
+from pycomm.codec.config import (
+    FLOATS,
+    RESIDUAL_DTYPES,
+    build_codec,
+    check_hierarchy,
+    engine_options,
+)
+from pycomm.codec.config import codec_options as resolved_codec_options
+from pycomm.codec.engine import Engine
+from pycomm.codec.groups import completed, phase_groups, ring_bytes
+from pycomm.codec.registry import ENGINE_OPTIONS, codec_identity
+from pycomm.codec.residuals import ResidualStore, check_residuals
 from pycomm.exchange import hierarchy as hier
-from pycomm.exchange.engine import (
-    Engine,
-    ResidualStore,
-    check_residuals,
-    completed,
-    exact_allreduce,
-    phase_groups,
-    surfaced,
-)
 from pycomm.hooks import advice
-from pycomm.hooks.codec import Codec, check_codec
-from pycomm.hooks.state import (
-    HookState,
-    check_bucket,
-    dtype_names,
-    is_sparse,
-    with_strict_skip,
-)
+from pycomm.hooks.state import HookState, check_bucket, is_sparse
 
 logger = logging.getLogger(__name__)
 
-_FLOATS = (torch.float32, torch.bfloat16, torch.float16)
-_RESIDUAL_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16"}
+
+def surfaced(fut: torch.futures.Future[torch.Tensor]) -> torch.futures.Future[torch.Tensor]:
+    """``fut``, with a failure DDP can read: ``Future.set_exception`` keeps the exception as
+    the future's value, raised by Python's ``wait()`` alone, and DDP's reducer, which reads
+    the value in C++, would fail with "Unable to cast ... to Tensor" instead of the error. A
+    callback that raises fails its future for C++ too, so the hook hands DDP this one."""
+    return fut.then(_value)
+
+
+def _value(fut: torch.futures.Future[torch.Tensor]) -> torch.Tensor:
+    return fut.wait()
+
+
+def exact_allreduce(
+    state: HookState, bucket: Any, tensor: torch.Tensor, group: Optional[dist.ProcessGroup]
+) -> torch.futures.Future[torch.Tensor]:
+    """The exact mean as DDP takes it: scale by 1/N (DDP's own rounding), all-reduce on
+    ``group`` asynchronously; the bytes counted by ``state.count(bucket, ...)``."""
+    state.count(bucket, ring_bytes(tensor.numel() * tensor.element_size(), state.world_size))
+    tensor.mul_(1.0 / state.world_size)
+    work = dist.all_reduce(tensor, group=group, async_op=True)
+
+    def done(fut: torch.futures.Future) -> torch.Tensor:
+        fut.value()  # raises what the collective raised
+        return tensor  # reduced in place
+
+    return work.get_future().then(done)
+
 
 # reduce(bucket, x, index) -> a future of x reduced: the exchange, on hook bucket ``index``
 Reduce = Callable[[Any, torch.Tensor, int], torch.futures.Future]
@@ -85,7 +108,7 @@ class AllreduceState(HookState):
     def __init__(
         self, process_group: Optional[dist.ProcessGroup] = None, hierarchy: str = "auto"
     ) -> None:
-        self.hierarchy = hier.check_hierarchy(self.hook_name, hierarchy)
+        self.hierarchy = check_hierarchy(self.where, hierarchy)
         super().__init__(process_group)
         self.bucket_layout = BucketLayout(self.where, self._stats)
 
@@ -144,9 +167,8 @@ def allreduce_hook(
         plan = state.node_plan
         if plan is not None:
             cross = hier.exact_cross(plan, tensor.numel())
-            return hier.node_reduce(
-                state, plan, bucket, tensor, bucket.index(), cross, prescale=1.0 / state.world_size
-            )
+            return hier.node_reduce(plan, tensor, bucket.index(), cross, **node_args(state, bucket),
+                                    prescale=1.0 / state.world_size)  # fmt: skip
         if layout.bound:
             layout.observe(bucket)
             if layout.loaded:  # resumed: the checkpoint's buckets (DDP's own once rebuilt)
@@ -475,14 +497,11 @@ class CompressedState(HookState):
     ``codec_bytes_fp32``, ``codec_compression`` (its compressed exchanges alone).
     """
 
-    grad_dtypes = _FLOATS  # the engine encodes from fp32, bf16 or fp16 buckets
+    grad_dtypes = FLOATS  # the engine encodes from fp32, bf16 or fp16 buckets
     default_error_feedback = True
     default_local_feedback = True
     default_start_iter = 2
-    option_names: tuple = (
-        "start_iter", "error_feedback", "local_feedback", "residual_dtype", "strict_skip",
-        "hierarchy",
-    )  # fmt: skip
+    option_names: tuple = ENGINE_OPTIONS
 
     def __init__(self, process_group: Optional[dist.ProcessGroup] = None, **options: Any):
         hook = self.hook_name
@@ -493,19 +512,23 @@ class CompressedState(HookState):
                 f"{', '.join(self.option_names)}"
             )
         # before binding, which resolves it
-        self.hierarchy = hier.check_hierarchy(hook, options.get("hierarchy", "auto"))
+        self.hierarchy = check_hierarchy(f"pycomm {hook} hook", options.get("hierarchy", "auto"))
         super().__init__(process_group)
         self.start_iter = check_int(
             self.where, "start_iter", options.get("start_iter", self.default_start_iter), 2
         )
-        engine_options = _engine_options(self, options)
+        defaults = {
+            "error_feedback": self.default_error_feedback,
+            "local_feedback": self.default_local_feedback,
+        }
+        engine_opts = engine_options(self.where, options, defaults)
         self.iter = 0
         self._fold_next = False  # the next hook call starts a new step: commit the last one
         self._stats.update(nonfinite_buckets=0, residual_bytes=0, rebucketed_steps=0)
         # the exchange (codec, residuals kept per bucket and committed once a step is finite,
         # buffers, phase groups) is the engine's; the hook's own parts: its bucket layout over
         # the bound parameters, the warm-up, the node hierarchy, the optimizer advice
-        self.engine = Engine(self.where, self.make_codec(options), self._stats, **engine_options)
+        self.engine = Engine(self.where, self.make_codec(options), self._stats, **engine_opts)
         if getattr(self, "_stage", None) is not None:
             self.engine.bind(self._stage, self.exchange_size)
         self.bucket_layout = BucketLayout(self.where, self._stats)
@@ -653,13 +676,9 @@ class CompressedState(HookState):
         calls :attr:`codec_factory` with the codec's own options (set by ``register_hook``)."""
         if self.codec_factory is None:
             raise NotImplementedError(f"{type(self).__name__} has no codec_factory")
-        kwargs = {k: options[k] for k in self.codec_option_names if k in options}
-        self.codec_kwargs = kwargs
-        try:
-            codec = self.codec_factory(**kwargs)
-        except (TypeError, ValueError) as e:
-            raise ValueError(f"{self.where}: {_refusal(str(e), kwargs)}") from e
-        check_codec(codec, self.where)
+        codec, self.codec_kwargs = build_codec(
+            self.where, self.codec_factory, self.codec_option_names, options
+        )
         return codec
 
     def codec_options(self) -> dict[str, Any]:
@@ -667,11 +686,8 @@ class CompressedState(HookState):
         filled in): part of :meth:`options`, so compared across ranks and checkpointed."""
         if self.codec_factory is None:
             return {}
-        sig = inspect.signature(self.codec_factory)
         given = getattr(self, "codec_kwargs", {})
-        out = {k: given.get(k, sig.parameters[k].default) for k in self.codec_option_names}
-        # a dtype by its name: "bfloat16" and torch.bfloat16 are one option value
-        return {k: _named(v) for k, v in out.items()}
+        return resolved_codec_options(self.codec_factory, self.codec_option_names, given)
 
     def identity(self) -> dict[str, Any]:
         """The state class, and the codec's class and format (:func:`codec_identity`)."""
@@ -682,7 +698,7 @@ class CompressedState(HookState):
             "start_iter": self.start_iter,
             "error_feedback": self.error_feedback,
             "local_feedback": self.local_feedback,
-            "residual_dtype": _RESIDUAL_DTYPES[self.residual_dtype],
+            "residual_dtype": RESIDUAL_DTYPES[self.residual_dtype],
             "strict_skip": self.strict_skip,
             "hierarchy": self.hierarchy,
             **self.codec_options(),
@@ -761,57 +777,6 @@ class CompressedState(HookState):
         self.store.load(loaded)
 
 
-def _engine_options(state: CompressedState, options: dict[str, Any]) -> dict[str, Any]:
-    """The engine's options of ``state`` from the hook's ``options``, each checked, with the
-    hook's defaults."""
-    where = state.where
-    return {
-        "error_feedback": check_bool(
-            where, "error_feedback", options.get("error_feedback", state.default_error_feedback)
-        ),
-        "local_feedback": check_bool(
-            where, "local_feedback", options.get("local_feedback", state.default_local_feedback)
-        ),
-        "residual_dtype": check_dtype(
-            where,
-            "residual_dtype",
-            options.get("residual_dtype", "float32"),
-            tuple(_RESIDUAL_DTYPES),
-        ),  # fmt: skip
-        "strict_skip": check_bool(where, "strict_skip", options.get("strict_skip", False)),
-    }
-
-
-def _named(value: Any) -> Any:
-    """A dtype as its name (``"bfloat16"``), any other option value as it is."""
-    return str(value).split(".")[-1] if isinstance(value, torch.dtype) else value
-
-
-def _refusal(message: str, kwargs: dict[str, Any]) -> str:
-    """A codec's refusal of its options as the hook's: ``block=12, expected ...`` when the
-    codec's message names one of them after its own prefix, else the options and the message."""
-    for name in kwargs:
-        head, sep, rest = message.partition(": ")
-        if sep and rest.startswith(f"{name}="):
-            return rest
-    return f"the codec refused options {kwargs}: {message}"
-
-
-def codec_identity(codec: Codec) -> dict[str, Any]:
-    """What two ranks' codecs must agree on to exchange codes: the codec's class and its
-    format (block, dtypes, phases, bytes of 8 blocks), so that a codec edited on one node, or
-    one with another default, is named before the first collective instead of hanging it."""
-    cls, m = type(codec), 8 * codec.block
-    return {
-        "codec": f"{cls.__module__}.{cls.__qualname__}",
-        "codec format": (
-            f"block {codec.block}, codes {codec.code_dtype}, scales {codec.scale_dtype}, "
-            f"{'two-phase' if codec.two_phase else 'one-phase'}, "
-            f"{codec.code_bytes(m)} + {codec.scale_bytes(m)} bytes per {m} elements"
-        ),
-    }
-
-
 def compressed_hook(
     state: CompressedState, bucket: dist.GradBucket
 ) -> torch.futures.Future[torch.Tensor]:
@@ -857,6 +822,16 @@ def compressed_hook(
     return per_bucket(state, bucket, dense, begin=begin, end=state.end_step)
 
 
+def node_args(state: HookState, bucket: Any) -> dict[str, Any]:
+    """What :func:`pycomm.exchange.hierarchy.node_reduce` keeps and counts for a DDP bucket:
+    the state's node buffers and its count of ``bucket``."""
+
+    def count(nbytes: int, **kw: int) -> None:
+        state.count(bucket, nbytes, **kw)
+
+    return {"buffers": state.node_buffers, "count": count}
+
+
 def _node(state: CompressedState, bucket: dist.GradBucket, x: torch.Tensor):
     """The hook on the node hierarchy (pycomm.exchange.hierarchy): exact inside the node, this
     hook's exchange across nodes on the rank's shard; the exact one while warming up."""
@@ -864,18 +839,19 @@ def _node(state: CompressedState, bucket: dist.GradBucket, x: torch.Tensor):
     L, m = plan.local_size, plan.nodes
     if state.iter < state.start_iter:
         cross = hier.exact_cross(plan, x.numel(), 1.0 / m)
-        return hier.node_reduce(state, plan, bucket, x, bucket.index(), cross, postscale=1.0 / L)
+        return hier.node_reduce(plan, x, bucket.index(), cross, **node_args(state, bucket),
+                                postscale=1.0 / L)  # fmt: skip
 
     def reduce(state: CompressedState, bucket, x: torch.Tensor, index: int):
-        step = state.iter  # now, in the hook: stage 2 runs later, from a callback
+        step, engine = state.iter, state.engine  # now: stage 2 runs later, from a callback
 
-        def issue(shard_bucket, shard: torch.Tensor):
-            return state.exchange(shard_bucket, shard, index, step)
+        def issue(shard: torch.Tensor):  # counted by node_reduce, with the node's stages
+            return engine.all_reduce(shard, (index, shard.numel(), str(shard.dtype)), step,
+                                     lambda *_: None)  # fmt: skip
 
-        cross = hier.codec_cross(state.engine, plan, x.numel(), issue)
-        return hier.node_reduce(
-            state, plan, bucket, x, index, cross, postscale=1.0 / L, finite_step=step
-        )
+        cross = hier.codec_cross(engine, plan, x.numel(), issue)
+        return hier.node_reduce(plan, x, index, cross, **node_args(state, bucket), engine=engine,
+                                postscale=1.0 / L, finite_step=step)  # fmt: skip
 
     if state.bucket_layout.bound:
         return state.bucket_layout.run(bucket, x, lambda b, t, i: reduce(state, b, t, i))

@@ -12,7 +12,7 @@ import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as _psgd
 
 from pycomm._validate import check_bool, check_int
-from pycomm.exchange.engine import completed, phase_groups, ring_bytes
+from pycomm.codec.groups import completed, phase_groups, ring_bytes
 from pycomm.hooks.ddp import BucketLayout, sparse_allreduce
 from pycomm.hooks.state import HookState, is_sparse
 

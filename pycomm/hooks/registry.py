@@ -3,9 +3,12 @@
 ``python -m pycomm.bench.quality --hooks`` read.
 
 A hook is a :class:`HookSpec`: a name, its state class, its hook function, its codec for the
-compressed hooks, and whether ``auto`` may choose it. :func:`register_hook` checks a spec
-(and runs the codec once, :func:`pycomm.hooks.check_codec`) when it is registered, so a bad
-one is an error there, not at the first backward.
+compressed hooks, and whether ``auto`` may choose it. A codec hook is a codec of the one
+codec registry (:mod:`pycomm.codec.registry`): ``register_hook(name, codec=...)`` registers
+it there, and every codec registered there (``pycomm.codec.register_codec``) is a hook here,
+its state a generated :class:`~pycomm.hooks.CompressedState` subclass. :func:`register_hook`
+checks a spec (and runs the codec once, :func:`pycomm.codec.check_codec`) when it is
+registered, so a bad one is an error there, not at the first backward.
 
 A name registered in a module is known in every process that imports the module: import it
 on every rank (the bench and the quality suite take ``--import MODULE`` for that, and import
@@ -20,13 +23,12 @@ from __future__ import annotations
 
 import importlib
 import inspect
-import re
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
-from pycomm._validate import check_bool, check_int
-from pycomm.hooks.codec import check_codec
-from pycomm.hooks.ddp import CompressedState, codec_identity, compressed_hook
+from pycomm.codec import registry as codecs
+from pycomm.codec.registry import NAME, CodecSpec, codec_identity, qualified_name
+from pycomm.hooks.ddp import CompressedState, compressed_hook
 from pycomm.hooks.state import HookState
 
 __all__ = [
@@ -38,8 +40,6 @@ __all__ = [
     "spec_identity",
     "unregister_hook",
 ]
-
-_NAME = re.compile(r"^[a-z][a-z0-9_]*$")
 
 
 @dataclass(frozen=True)
@@ -61,7 +61,7 @@ class HookSpec:
 
     Example:
         >>> pycomm.hooks.hook_spec("int8").state
-        <class 'pycomm.hooks.codec.Int8State'>
+        <class 'pycomm.codec.codecs.Int8State'>
     """
 
     name: str
@@ -73,105 +73,50 @@ class HookSpec:
     module: str = ""
 
 
+# the hooks with a state of their own (exact, powersgd, auto, a user's); a codec's hook is
+# generated from the codec registry when first asked for
 _SPECS: dict[str, HookSpec] = {}
+_GENERATED: dict[str, tuple[CodecSpec, HookSpec]] = {}
 
 
 def _where(name: Any) -> str:
     return f"pycomm.hooks.register_hook({name!r})"
 
 
-# the engine's options a registered codec may give its own default for (``defaults=``)
-ENGINE_DEFAULTS = ("start_iter", "error_feedback", "local_feedback")
-
-
-def _codec_state(
-    name: str,
-    factory: Callable[..., Any],
-    defaults: dict[str, Any],
-    bucket_cap_mb: Optional[float],
-    advice: Optional[Callable[[Any, Any], Optional[str]]],
-) -> type:
-    """A CompressedState subclass for a registered codec: ``factory``'s keyword parameters
-    are the hook's codec options; ``defaults``, ``bucket_cap_mb`` and ``advice`` its own
-    defaults and optimizer advice."""
-    params = [
-        p
-        for p in inspect.signature(factory).parameters.values()
-        if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
-    ]
-    names = tuple(p.name for p in params)
-    clash = sorted(set(names) & set(CompressedState.option_names))
-    if clash:
-        raise ValueError(
-            f"{_where(name)}: codec option {clash[0]!r} is also an option of the engine "
-            f"({', '.join(CompressedState.option_names)}); expected other parameter names"
-        )
-    title = "".join(part.title() for part in name.split("_"))
+def _codec_hook(spec: CodecSpec) -> HookSpec:
+    """The hook of a registered codec: :func:`~pycomm.hooks.compressed_hook` on a
+    CompressedState subclass whose options are the engine's and the codec's."""
+    made = _GENERATED.get(spec.name)
+    if made is not None and made[0] is spec:
+        return made[1]
+    factory = spec.codec
+    title = "".join(part.title() for part in spec.name.split("_"))
     label = getattr(factory, "__name__", None) or repr(factory)  # a functools.partial has none
+    names = spec.option_names
     body: dict[str, Any] = {
-        "__doc__": f"State of the registered codec hook {name!r} ({label}).",
+        "__doc__": f"State of the registered codec hook {spec.name!r} ({label}).",
         "__module__": getattr(factory, "__module__", __name__),
-        "hook_name": name,
+        "hook_name": spec.name,
         "codec_factory": staticmethod(factory),
         "codec_option_names": names,
         "option_names": (*CompressedState.option_names, *names),
-        **{f"default_{k}": v for k, v in defaults.items()},
+        **{f"default_{k}": v for k, v in spec.defaults.items()},
     }
-    if bucket_cap_mb is not None:
-        body["default_bucket_cap_mb"] = bucket_cap_mb
-    if advice is not None:
+    if spec.bucket_cap_mb is not None:
+        body["default_bucket_cap_mb"] = spec.bucket_cap_mb
+    if spec.advice is not None:
+        advice = spec.advice
 
         def optimizer_advice(self: CompressedState, optimizer: Any) -> Optional[str]:
             return advice(self, optimizer)
 
         optimizer_advice.__doc__ = advice.__doc__
         body["optimizer_advice"] = optimizer_advice
-    return type(f"{title}State", (CompressedState,), body)
-
-
-def _check_extras(
-    where: str,
-    codec: Any,
-    defaults: Any,
-    bucket_cap_mb: Any,
-    advice: Any,
-) -> dict[str, Any]:
-    """``defaults`` as a dict, once ``defaults``, ``bucket_cap_mb`` and ``advice`` are checked:
-    each is a codec hook's (``codec=...`` without ``state=...``)."""
-    given = {"defaults": defaults, "bucket_cap_mb": bucket_cap_mb, "advice": advice}
-    if codec is None:
-        extra = sorted(k for k, v in given.items() if v is not None)
-        if extra:
-            raise ValueError(
-                f"{where}: {extra[0]}= without codec=...; expected it with a codec (a state "
-                "class of one's own sets its defaults itself)"
-            )
-        return {}
-    if defaults is not None and not isinstance(defaults, dict):
-        raise ValueError(f"{where}: defaults={defaults!r}, expected a dict or None")
-    out = dict(defaults or {})
-    unknown = sorted(set(out) - set(ENGINE_DEFAULTS))
-    if unknown:
-        raise ValueError(
-            f"{where}: defaults has {unknown[0]!r}, expected some of {', '.join(ENGINE_DEFAULTS)} "
-            "(a codec's own options take their defaults from its signature)"
-        )
-    if "start_iter" in out:
-        check_int(where, "defaults['start_iter']", out["start_iter"], 2)
-    for key in ("error_feedback", "local_feedback"):
-        if key in out:
-            check_bool(where, f"defaults[{key!r}]", out[key])
-    if bucket_cap_mb is not None and (
-        isinstance(bucket_cap_mb, bool)
-        or not isinstance(bucket_cap_mb, (int, float))
-        or not bucket_cap_mb > 0
-    ):
-        raise ValueError(f"{where}: bucket_cap_mb={bucket_cap_mb!r}, expected a number > 0")
-    if advice is not None and not callable(advice):
-        raise ValueError(
-            f"{where}: advice={advice!r}, expected a function (state, optimizer) -> str or None"
-        )
-    return out
+    state = type(f"{title}State", (CompressedState,), body)
+    hook = HookSpec(spec.name, state, compressed_hook, factory, spec.auto, spec.description,
+                    spec.module)  # fmt: skip
+    _GENERATED[spec.name] = (spec, hook)
+    return hook
 
 
 def register_hook(
@@ -188,14 +133,15 @@ def register_hook(
 ) -> HookSpec:
     """Register a hook under ``name`` and return its :class:`HookSpec`.
 
-    Either ``codec``, a :class:`~pycomm.hooks.Codec` class (or factory) whose keyword
-    parameters, all with defaults, become the hook's options: the hook is then
+    Either ``codec``, a :class:`~pycomm.codec.Codec` class (or factory) whose keyword
+    parameters, all with defaults, become the hook's options: the codec is registered in the
+    one codec registry (:func:`pycomm.codec.register_codec`, under the same name, so
+    ``pycomm.Exchange``, ``pycomm.fsdp`` and the outer loops take it too), and the hook is
     :func:`~pycomm.hooks.compressed_hook` on a generated
-    :class:`~pycomm.hooks.CompressedState` subclass, and gets everything the built-in codecs
+    :class:`~pycomm.hooks.CompressedState` subclass: it gets everything the built-in codecs
     get (two-phase exchange, error feedback, ``start_iter``, ``hierarchy``, the non-finite
-    skip, stats, checkpoints). pycomm's own codecs are registered this way. Or ``state`` (a
-    :class:`~pycomm.hooks.HookState` subclass) and ``hook`` (its function), with ``codec``
-    optional.
+    skip, stats, checkpoints). Or ``state`` (a :class:`~pycomm.hooks.HookState` subclass) and
+    ``hook`` (its function), with ``codec`` optional (auto times it).
 
     With ``codec`` alone, a hook may also give: ``defaults``, its own defaults of the engine's
     ``start_iter``, ``error_feedback`` and ``local_feedback`` (``{"start_iter": 20}``);
@@ -206,7 +152,7 @@ def register_hook(
 
     Raises ValueError (naming the argument, the value and what is expected) for a taken
     name, a bad spec, or a codec that breaks the protocol (the self-check of
-    :func:`pycomm.hooks.check_codec`, run once on the CPU). Registering the same state and
+    :func:`pycomm.codec.check_codec`, run once on the CPU). Registering the same state and
     function again under the same name (a module imported twice) returns the spec.
 
     Example:
@@ -215,29 +161,38 @@ def register_hook(
         >>> pycomm.hooks.register_hook("mine", MyState, my_hook)
     """
     where = _where(name)
-    if not isinstance(name, str) or not _NAME.match(name):
+    if not isinstance(name, str) or not NAME.match(name):
         raise ValueError(
             f"{where}: name={name!r}, expected lowercase letters, digits and '_', starting "
             "with a letter ('-' and ':' are the bench's variant and module:factory names)"
         )
     if codec is not None and not callable(codec):
         raise ValueError(f"{where}: codec={codec!r}, expected a Codec class or factory")
+    module = codecs.caller_module(__name__)
     old = _SPECS.get(name)
-    # the module whose top level registers it (a second import of it registers again), not
-    # the codec's: a user's module registering pycomm's Int8Codec under a name of its own
-    module = _caller_module()
     if old is not None and old.module != module:
         _taken(where, old)  # before the codec's self-check: the name is the first problem
-    if codec is not None:
-        _check_codec_factory(where, codec)
-    extras = _check_extras(where, codec if state is None else None, defaults, bucket_cap_mb, advice)
     if state is None:
         if codec is None:
             raise ValueError(f"{where}: expected codec=..., or state=... and hook=...")
         if hook is not None:
             raise ValueError(f"{where}: hook={hook!r} without state=...; expected both or neither")
-        state = _codec_state(name, codec, extras, bucket_cap_mb, advice)
-        hook = compressed_hook
+        codecs.register_codec(name, codec, auto=auto, description=description,
+                              defaults=defaults, bucket_cap_mb=bucket_cap_mb, advice=advice,
+                              module=module, where=where)  # fmt: skip
+        return hook_spec(name)
+    given = {"defaults": defaults, "bucket_cap_mb": bucket_cap_mb, "advice": advice}
+    extra = sorted(k for k, v in given.items() if v is not None)
+    if extra:
+        raise ValueError(
+            f"{where}: {extra[0]}= without codec=...; expected it with a codec (a state class "
+            "of one's own sets its defaults itself)"
+        )
+    taken = codecs.find_codec(name)
+    if taken is not None and taken.module != module:
+        codecs.taken(where, name, taken.codec, taken.module)
+    if codec is not None:
+        codecs.check_codec(_built(where, codec), where)
     _check_state_and_hook(where, state, hook)
     if not isinstance(auto, bool):
         raise ValueError(f"{where}: auto={auto!r}, expected True or False")
@@ -259,31 +214,18 @@ def register_hook(
     return spec
 
 
-def _qualname(obj: Any) -> Optional[str]:
-    return None if obj is None else getattr(obj, "__qualname__", repr(obj))
-
-
-def _caller_module() -> str:
-    """The module that called :func:`register_hook` (its first frame outside this module)."""
-    frame = inspect.currentframe()
+def _built(where: str, codec: Callable[..., Any]) -> Any:
     try:
-        while frame is not None and frame.f_globals.get("__name__") == __name__:
-            frame = frame.f_back
-        return "" if frame is None else str(frame.f_globals.get("__name__", ""))
-    finally:
-        del frame
-
-
-def _check_codec_factory(where: str, codec: Callable[..., Any]) -> None:
-    """The codec built at its defaults passes :func:`check_codec`, or a ValueError."""
-    try:
-        instance = codec()
+        return codec()
     except TypeError as e:
         raise ValueError(
             f"{where}: codec={getattr(codec, '__name__', codec)!r} cannot be built "
             f"without arguments ({e}); expected defaults for every parameter"
         ) from e
-    check_codec(instance, where)
+
+
+def _qualname(obj: Any) -> Optional[str]:
+    return None if obj is None else getattr(obj, "__qualname__", repr(obj))
 
 
 def _check_state_and_hook(where: str, state: Any, hook: Any) -> None:
@@ -305,20 +247,32 @@ def _check_state_and_hook(where: str, state: Any, hook: Any) -> None:
 
 def _taken(where: str, old: HookSpec) -> None:
     owner = old.state if old.codec is None else old.codec
-    what = f"{getattr(owner, '__module__', '?')}.{_qualname(owner)}"
-    raise ValueError(
-        f"{where}: the name is taken by {'' if old.codec is None else 'codec '}{what}, "
-        f"registered by module {old.module!r}; expected a new name (or unregister_hook first)"
-    )
+    codecs.taken(where, old.name, owner, old.module, codec=old.codec is not None)
 
 
 def unregister_hook(name: str) -> None:
-    """Remove ``name`` from the registry (a KeyError if it is not there).
+    """Remove ``name`` from the registry, and a codec of that name from the codec registry
+    (a KeyError if it is in neither).
 
     Example:
         >>> pycomm.hooks.unregister_hook("topk")
     """
-    del _SPECS[name]
+    found = _SPECS.pop(name, None) is not None
+    if codecs.find_codec(name) is not None:
+        codecs.unregister_codec(name)
+        found = True
+    if not found:
+        raise KeyError(name)
+
+
+def _find(name: Any) -> Optional[HookSpec]:
+    if not isinstance(name, str):
+        return None
+    spec = _SPECS.get(name)
+    if spec is not None:
+        return spec
+    codec = codecs.find_codec(name)
+    return None if codec is None else _codec_hook(codec)
 
 
 def hook_spec(name: Any, where: str = "pycomm") -> HookSpec:
@@ -328,18 +282,13 @@ def hook_spec(name: Any, where: str = "pycomm") -> HookSpec:
         >>> pycomm.hooks.hook_spec("int8").hook
         <function compressed_hook ...>
     """
-    spec = _SPECS.get(name) if isinstance(name, str) else None
+    spec = _find(name)
     if spec is None:
         raise ValueError(
-            f"{where}: hook={name!r} is not one of {', '.join(sorted(_SPECS))} (the registered "
-            "hooks; pycomm.hooks.register_hook adds one)"
+            f"{where}: hook={name!r} is not one of {', '.join(sorted(hook_names()))} (the "
+            "registered hooks; pycomm.hooks.register_hook adds one)"
         )
     return spec
-
-
-def qualified_name(obj: Any) -> str:
-    """``module.QualName`` of a class or function (``?`` where it has none)."""
-    return f"{getattr(obj, '__module__', '?')}.{getattr(obj, '__qualname__', repr(obj))}"
 
 
 def registration(name: str) -> str:
@@ -348,9 +297,9 @@ def registration(name: str) -> str:
 
     Example:
         >>> registration("int8")
-        'pycomm.hooks.codec.Int8State'
+        'pycomm.codec.codecs.Int8State'
     """
-    spec = _SPECS.get(name)
+    spec = _find(name)
     return "not registered" if spec is None else qualified_name(spec.state)
 
 
@@ -361,9 +310,9 @@ def spec_identity(name: str) -> str:
 
     Example:
         >>> spec_identity("int8")
-        'pycomm.hooks.codec.Int8State, pycomm.hooks.ddp.compressed_hook, codec ...'
+        'pycomm.codec.codecs.Int8State, pycomm.hooks.ddp.compressed_hook, codec ...'
     """
-    spec = _SPECS.get(name)
+    spec = _find(name)
     if spec is None:
         return "not registered"
     parts = [qualified_name(spec.state), qualified_name(spec.hook)]
@@ -374,24 +323,30 @@ def spec_identity(name: str) -> str:
 
 
 def hook_names(auto: Optional[bool] = None) -> list[str]:
-    """The registered names in registration order; ``auto=True``: those auto may choose.
+    """The registered names: the exact hooks auto may choose first, then the codecs in
+    registration order, then the other hooks; ``auto=True``: those auto may choose (the most
+    exact first).
 
     Example:
         >>> pycomm.hooks.hook_names(auto=True)
         ['allreduce', 'bf16', 'fp16', 'int8', 'fp8', 'int4', 'onebit']
     """
-    return [n for n, s in _SPECS.items() if auto is None or s.auto == auto]
+    exact = [n for n, s in _SPECS.items() if s.auto and s.codec is None]
+    names = exact + [n for n in codecs.codec_names() if n not in _SPECS]
+    names += [n for n in _SPECS if n not in names]
+    return [n for n in names if auto is None or _find(n).auto == auto]
 
 
 def user_modules() -> list[str]:
-    """The modules, outside pycomm, that registered hooks: what another process imports to
-    know the same names (the bench's and quality suite's ranks do).
+    """The modules, outside pycomm, that registered hooks or codecs: what another process
+    imports to know the same names (the bench's and quality suite's ranks do).
 
     Example:
         >>> user_modules()
         ['topk']
     """
     mods = {s.module for s in _SPECS.values()}
+    mods |= {codecs.codec_spec(n).module for n in codecs.codec_names()}
     return sorted(m for m in mods if m and not m.startswith("pycomm.") and m != "__main__")
 
 

@@ -5,18 +5,17 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import logging
-from collections.abc import Iterator, Sequence
-from typing import TYPE_CHECKING, Any, Optional
+from collections.abc import Iterator
+from typing import Any, Optional, Protocol
 
 import torch
 import torch.distributed as dist
 
-from pycomm.exchange.engine import add_call, completed, ring_bytes
+from pycomm.codec.agree import check_saved
+from pycomm.codec.engine import add_call
+from pycomm.codec.groups import compare_steps, completed, ring_bytes
 
-if TYPE_CHECKING:
-    from pycomm.hooks.accumulate import Accumulate
-
-__all__ = ["HookState", "check_bucket", "check_owner", "completed", "ring_bytes", "unbound"]
+__all__ = ["FrontStage", "HookState", "check_bucket", "completed", "ring_bytes", "unbound"]
 
 logger = logging.getLogger(__name__)
 
@@ -41,6 +40,19 @@ def unbound() -> Iterator[None]:
         yield
     finally:
         _UNBOUND.reset(token)
+
+
+class FrontStage(Protocol):
+    """A stage in front of a hook (the accumulate stage, :mod:`pycomm.hooks.accumulate`):
+    its part of the hook state's fingerprint, state_dict and checks, kept by the base."""
+
+    def fingerprint(self) -> dict[str, Any]: ...
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+    def check_saved(self, saved: dict[str, Any]) -> None: ...
 
 
 class HookState:
@@ -76,7 +88,7 @@ class HookState:
     grad_dtypes: Optional[tuple[torch.dtype, ...]] = None
     # The accumulate stage in front of the hook (pycomm.wrap(..., accumulate_steps=k) builds
     # it): its part of fingerprint(), state_dict() and stats is kept here, in the base.
-    accumulate: Optional[Accumulate] = None
+    accumulate: Optional[FrontStage] = None
 
     def __init__(self, process_group: Optional[dist.ProcessGroup] = None) -> None:
         self.process_group = process_group
@@ -273,87 +285,6 @@ class HookState:
             self.accumulate.check_saved(state["accumulate"])
 
 
-_ABSENT = object()
-
-
-def compare_steps(where: str, steps: int, group: Any, device: torch.device) -> None:
-    """The ranks of ``group`` compare the steps their states had run, in one small
-    all-reduce: a difference is a ValueError on every rank (see
-    :meth:`HookState.check_resumed`)."""
-    nccl = dist.get_backend(group) == "nccl"
-    v = torch.tensor([steps, -steps], dtype=torch.int64, device=device if nccl else "cpu")
-    dist.all_reduce(v, op=dist.ReduceOp.MAX, group=group)
-    most, least = v.tolist()
-    if most != -least:
-        raise ValueError(
-            f"{where}: the ranks' hook states have run different numbers of steps "
-            f"(from {-least} to {most}): some ranks loaded a state of another save, or "
-            "none; expected every rank to load the same save (pycomm.checkpoint.load and "
-            "load_rank_state check it as they load)"
-        )
-
-
-def check_saved(
-    hook: str, state: dict[str, Any], fingerprint: dict[str, Any], rank: int, world_size: int
-) -> None:
-    """Refuse (ValueError naming the field) a saved state whose fingerprint is not
-    ``fingerprint``, or that another rank or world size saved (:func:`check_owner`)."""
-    differ = first_difference(state.get("fingerprint", {}), fingerprint)
-    if differ is not None:
-        path, theirs, mine = differ
-        raise ValueError(
-            f"pycomm: cannot load hook state: {path} is {theirs} in the checkpoint but {mine} here"
-        )
-    check_owner(hook, state, rank, world_size)
-
-
-def first_difference(a: Any, b: Any, path: str = "") -> Optional[tuple[str, str, str]]:
-    """The first place where ``a`` and ``b`` differ, descending into dicts in sorted key
-    order (``"hook"`` first): ``(path, a's value, b's value)`` as a message names them
-    (``options['block']``, ``'32'``, ``'64'``; ``absent`` for a missing key), or None when
-    they are equal.
-
-    Example:
-        >>> first_difference({"options": {"block": 32}}, {"options": {"block": 64}})
-        ("options['block']", '32', '64')
-    """
-    if isinstance(a, dict) and isinstance(b, dict):
-        # "hook" first: another hook is named before the options it does not have
-        for key in sorted(set(a) | set(b), key=lambda k: (k != "hook", repr(k))):
-            sub = f"{path}[{key!r}]" if path else str(key)
-            found = first_difference(a.get(key, _ABSENT), b.get(key, _ABSENT), sub)
-            if found is not None:
-                return found
-        return None
-    if a is _ABSENT or b is _ABSENT or a != b:
-        show = lambda v: "absent" if v is _ABSENT else repr(v)  # noqa: E731
-        return path or "the fingerprint", show(a), show(b)
-    return None
-
-
-def check_owner(hook: str, state: dict[str, Any], rank: int, world_size: int) -> None:
-    """Refuse (ValueError naming both) a state dict saved by another rank or world size.
-    State dicts of older versions, which did not record their rank, are accepted."""
-    saved_rank, saved_world = state.get("rank"), state.get("world_size")
-    if saved_world is not None and saved_world != world_size:
-        raise ValueError(
-            f"pycomm {hook} hook: cannot load hook state of world_size={saved_world} into "
-            f"world_size={world_size}: the state is per rank"
-        )
-    if saved_rank is not None and saved_rank != rank:
-        raise ValueError(
-            f"pycomm {hook} hook: cannot load the hook state of rank {saved_rank} on rank "
-            f"{rank}: error-feedback residuals differ per rank; hand each rank its own "
-            "(pycomm.checkpoint.load_hook_state does)"
-        )
-
-
-def dtype_names(dtypes: Sequence[torch.dtype]) -> str:
-    """``float32, bfloat16 or float16``: dtypes as an error message lists them."""
-    names = [str(d).replace("torch.", "") for d in dtypes]
-    return names[0] if len(names) == 1 else f"{', '.join(names[:-1])} or {names[-1]}"
-
-
 def accepts_dtype(state: Any, dtype: torch.dtype) -> bool:
     """Whether a hook state (or state class) reduces gradients of ``dtype``."""
     dtypes = getattr(state, "grad_dtypes", None)
@@ -377,13 +308,3 @@ def check_bucket(hook: str, bucket: dist.GradBucket) -> torch.Tensor:
             f"{t.layout}, expected a dense floating-point gradient bucket"
         )
     return t
-
-
-def with_strict_skip(state: dict[str, Any], strict: bool) -> dict[str, Any]:
-    """A checkpoint of a version without ``strict_skip`` (which kept two copies) as one with
-    this state's: its residuals are those of either way."""
-    options = state.get("fingerprint", {}).get("options")
-    if isinstance(options, dict) and "strict_skip" not in options:
-        fingerprint = {**state["fingerprint"], "options": {**options, "strict_skip": strict}}
-        state = {**state, "fingerprint": fingerprint}
-    return state

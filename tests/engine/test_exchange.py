@@ -381,13 +381,13 @@ def test_refusals_name_the_problem_on_every_rank():
     a, b = run_ranks(_rank_refusals, 2, timeout=60)
     assert a == b
     assert (
-        "pycomm.Exchange: ranks disagree on hook option 'block': rank 0 has 64, rank 1 has 32"
+        "pycomm.Exchange: ranks disagree on option 'block': rank 0 has 64, rank 1 has 32"
         in a["block on rank 1"]
     )
     assert "pycomm.Exchange: ranks disagree on " in a["codec on rank 1"]
     assert a["bad on rank 1"].startswith("ValueError: pycomm.Exchange: on rank 1: ")
-    assert "codec='int3' is not registered" in a["unknown codec"]
-    assert "codec='powersgd' is a hook without a codec" in a["powersgd"]
+    assert "codec='int3' is not a registered codec" in a["unknown codec"]
+    assert "codec='powersgd' is not a registered codec" in a["powersgd"]
     assert "unknown option 'blok'" in a["unknown option"]
     assert "is not contiguous" in a["strided"]
     assert "dtype torch.int64" in a["int tensor"]
@@ -921,6 +921,35 @@ def test_many_tensors_in_one_call_and_keys_in_flight():
         assert "tensor is an empty list" in out["empty"]
     assert a["later shape"] == b["later shape"] and a["after"] == b["after"]
     assert a["steps"] == 10  # 9 calls and the one after the refused call
+
+
+def _rank_out_of_step(call):
+    """Ranks that load states of different saves, with the order of calls not checked: the
+    first call of any kind is refused on every rank (the ranks compare their steps)."""
+    rank = dist.get_rank()
+    ex = pycomm.Exchange("allreduce" if call == "sum" else "int8", check_order="off")
+
+    def run(ex):
+        if call == "reduce_scatter":
+            return ex.reduce_scatter(torch.empty(128), torch.ones(256), key="t")
+        if call == "all_gather":
+            return ex.all_gather(torch.empty(256), torch.ones(128), key="t")
+        return ex.all_reduce(torch.ones(256), key="t", op="sum" if call == "sum" else "mean")
+
+    states = []
+    for _ in range(3):
+        run(ex).wait()
+        states.append(ex.state_dict())
+    other = pycomm.Exchange(ex.codec_name, check_order="off")
+    other.load_state_dict(states[0 if rank == 0 else 2])
+    return _error(lambda: run(other).wait())
+
+
+@pytest.mark.parametrize("call", ["all_reduce", "reduce_scatter", "all_gather", "sum"])
+def test_every_call_kind_compares_the_ranks_steps_after_a_load(call):
+    a, b = run_ranks(_rank_out_of_step, 2, call, timeout=60)
+    assert a == b
+    assert "states have run different numbers of steps (from 1 to 3)" in a, a
 
 
 def _rank_messages_name_the_exchange():

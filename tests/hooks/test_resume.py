@@ -438,9 +438,9 @@ def test_ranks_loading_out_of_step_are_refused_on_every_rank(tmp_path):
     assert f"rank 1: {tmp_path}/a.pt, save " in a["paths"]
     assert "saved after different steps (rank 0: step 4; rank 1: step 1)" in a["folder"]
     for name, (low, high) in {"local": (1, 4), "one rank": (0, 4)}.items():
-        assert (
-            f"hook states have run different numbers of steps (from {low} to {high})" in (a[name])
-        ), name
+        assert f"states have run different numbers of steps (from {low} to {high})" in (a[name]), (
+            name
+        )
     assert a["same"] is None
     assert (
         "ranks are in different collective calls (rank 0 in pycomm.checkpoint.load; "

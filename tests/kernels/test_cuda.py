@@ -605,6 +605,54 @@ def test_exchange_on_the_device(gpu, codec):
             assert torch.equal(a, b)  # the device's kernels give the CPU's bits
 
 
+def _rank_exchange_after_side_stream(async_op):
+    """Each call made on a side stream right after work that writes its input was queued
+    there behind ~0.1 s of the GPU's time (as FSDP2 queues its reduce-scatter input on a
+    stream of its own): what the call returns, read on that stream after ``wait()``. A call
+    that did not wait for the caller's stream would read the zeros before the write."""
+    import torch.distributed as dist
+
+    import pycomm
+
+    dev = torch.device("cuda", 0)
+    r, n = dist.get_rank(), dist.get_world_size()
+    ex = pycomm.Exchange("int8", start_iter=0)
+    side = torch.cuda.Stream(dev)
+    out = {}
+    for call in ("all_reduce", "reduce_scatter", "all_gather"):
+        x = torch.zeros(n * 4096, device=dev)
+        y = torch.empty(4096 if call == "reduce_scatter" else n * 4096, device=dev)
+        torch.cuda.synchronize()
+        with torch.cuda.stream(side):
+            torch.cuda._sleep(200_000_000)
+            x.fill_(r + 1.0)
+            if call == "all_reduce":
+                work, y = ex.all_reduce(x, key="a", async_op=async_op), x
+            elif call == "reduce_scatter":
+                work = ex.reduce_scatter(y, x, key="b", async_op=async_op)
+            else:
+                work = ex.all_gather(y, x[:4096], key="c", async_op=async_op)
+            work.wait()
+            out[call] = y.clone()
+        torch.cuda.synchronize()
+        out[call] = out[call].cpu()
+    return out
+
+
+@pytest.mark.parametrize("async_op", [True, False])
+def test_exchange_waits_for_the_callers_stream(cuda, async_op):
+    import pycomm
+
+    n = 2
+    for out in pycomm.launch(_rank_exchange_after_side_stream, n, async_op, backend="gloo",
+                             timeout=300):  # fmt: skip
+        mean = torch.full((n * 4096,), (n + 1) / 2)
+        assert torch.allclose(out["all_reduce"], mean, atol=1e-2)
+        assert torch.allclose(out["reduce_scatter"], mean[:4096], atol=1e-2)
+        ranks = torch.arange(1.0, n + 1).repeat_interleave(4096)
+        assert torch.allclose(out["all_gather"], ranks, atol=1e-2)
+
+
 def _rank_hsdp_on(device, hook):
     """On the device, then on the CPU: FSDP2 sharded over the 4 ranks, and HSDP on 2 nodes of
     2 (``pycomm.fsdp.node_mesh()``, ``hook`` across the nodes, its all-reduce on a stream of
