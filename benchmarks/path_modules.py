@@ -31,6 +31,7 @@ class _Trace:
     def __init__(self) -> None:
         self.on = False
         self.stops: list[str] = []
+        self.threads: set[str] = set()
         self.lock = threading.Lock()
         self.local = threading.local()
         mods = [
@@ -63,6 +64,7 @@ class _Trace:
             if not stack or stack[-1] != module:
                 with self.lock:
                     self.stops.append(module)
+                    self.threads.add(threading.current_thread().name)
             stack.append(module)
             try:
                 return fn(*args, **kwargs)
@@ -72,12 +74,13 @@ class _Trace:
         return noted
 
     def start(self) -> None:
-        self.stops = []
+        self.stops, self.threads = [], set()
         self.on = True
 
     def stop(self) -> list[str]:
         self.on = False
-        return list(self.stops)
+        # the Exchange's issuing thread, if the path went through it (a thread hop)
+        return [*self.stops, *(f"thread:{t}" for t in sorted(self.threads) if "exchange" in t)]
 
 
 def _ddp(hook: str, trace: _Trace) -> list[str]:
@@ -136,9 +139,12 @@ def main() -> int:
     ap.add_argument("--hook", default="int8")
     args = ap.parse_args()
     res = pycomm.launch(run_rank, 2, args.hook, backend="gloo", timeout=120)[0]
-    for path, stops in res.items():
+    for path, noted in res.items():
+        stops = [s for s in noted if not s.startswith("thread:")]
+        hops = [s.removeprefix("thread:") for s in noted if s.startswith("thread:")]
         modules = list(dict.fromkeys(stops))
         print(f"{path} ({args.hook}): {len(modules)} modules, {len(stops)} stops")
+        print(f"  on the Exchange's issuing thread: {', '.join(hops) or 'no'}")
         print("  modules: " + ", ".join(modules))
         print("  stops:   " + " -> ".join(stops))
     return 0

@@ -28,7 +28,7 @@ import torch.distributed as dist
 
 from pycomm._validate import check_int
 from pycomm.codec.agree import agree, error_field
-from pycomm.codec.groups import ring_bytes
+from pycomm.codec.engine import ring_bytes
 from pycomm.exchange import Exchange, Work
 
 __all__ = ["DiLoCo", "LocalSGD"]

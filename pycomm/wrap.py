@@ -18,8 +18,8 @@ from pycomm.hooks import HookState
 from pycomm.hooks.accumulate import Accumulate, accumulate_hook
 from pycomm.hooks.auto import AutoState
 from pycomm.hooks.config import resolved_config
+from pycomm.hooks.ddp import accepts_dtype, unbound
 from pycomm.hooks.registry import hook_names, hook_spec, registration
-from pycomm.hooks.state import accepts_dtype, unbound
 
 logger = logging.getLogger(__name__)
 

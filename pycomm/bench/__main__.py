@@ -69,7 +69,7 @@ from pycomm.bench.runner import (
     user_hook_factory,
 )
 from pycomm.bench.session import measure
-from pycomm.codec.groups import ring_bytes
+from pycomm.codec.engine import ring_bytes
 from pycomm.hooks.registry import import_modules, user_modules
 
 _NETNS_FLAG = _link.NETNS_FLAG

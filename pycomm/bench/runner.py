@@ -33,7 +33,7 @@ from pycomm.bench.hooks import compute_hook, wire_state
 from pycomm.bench.link import lo_tx_bytes, tx_bytes
 from pycomm.bench.models import ModelSpec, batches, build, count_params, loss_fn
 from pycomm.bench.nodes import uplink
-from pycomm.codec.groups import ring_bytes
+from pycomm.codec.engine import ring_bytes
 from pycomm.dist import all_gather_objects
 from pycomm.hooks.registry import import_modules
 

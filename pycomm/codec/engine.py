@@ -25,7 +25,8 @@ previous exchange's phase 2 was issued. So every rank issues the same collective
 order on each group, however its phase 1s happen to complete (the trap that aborts torch's
 PowerSGD on gloo).
 
-The residuals are :mod:`pycomm.codec.residuals`'; the process groups :mod:`pycomm.codec.groups`'.
+The residuals are :mod:`pycomm.codec.residuals`'; the process groups (a
+:class:`~pycomm.codec.groups.Stage` of two) :mod:`pycomm.codec.groups`'.
 """
 
 from __future__ import annotations
@@ -38,13 +39,44 @@ import torch
 import torch.distributed as dist
 
 from pycomm.codec.codecs import Codec
-from pycomm.codec.groups import Stage, future_on, ring_bytes
 from pycomm.codec.residuals import PHASE_1, ResidualStore
 
-__all__ = ["Count", "Engine", "Workspace", "add_call", "summed_numel"]
+__all__ = [
+    "Count", "Engine", "Workspace", "add_call", "completed", "future_on", "ring_bytes",
+    "summed_numel",
+]  # fmt: skip
 
 # count(bytes_sent, collectives): how a caller accounts one exchange in its own totals
 Count = Callable[[int, int], None]
+
+
+def completed(t: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
+    """A future already holding ``t``: what a hook returns when it does not communicate.
+
+    Example:
+        >>> completed(torch.zeros(1)).value()
+        tensor([0.])
+    """
+    fut = future_on(t.device)
+    fut.set_result(t)
+    return fut
+
+
+def future_on(device: torch.device) -> torch.futures.Future:
+    """A new future for a result on ``device``: on a GPU one that knows it (its result is
+    ready on the stream that waits for it, not only on the one that set it), else a plain one.
+
+    Example:
+        >>> fut = future_on(x.device); fut.set_result(x)
+    """
+    if device.type == "cuda":
+        return torch.futures.Future(devices=[device])
+    return torch.futures.Future()
+
+
+def ring_bytes(nbytes: int, world_size: int) -> int:
+    """Bytes one rank sends in a ring all-reduce of ``nbytes``: 2(N-1)/N of the payload."""
+    return 2 * (world_size - 1) * nbytes // world_size
 
 
 def add_call(
@@ -190,14 +222,14 @@ class Engine:
         self.residual_dtype = residual_dtype
         self.store = ResidualStore(where, stats, residual_dtype, strict=strict_skip)
         self.workspace = Workspace()
-        self.phases: Optional[Stage] = None  # the two phases' groups, once bound
+        self.phases: Any = None  # the two phases' groups, once bound
         self.device = torch.device("cpu")  # of the last exchange's tensor
         for name, zero in (
             ("codec_bytes_sent", 0), ("codec_bytes_fp32", 0), ("codec_compression", 1.0),
         ):  # fmt: skip
             stats.setdefault(name, zero)
 
-    def bind(self, phases: Stage, size: int) -> None:
+    def bind(self, phases: Any, size: int) -> None:
         """The process groups of the two phases (phase 1 on the first, phase 2 on the
         second) and the ranks in the exchange (each group's size)."""
         self.phases, self.size = phases, size

@@ -14,36 +14,12 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
+from pycomm.codec.engine import completed
 from pycomm.dist import all_gather_objects
 
 __all__ = [
-    "Stage", "compare_steps", "completed", "future_on", "group_timeout", "new_groups",
-    "phase_groups", "ring_bytes",
+    "Stage", "compare_steps", "group_timeout", "new_groups", "phase_groups",
 ]  # fmt: skip
-
-
-def completed(t: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
-    """A future already holding ``t``: what a hook returns when it does not communicate.
-
-    Example:
-        >>> completed(torch.zeros(1)).value()
-        tensor([0.])
-    """
-    fut = future_on(t.device)
-    fut.set_result(t)
-    return fut
-
-
-def future_on(device: torch.device) -> torch.futures.Future:
-    """A new future for a result on ``device``: on a GPU one that knows it (its result is
-    ready on the stream that waits for it, not only on the one that set it), else a plain one.
-
-    Example:
-        >>> fut = future_on(x.device); fut.set_result(x)
-    """
-    if device.type == "cuda":
-        return torch.futures.Future(devices=[device])
-    return torch.futures.Future()
 
 
 def group_timeout(group: dist.ProcessGroup) -> Optional[datetime.timedelta]:
@@ -156,11 +132,6 @@ def phase_groups(parent: Optional[dist.ProcessGroup]) -> Stage:
         stage = Stage(new_groups(world, [dist.get_process_group_ranks(world)]))
         entry = _PHASE_GROUPS[id(world)] = (world, stage)
     return entry[1]
-
-
-def ring_bytes(nbytes: int, world_size: int) -> int:
-    """Bytes one rank sends in a ring all-reduce of ``nbytes``: 2(N-1)/N of the payload."""
-    return 2 * (world_size - 1) * nbytes // world_size
 
 
 def compare_steps(where: str, steps: int, group: Any, device: torch.device) -> None:

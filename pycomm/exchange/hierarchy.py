@@ -28,8 +28,8 @@ from typing import Any, Callable, Optional
 import torch
 import torch.distributed as dist
 
-from pycomm.codec.engine import summed_numel
-from pycomm.codec.groups import Stage, completed, future_on, new_groups, ring_bytes
+from pycomm.codec.engine import completed, future_on, ring_bytes, summed_numel
+from pycomm.codec.groups import Stage, new_groups
 from pycomm.dist import all_gather_objects
 from pycomm.topology import Topology, topology
 

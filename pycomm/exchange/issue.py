@@ -263,7 +263,7 @@ class Issuer:
         if err is None:
             stream.compared.add(pair)
         what = f"call {seq}: {call}(key={key!r}, {'refused input' if t is None else shape}, {how})"
-        fields = {**error_field(err), "the order of calls": what} if compared else {}
+        fields = {"the order of calls": what} if compared else {}  # (and the error: agreed)
         mark = what if err is None else f"{what} {err}"
         ready = None
         if not inline and t is not None and t.device.type == "cuda":
@@ -360,7 +360,9 @@ class Issuer:
         every rank raises, where the ranks differ."""
         where = c.stream.where
         try:
-            agree(f"{where}.{c.pair[0]}", c.fields, self.group, call=where)
+            agree(
+                f"{where}.{c.pair[0]}", {**error_field(c.err), **c.fields}, self.group, call=where
+            )
         except Exception as e:  # noqa: BLE001 - the same error on every rank
             c.fail(e)
             return False

@@ -18,8 +18,8 @@ import torch.distributed as dist
 
 from pycomm.codec.agree import check_saved, with_strict_skip
 from pycomm.codec.config import Config
-from pycomm.codec.engine import add_call
-from pycomm.codec.groups import compare_steps, completed, phase_groups, ring_bytes
+from pycomm.codec.engine import add_call, completed, ring_bytes
+from pycomm.codec.groups import compare_steps, phase_groups
 from pycomm.codec.residuals import PHASE_1, check_residuals
 from pycomm.exchange import hierarchy as hier
 from pycomm.exchange.issue import Issued

@@ -22,10 +22,15 @@ from pycomm.codec import (
 )
 from pycomm.hooks.auto import AutoState, auto_hook
 from pycomm.hooks.bucket import Bucket
-from pycomm.hooks.ddp import AllreduceState, CompressedState, allreduce_hook, compressed_hook
+from pycomm.hooks.ddp import (
+    AllreduceState,
+    CompressedState,
+    HookState,
+    allreduce_hook,
+    compressed_hook,
+)
 from pycomm.hooks.powersgd import PowerSGDHookState, powersgd_hook
 from pycomm.hooks.registry import HookSpec, hook_names, hook_spec, register_hook, unregister_hook
-from pycomm.hooks.state import HookState
 
 # The hooks with a state of their own; every registered codec (pycomm.codec registers the
 # built-in ones, bf16 to onebit) is a hook too. allreduce is the most exact of auto's choices.

@@ -26,7 +26,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from pycomm import ops
 from pycomm._validate import check_int
-from pycomm.hooks.state import HookState, check_bucket, completed, is_sparse
+from pycomm.hooks.ddp import HookState, check_bucket, completed, is_sparse
 
 
 class _Fp32Bucket:

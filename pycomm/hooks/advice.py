@@ -36,10 +36,9 @@ _LIBRARIES = ("pycomm", "torch", "lightning", "pytorch_lightning", "accelerate")
 
 def gives_advice(state: Any) -> bool:
     """Whether ``state``'s class can advise against an optimizer at all."""
-    from pycomm.hooks.state import HookState
-
     own = getattr(type(state), "optimizer_advice", None)
-    return own is not None and own is not HookState.optimizer_advice
+    # the base's (HookState's) advises nothing
+    return own is not None and getattr(own, "__qualname__", "") != "HookState.optimizer_advice"
 
 
 def watch(state: Any, parameters: Iterable[torch.Tensor]) -> None:

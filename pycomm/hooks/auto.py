@@ -75,11 +75,18 @@ from pycomm._validate import check_int
 from pycomm.codec.agree import dtype_names
 from pycomm.codec.codecs import Codec
 from pycomm.codec.config import check_hierarchy
-from pycomm.codec.groups import phase_groups, ring_bytes
+from pycomm.codec.engine import ring_bytes
+from pycomm.codec.groups import phase_groups
 from pycomm.exchange import hierarchy as hier
-from pycomm.hooks.ddp import BucketLayout, CompressedState, exact_allreduce, per_bucket
+from pycomm.hooks.ddp import (
+    BucketLayout,
+    CompressedState,
+    HookState,
+    accepts_dtype,
+    exact_allreduce,
+    per_bucket,
+)
 from pycomm.hooks.registry import hook_names, hook_spec, spec_identity
-from pycomm.hooks.state import HookState, accepts_dtype
 from pycomm.hooks.warmup import Warmup, timed, timed_allreduce
 
 logger = logging.getLogger(__name__)

@@ -32,7 +32,7 @@ class Bucket(Protocol):
     Example:
         >>> def my_hook(state, bucket: pycomm.hooks.Bucket):
         ...     x = bucket.buffer()
-        ...     return pycomm.hooks.state.completed(x)
+        ...     return pycomm.codec.engine.completed(x)
         >>> isinstance(bucket, pycomm.hooks.Bucket)
         True
     """

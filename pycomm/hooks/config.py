@@ -5,14 +5,14 @@ A rank's configuration is the hook's name, what it is (:meth:`HookState.identity
 class and, for a codec hook, the codec's class and format) and every option with its default
 filled in (:meth:`HookState.options`). ``pycomm.wrap``, ``pycomm.register`` (and so the
 framework adapters, which call it) and ``pycomm.fsdp.compress`` build the state unbound
-(:func:`pycomm.hooks.state.unbound`), gather every rank's fields with
+(:func:`pycomm.hooks.ddp.unbound`), gather every rank's fields with
 :func:`pycomm.codec.agree.agree`, and bind only once they agree: so ``{"block": 64}`` on one
 rank and ``{}`` on another, where 64 is the default, is one configuration, while a hook name
 bound to another codec on one node, or a codec with another default there, is a ValueError on
 every rank that names the first difference.
 
 Example:
-    >>> with pycomm.hooks.state.unbound():
+    >>> with pycomm.hooks.ddp.unbound():
     ...     state = pycomm.hooks.hook_spec("int8").state(None)
     >>> resolved_config(state)["hook option 'block'"]
     64
@@ -23,7 +23,7 @@ from __future__ import annotations
 from typing import Any, Callable, Optional
 
 from pycomm.codec.registry import qualified_name
-from pycomm.hooks.state import HookState
+from pycomm.hooks.ddp import HookState
 
 __all__ = ["resolved_config"]
 
@@ -34,7 +34,7 @@ def resolved_config(state: HookState, fn: Optional[Callable] = None) -> dict[str
 
     Example:
         >>> resolved_config(pycomm.hooks.hook_spec("int8").state(None))["codec"]
-        'pycomm.hooks.codec.Int8Codec'
+        'pycomm.codec.codecs.Int8Codec'
     """
     identity = state.identity()
     # what the options decide after them (the codec's format, auto's candidates, which its

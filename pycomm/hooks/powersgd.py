@@ -12,9 +12,9 @@ import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as _psgd
 
 from pycomm._validate import check_bool, check_int
-from pycomm.codec.groups import completed, phase_groups, ring_bytes
-from pycomm.hooks.ddp import BucketLayout, sparse_allreduce
-from pycomm.hooks.state import HookState, is_sparse
+from pycomm.codec.engine import completed, ring_bytes
+from pycomm.codec.groups import phase_groups
+from pycomm.hooks.ddp import BucketLayout, HookState, is_sparse, sparse_allreduce
 
 # PowerSGDState's options and their defaults, read from its signature (it does not keep all of
 # them as attributes, random_seed for one).

@@ -28,8 +28,7 @@ from typing import Any, Callable, Optional
 
 from pycomm.codec import registry as codecs
 from pycomm.codec.registry import NAME, CodecSpec, codec_identity, qualified_name
-from pycomm.hooks.ddp import CompressedState, compressed_hook
-from pycomm.hooks.state import HookState
+from pycomm.hooks.ddp import CompressedState, HookState, compressed_hook
 
 __all__ = [
     "HookSpec",

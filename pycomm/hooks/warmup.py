@@ -14,7 +14,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from pycomm.hooks.state import ring_bytes
+from pycomm.codec.engine import ring_bytes
 
 __all__ = ["Warmup", "timed", "timed_allreduce", "union"]
 

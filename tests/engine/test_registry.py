@@ -18,8 +18,7 @@ from harness import ROOT, run_ranks
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import pycomm
-from pycomm.codec.engine import Workspace
-from pycomm.codec.groups import completed
+from pycomm.codec.engine import Workspace, completed
 from pycomm.hooks import (
     Bucket,
     Codec,

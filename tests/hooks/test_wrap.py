@@ -10,7 +10,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as torch_p
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import pycomm
-from pycomm.codec.groups import ring_bytes
+from pycomm.codec.engine import ring_bytes
 
 STEPS = 5
 

@@ -587,7 +587,7 @@ def test_decode16_sum(be, rows, chunk_dtype, out_dtype):
 def test_decoders_read_row_slices_of_a_packed_buffer(be, hook, rows, m):
     # As the hooks decode: codes and scales are column slices of one [R, codes | scales] uint8
     # receive buffer (Codec.pack / Codec.split), read in place, no contiguous copy.
-    from pycomm.hooks import codec as codec_mod
+    from pycomm.codec import codecs as codec_mod
 
     codec = {
         "bf16": lambda: codec_mod.HalfCodec(torch.bfloat16),
