@@ -166,9 +166,10 @@ class Config:
         fields.update({f"option {k!r}": v for k, v in self.options().items()})
         return {**fields, "codec format": identity["codec format"]}
 
-    def engine(self, where: str, stats: dict[str, Any]) -> Engine:
-        """A new engine of this codec and these options, counting into ``stats``."""
-        return Engine(where, self.codec, stats, **self.engine_options)
+    def engine(self, where: str, stats: dict[str, Any], nonfinite: str = "nonfinite") -> Engine:
+        """A new engine of this codec and these options, counting into ``stats`` (its
+        non-finite decodes under ``nonfinite``)."""
+        return Engine(where, self.codec, stats, **self.engine_options, nonfinite=nonfinite)
 
 
 def resolve(

@@ -19,7 +19,8 @@ of compressed chunks); each rank decodes and sums its N chunks in fp32, re-encod
 with its own residual and sends it to every rank (phase 2, a gather). Bytes per rank are
 2(N-1)/N of the compressed tensor, flat in N.
 
-Collective order: phase 1 is issued by the caller, in its order (DDP's bucket order), on its
+Collective order: phase 1 is issued by the caller, in its order (DDP's bucket order, an
+Exchange's call order), on its
 own process group; phase 2 on a second group, from a callback that also waits until the
 previous exchange's phase 2 was issued. So every rank issues the same collectives in the same
 order on each group, however its phase 1s happen to complete (the trap that aborts torch's
@@ -42,8 +43,7 @@ from pycomm.codec.codecs import Codec
 from pycomm.codec.residuals import PHASE_1, ResidualStore
 
 __all__ = [
-    "Count", "Engine", "Workspace", "add_call", "completed", "future_on", "ring_bytes",
-    "summed_numel",
+    "Count", "Engine", "Workspace", "completed", "future_on", "ring_bytes", "summed_numel",
 ]  # fmt: skip
 
 # count(bytes_sent, collectives): how a caller accounts one exchange in its own totals
@@ -77,32 +77,6 @@ def future_on(device: torch.device) -> torch.futures.Future:
 def ring_bytes(nbytes: int, world_size: int) -> int:
     """Bytes one rank sends in a ring all-reduce of ``nbytes``: 2(N-1)/N of the payload."""
     return 2 * (world_size - 1) * nbytes // world_size
-
-
-def add_call(
-    stats: dict[str, Any],
-    world_size: int,
-    numel: int,
-    bytes_sent: int,
-    collectives: int = 1,
-    bytes_fp32: Optional[int] = None,
-    last: bool = True,
-    **levels: int,
-) -> None:
-    """Account in ``stats`` one call on ``numel`` elements that put ``bytes_sent`` on the wire
-    in ``collectives`` collectives (see :meth:`pycomm.hooks.HookState.count`); ``last``: it
-    ends a step."""
-    for name, value in levels.items():
-        stats[name] = stats.get(name, 0) + value
-    stats["buckets"] += 1
-    stats["collectives"] += collectives
-    stats["bytes_sent"] += bytes_sent
-    if bytes_fp32 is None:
-        bytes_fp32 = ring_bytes(numel * 4, world_size)
-    stats["bytes_fp32"] += bytes_fp32
-    stats["compression"] = stats["bytes_fp32"] / stats["bytes_sent"] if stats["bytes_sent"] else 1.0
-    if last:
-        stats["steps"] += 1
 
 
 class Workspace:
@@ -195,7 +169,7 @@ class Engine:
         codec: the :class:`~pycomm.hooks.Codec`.
         stats: the caller's live counters; the engine adds ``codec_bytes_sent``,
             ``codec_bytes_fp32``, ``codec_compression`` and (its residual store)
-            ``residual_bytes`` and ``nonfinite_buckets``.
+            ``residual_bytes`` and the non-finite decodes (under ``nonfinite``).
         error_feedback, local_feedback, residual_dtype, strict_skip: the residuals' options
             (see :class:`pycomm.hooks.CompressedState`).
 
@@ -215,12 +189,13 @@ class Engine:
         local_feedback: bool = True,
         residual_dtype: torch.dtype = torch.float32,
         strict_skip: bool = False,
+        nonfinite: str = "nonfinite",
     ) -> None:
         self.where, self.codec, self.stats = where, codec, stats
         self.size = 1  # ranks in the exchange: one until bound
         self.error_feedback, self.local_feedback = error_feedback, local_feedback
         self.residual_dtype = residual_dtype
-        self.store = ResidualStore(where, stats, residual_dtype, strict=strict_skip)
+        self.store = ResidualStore(where, stats, residual_dtype, strict_skip, nonfinite)
         self.workspace = Workspace()
         self.phases: Any = None  # the two phases' groups, once bound
         self.device = torch.device("cpu")  # of the last exchange's tensor

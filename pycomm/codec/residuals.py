@@ -14,7 +14,7 @@ residual to a scratch buffer, merged back where it is finite. Two ways, chosen b
   keep that step's update. Deterministic: a rerun gives the same bits. 4 bytes a parameter
   for the local residual and 4/N for the reduced chunk's (fp32 residuals; half in bf16).
 - Two copies (``strict_skip=True``): a step writes its new residuals beside the kept ones, and
-  they are committed (swapped in) at the start of the next step only if every bucket of the
+  they are committed (swapped in) at the start of the next step only if every decode of the
   step decoded finite, so a step with a NaN or Inf anywhere leaves the residuals bitwise as
   they were, on every rank alike; twice the memory. On an accelerator that decision is a
   select on the device: the hook never waits for the device.
@@ -37,12 +37,12 @@ Residuals = dict[str, torch.Tensor]  # "r1": phase-1 residual, "r2": phase-2 res
 
 
 def check_residuals(where: str, engine: Any, loaded: dict[tuple, dict]) -> None:
-    """Refuse (ValueError naming the bucket) loaded residuals of another size or dtype than
+    """Refuse (ValueError naming the key) loaded residuals of another size or dtype than
     ``engine`` keeps for their keys; ``where`` starts the message."""
     for key, res in loaded.items():
         for name, numel in engine.key_sizes(key).items():
             got = res[name].numel() if name in res else 0
-            what = f"{where}: cannot load the residual of bucket {key[0]} ({key[1]} elements)"
+            what = f"{where}: cannot load the residual of key {key[0]} ({key[1]} elements)"
             if got != numel:
                 raise ValueError(
                     f"{what}: {name} has {got} elements, expected {numel} for this world size "
@@ -56,20 +56,29 @@ def check_residuals(where: str, engine: Any, loaded: dict[tuple, dict]) -> None:
 
 
 class ResidualStore:
-    """Residuals per bucket key ``(bucket index, numel, dtype)``, as of the last finite step;
-    one key per index (a bucket index that comes back with another size starts afresh).
+    """Residuals per key ``(index, numel, dtype)`` (a DDP bucket's, an Exchange call's), as of
+    the last finite step; one key per index (an index that comes back with another size starts
+    afresh).
 
     Args:
         where: how error messages start (``pycomm <hook> hook``).
-        stats: the hook's counters; ``nonfinite_buckets`` and ``residual_bytes`` are kept here.
+        stats: the caller's counters; ``residual_bytes`` and the non-finite decodes (under
+            ``nonfinite``, the caller's name for them) are kept here.
         dtype: the residuals' storage dtype (float32 or bfloat16).
         strict: two copies, a non-finite step's updates dropped (see the module docstring).
     """
 
     def __init__(
-        self, where: str, stats: dict[str, Any], dtype: torch.dtype, strict: bool = False
+        self,
+        where: str,
+        stats: dict[str, Any],
+        dtype: torch.dtype,
+        strict: bool = False,
+        nonfinite: str = "nonfinite",
     ) -> None:
         self.where, self.stats, self.dtype, self.strict = where, stats, dtype, strict
+        self.nonfinite = nonfinite
+        stats.setdefault(nonfinite, 0)
         self.residuals: dict[tuple, Residuals] = {}
         self.next: dict[tuple, Residuals] = {}  # the current step's new residuals
         self.touched: set[tuple] = set()  # buckets whose ``next`` holds the current step's
@@ -84,17 +93,18 @@ class ResidualStore:
         self.on_device: Optional[bool] = None  # None: on an accelerator (see commit)
 
     def get(self, key: tuple, sizes: dict[str, int], device: torch.device) -> tuple:
-        """(r1, r2, r1_out, r2_out) of bucket ``key``: the kept residuals to read and the
-        buffers this step's new ones go to (None where ``sizes`` has no such residual).
-        ``sizes`` gives each residual's elements when the bucket is first seen."""
+        """(r1, r2, r1_out, r2_out) of ``key``: the kept residuals to read and the buffers
+        this step's new ones go to (None where ``sizes`` has no such residual). ``sizes`` gives
+        each residual's elements when the key is first seen."""
         res = self.residuals.get(key)
         if res is None:
             if self.pending is not None:
                 if key not in self.pending:
                     raise ValueError(
-                        f"{self.where}: bucket {key[0]} ({key[1]} elements, {key[2]}) has no "
-                        f"residual in the loaded state, which holds buckets "
-                        f"{sorted(self.pending)}: the model or its bucketing changed"
+                        f"{self.where}: key {key[0]} ({key[1]} elements, {key[2]}) has no "
+                        f"residual in the loaded state, which holds keys "
+                        f"{sorted(self.pending)}: the tensors exchanged changed (a model, or "
+                        "its DDP buckets)"
                     )
                 res = self.pending.pop(key)
             else:
@@ -111,7 +121,7 @@ class ResidualStore:
         return res.get("r1"), res.get("r2"), nxt.get("r1"), nxt.get("r2")
 
     def forget(self, index: Any) -> None:
-        """Drop the residuals of every key of ``index`` (a bucket, an Exchange key's calls):
+        """Drop the residuals of every key of ``index`` (a DDP bucket, an Exchange key's calls):
         one that comes back with another size or dtype starts afresh, and the old residual,
         which no call of the new size can use, is freed rather than kept beside the new one
         (a key exchanged at many sizes would otherwise keep one residual for each)."""
@@ -122,7 +132,7 @@ class ResidualStore:
         self.stats["residual_bytes"] = self.nbytes()
 
     def put(self, key: tuple, res: Residuals) -> None:
-        """Keep ``res`` as bucket ``key``'s residuals, as a finished step leaves them (also a
+        """Keep ``res`` as ``key``'s residuals, as a finished step leaves them (also a
         residual converted from another checkpoint format), in place of any it had."""
         self.residuals[key] = res
         if self.strict:
@@ -130,7 +140,7 @@ class ResidualStore:
         self.stats["residual_bytes"] = self.nbytes()
 
     def place_loaded(self) -> None:
-        """Place every loaded residual now, as if each bucket had come: a bucket without one
+        """Place every loaded residual now, as if each key had come: a key without one
         then starts from zeros instead of being refused (``pycomm.Exchange``, whose keys may
         take their first compressed call after a load)."""
         pending, self.pending = self.pending or {}, None
@@ -138,8 +148,8 @@ class ResidualStore:
             self.put(key, res)
 
     def nbytes(self, index: Optional[Any] = None, pending: bool = False) -> int:
-        """Bytes of the kept residuals (two copies' with ``strict``), of every bucket, or of
-        the buckets whose key starts with ``index``; ``pending``: those loaded and not placed
+        """Bytes of the kept residuals (two copies' with ``strict``), of every key, or of
+        the keys that start with ``index``; ``pending``: those loaded and not placed
         yet too."""
         kept = list(self.residuals.items())
         if pending and self.pending:
@@ -167,7 +177,7 @@ class ResidualStore:
         for step, st, summed in pending:
             sq, bad = st.tolist()
             self.sqnorm[step] = self.sqnorm.get(step, 0.0) + sq
-            self.stats["nonfinite_buckets"] += int(bad) if summed else int(bad > 0)
+            self.stats[self.nonfinite] += int(bad) if summed else int(bad > 0)
             if bad > 0:  # the norm of a gradient holding NaN or Inf is not finite
                 self.bad_steps.add(step)
                 self.sqnorm[step] = float("nan")

@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from pycomm.codec.agree import check_saved, with_strict_skip
 from pycomm.codec.config import Config
-from pycomm.codec.engine import add_call, completed, ring_bytes
+from pycomm.codec.engine import completed, ring_bytes
 from pycomm.codec.groups import compare_steps, phase_groups
 from pycomm.codec.residuals import PHASE_1, check_residuals
 from pycomm.exchange import hierarchy as hier
@@ -86,7 +86,7 @@ class Ledger:
         self.engine, self.serial, self.grad_dtypes = None, False, None
         if config is not None:  # the engine counts into the same dict
             self.counters.update(nonfinite_buckets=0, residual_bytes=0)
-            self.engine = config.engine(self.where, self.counters)
+            self.engine = config.engine(self.where, self.counters, "nonfinite_buckets")
             if self.world_size > 1 or self.plan is not None:
                 plan, stage = self.plan, phase_groups(group)
                 size = self.world_size if plan is None else plan.nodes
@@ -112,10 +112,20 @@ class Ledger:
 
     def count(self, numel: int, nbytes: int, collectives: int = 1,
               bytes_fp32: Optional[int] = None, **levels: int) -> None:  # fmt: skip
-        """Account one call on ``numel`` elements that sent ``nbytes``: every call is a
-        step."""
-        add_call(self.counters, self.world_size, numel, nbytes, collectives, bytes_fp32,
-                 **levels)  # fmt: skip
+        """Account one call on ``numel`` elements that sent ``nbytes`` in ``collectives``
+        collectives (``levels``: the node hierarchy's split of them): every call is a step
+        (and, as the counters have it, one "bucket" of the engine)."""
+        c = self.counters
+        for name, value in levels.items():
+            c[name] = c.get(name, 0) + value
+        c["steps"] += 1
+        c["buckets"] += 1
+        c["collectives"] += collectives
+        c["bytes_sent"] += nbytes
+        c["bytes_fp32"] += (
+            ring_bytes(numel * 4, self.world_size) if bytes_fp32 is None else bytes_fp32
+        )
+        c["compression"] = c["bytes_fp32"] / c["bytes_sent"] if c["bytes_sent"] else 1.0
 
     def counting(self, numel: int) -> Any:
         """A count of one call on ``numel`` elements (:func:`~pycomm.exchange.hierarchy.

@@ -45,7 +45,7 @@ from pycomm.codec.config import (
     engine_options,
 )
 from pycomm.codec.config import codec_options as resolved_codec_options
-from pycomm.codec.engine import Engine, add_call, completed, ring_bytes
+from pycomm.codec.engine import Engine, completed, ring_bytes
 from pycomm.codec.groups import compare_steps, phase_groups
 from pycomm.codec.registry import ENGINE_OPTIONS, codec_identity
 from pycomm.codec.residuals import ResidualStore, check_residuals
@@ -75,6 +75,32 @@ def unbound() -> Iterator[None]:
         yield
     finally:
         _UNBOUND.reset(token)
+
+
+def add_call(
+    stats: dict[str, Any],
+    world_size: int,
+    numel: int,
+    bytes_sent: int,
+    collectives: int = 1,
+    bytes_fp32: Optional[int] = None,
+    last: bool = True,
+    **levels: int,
+) -> None:
+    """Account in ``stats`` one call on ``numel`` elements that put ``bytes_sent`` on the wire
+    in ``collectives`` collectives (see :meth:`pycomm.hooks.HookState.count`); ``last``: it
+    ends a step."""
+    for name, value in levels.items():
+        stats[name] = stats.get(name, 0) + value
+    stats["buckets"] += 1
+    stats["collectives"] += collectives
+    stats["bytes_sent"] += bytes_sent
+    if bytes_fp32 is None:
+        bytes_fp32 = ring_bytes(numel * 4, world_size)
+    stats["bytes_fp32"] += bytes_fp32
+    stats["compression"] = stats["bytes_fp32"] / stats["bytes_sent"] if stats["bytes_sent"] else 1.0
+    if last:
+        stats["steps"] += 1
 
 
 class FrontStage(Protocol):
@@ -821,7 +847,8 @@ class CompressedState(HookState):
         # the exchange (codec, residuals kept per bucket and committed once a step is finite,
         # buffers, phase groups) is the engine's; the hook's own parts: its bucket layout over
         # the bound parameters, the warm-up, the node hierarchy, the optimizer advice
-        self.engine = Engine(self.where, self.make_codec(options), self._stats, **engine_opts)
+        self.engine = Engine(self.where, self.make_codec(options), self._stats, **engine_opts,
+                             nonfinite="nonfinite_buckets")  # fmt: skip
         if getattr(self, "_stage", None) is not None:
             self.engine.bind(self._stage, self.exchange_size)
         self.bucket_layout = BucketLayout(self.where, self._stats)

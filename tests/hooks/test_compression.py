@@ -428,9 +428,9 @@ def test_residuals_in_state_dict_and_layout_mismatch_named():
     # another model: with the parameters bound, load_state_dict names them
     for err, _ in run_ranks(_rank_resume, 2, [20, 20], True, timeout=60):
         assert err is not None and "cannot load hook state: parameters is" in err, err
-    # unbound (plain register_comm_hook), the bucket that has no residual is named
+    # unbound (plain register_comm_hook), the bucket (its key) that has no residual is named
     for err, _ in run_ranks(_rank_resume, 2, [20, 20], False, timeout=60):
-        assert err is not None and "pycomm int8 hook: bucket 0" in err, err
+        assert err is not None and "pycomm int8 hook: key 0" in err, err
         assert "has no residual in the loaded state" in err
 
 
