@@ -35,9 +35,10 @@ $(VENV)/.built: $(VENV)/.deps $(SOURCES)
 
 install: $(VENV)/.built
 
-# the frameworks tests are left out (over make test's time): make frameworks runs them
+# the frameworks tests and the slow runs (whole benchmarks, torchrun, faults) are left out
+# (over make test's time): make frameworks runs them
 test: install
-	$(PY) -m pytest -q -m "not frameworks"
+	$(PY) -m pytest -q -m "not frameworks and not slow"
 	$(MAKE) lint
 
 deps-frameworks: $(VENV)/.deps-frameworks
@@ -48,12 +49,13 @@ frameworks: install $(VENV)/.deps-frameworks
 	HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 RAY_USAGE_STATS_ENABLED=0 $(PY) -m pytest -q \
 		-m frameworks tests/integrations/test_transformers.py tests/integrations/test_ray.py \
 		tests/integrations/test_optional_clients.py tests/repo/test_docs.py
+	$(PY) -m pytest -q -m slow
 
 # the package's layers and no import circle: the contracts in pyproject.toml (import-linter)
 lint: $(VENV)/.deps
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
-	cd $(CURDIR) && $(VENV)/bin/lint-imports
+	$(VENV)/bin/lint-imports
 
 # BENCH_ARGS: more flags, e.g. BENCH_ARGS="--json out.json --plot out.png" (see --help)
 bench: install

@@ -256,6 +256,7 @@ def tiny_all(tmp_path_factory):
     return out, json.loads((folder / "out.json").read_text()), folder / "out.png"
 
 
+@pytest.mark.slow
 def test_json_has_every_requested_hook(tiny_all):
     out, doc, _ = tiny_all
     hooks = doc["hooks"]
@@ -291,6 +292,7 @@ def test_json_has_every_requested_hook(tiny_all):
         assert any(line.startswith(name + " ") for line in out.stdout.splitlines()), name
 
 
+@pytest.mark.slow
 def test_gradient_error_against_the_exact_mean(tiny_all):
     _, doc, _ = tiny_all
     hooks = doc["hooks"]
@@ -315,6 +317,7 @@ def doc_table_header(doc):
     return next(line for line in table(doc).splitlines() if line.startswith("hook"))
 
 
+@pytest.mark.slow
 def test_failing_hook_is_reported_and_the_others_measured(tmp_path, capfd, monkeypatch):
     """``tests.bench.bench_hooks:fail`` raises in its second step (the second timed one, without
     warm-up): the others' first step is kept, the launch without it runs the other 3, then the
@@ -351,6 +354,7 @@ def test_failing_hook_is_reported_and_the_others_measured(tmp_path, capfd, monke
     assert [launch["ok"] for launch in doc["launches"]] == [False, True, False]
 
 
+@pytest.mark.slow
 def test_hook_failing_in_setup_is_reported_without_a_relaunch(tiny_all):
     out, doc, _ = tiny_all
     bad = doc["hooks"][BAD]
@@ -361,6 +365,7 @@ def test_hook_failing_in_setup_is_reported_without_a_relaunch(tiny_all):
     assert [f["hook"] for f in doc["failures"]] == [BAD]
 
 
+@pytest.mark.slow
 def test_plot_is_a_png(tiny_all):
     _, _, png = tiny_all
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -434,6 +439,7 @@ def test_accumulate_steps(gpt_accumulated):
     assert int8["status"] == "ok" and 0 < int8["bytes_per_step"] < ddp["bytes_per_step"], int8
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(link.cannot_shape() is not None, reason=f"cannot shape: {link.cannot_shape()}")
 def test_shaped_link(tmp_path, capfd, monkeypatch):
     path = tmp_path / "out.json"
@@ -451,6 +457,7 @@ def test_shaped_link(tmp_path, capfd, monkeypatch):
     assert "1 Gbit/s per rank" in stdout
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(link.cannot_shape() is not None, reason=f"cannot shape: {link.cannot_shape()}")
 def test_simulated_nodes(tmp_path, capfd, monkeypatch):
     """2 nodes x 2 ranks: the ranks see the nodes (auto resolves to node), and the node
@@ -719,6 +726,7 @@ def test_measure_decides_from_the_failed_launches(monkeypatch):
     assert result["hooks"]["ddp"]["measured"] == "interleaved"
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(link.cannot_shape() is not None, reason=f"cannot shape: {link.cannot_shape()}")
 def test_local_sgd_bench_measures_each_variant(tmp_path):
     """python -m pycomm.bench --local-sgd on a shaped link: every variant's step time and

@@ -13,6 +13,7 @@ pytest.importorskip("sklearn.datasets")
 HOOKS = ["allreduce", "bf16", "int8", "onebit"]
 
 
+@pytest.mark.slow
 def test_hooks_hold_their_accuracy_limits():
     plan = {
         "tasks": ["digits-wide-split"],

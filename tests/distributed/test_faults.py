@@ -756,6 +756,7 @@ def _torchrun_logs(log_dir) -> str:
     return "\n".join(parts) or "(no rank logs)"
 
 
+@pytest.mark.slow
 def test_torchrun_restart_resumes_from_checkpoint_equal_to_uninterrupted(tmp_path):
     env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARS}
     # A fresh rendezvous store per restart: torchrun's shared one keeps the failed attempt's

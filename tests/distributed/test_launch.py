@@ -156,6 +156,7 @@ def test_dying_rank_names_rank_and_exit_code(tmp_path, method):
     _assert_all_gone(_recorded_pids(tmp_path, 2))
 
 
+@pytest.mark.slow
 def test_hanging_rank_times_out(tmp_path):
     start = time.monotonic()
     with pytest.raises(pycomm.LaunchError) as err:

@@ -6,6 +6,7 @@ import socket
 import subprocess
 import sys
 
+import pytest
 from harness import TESTS
 
 SCRIPT = os.path.join(TESTS, "scripts", "train_torchrun.py")
@@ -17,6 +18,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.slow
 def test_two_torchrun_nodes_of_two(tmp_path):
     port = _free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "MASTER_"))}

@@ -285,6 +285,7 @@ def test_start_iter_counts_from_zero_under_fsdp():
     assert all(r == 1.0 for r in default), default
 
 
+@pytest.mark.slow
 def test_bench_fsdp_measures_the_reduce_scatter_on_the_wire(tmp_path, capfd):
     """python -m pycomm.bench --fsdp under --link: the reduce-scatter's bytes on the shaped
     loopback agree with what the hook counts (its own payload, plus TCP/IP headers). Its
@@ -311,6 +312,7 @@ def test_bench_fsdp_measures_the_reduce_scatter_on_the_wire(tmp_path, capfd):
         assert doc["hooks"]["int8"]["rs_wire_vs_fsdp"] < 0.3
 
 
+@pytest.mark.slow
 def test_bench_fsdp_all_gather_counts_both_collectives(tmp_path, capfd):
     """python -m pycomm.bench --fsdp --all-gather int8: int8 both ways against FSDP2's own
     traffic, every collective on the wire; a codec that cannot carry weights refused."""

@@ -192,6 +192,7 @@ def test_a_replicated_module_is_refused():
         assert "fully_shard(module, reshard_after_forward=False)" in text
 
 
+@pytest.mark.slow
 def test_bench_fsdp_on_simulated_nodes_counts_each_uplink(tmp_path, capfd):
     """python -m pycomm.bench --fsdp --nodes 2: 4 ranks in 2 network namespaces joined by
     shaped veths; the bytes each node sends across its uplink: HSDP's all-reduce of the shards

@@ -42,6 +42,7 @@ def test_build_has_a_cuda_kernel_for_every_op_or_none():
         assert ops.WITH_CUDA == (expect == "1"), (ops.WITH_CUDA, expect)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(900)  # thousands of checks: minutes where other jobs load the cores
 def test_gpu_validate_script_runs_on_cpu(tmp_path):
     # the GPU script's own logic (sweep, poisoning, comparisons, timing table, JSON), run with

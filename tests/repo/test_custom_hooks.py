@@ -66,6 +66,7 @@ def test_python_blocks_run_on_gloo_ranks(page):
         assert results == [len(sources)] * ranks
 
 
+@pytest.mark.slow
 def test_shell_blocks_run(page):
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([page["dir"], ROOT]))
     procs = []
