@@ -114,6 +114,9 @@ class DiLoCo:
         self.process_group = process_group
         # DDP's all-reduce of the same model would span every rank of the job
         self._ddp_world = dist.get_world_size()
+        # this rank's parameters as handed over, until the first step: a state loaded before
+        # it (the model loaded before this was built, mid-window) puts them back
+        self._own: Optional[list[torch.Tensor]] = [p.detach().clone() for p in params]
         with torch.no_grad():  # the outer copy starts from the first rank's parameters
             src = dist.get_global_rank(process_group or dist.group.WORLD, 0)
             for p in params:
@@ -142,6 +145,7 @@ class DiLoCo:
         due, then issues those whose turn it is (an exchange in flight while training goes
         on, with ``delay``)."""
         self.step_count += 1
+        self._own = None
         t = self.step_count
         for f in [f for f, (due, _, _) in self.pending.items() if due <= t]:
             self._apply(f)
@@ -256,9 +260,23 @@ class DiLoCo:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state_dict` (the same model, options and rank): resume is bitwise,
-        mid-window and with a sync in flight too."""
+        mid-window and with a sync in flight too, whichever came first of building this and
+        loading the model's own state: the first rank's parameters, which building puts into
+        every rank's model, are replaced by this rank's own as they were handed over when
+        nothing has changed them since (no step, no load of the model after building).
+
+        Example:
+            >>> model.load_state_dict(saved["model"])  # before or after the next line
+            >>> outer = pycomm.LocalSGD(model, sync_every=50)
+            >>> outer.load_state_dict(saved["outer"])
+        """
         self.check_fingerprint(state)
         outer = state["outer"]
+        own, self._own = self._own, None
+        with torch.no_grad():
+            if own is not None and all(torch.equal(p, o) for p, o in zip(self.params, self.outer)):
+                for p, t in zip(self.params, own):  # the broadcast replaced them: put back
+                    p.copy_(t)
         self.exchange.load_state_dict(state["exchange"])
         # a copy: torch's load_state_dict keeps the tensors it is given as its own
         self.optimizer.load_state_dict(copy.deepcopy(state["outer_optimizer"]))

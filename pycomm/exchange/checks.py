@@ -15,7 +15,7 @@ from pycomm.codec.residuals import PHASE_1
 
 __all__ = [
     "CALLS", "alive", "as_exchange", "loadable", "pair", "residual", "scale_of", "shape",
-    "tensor", "tensors",
+    "submittable", "tensor", "tensors",
 ]  # fmt: skip
 
 OPS = ("mean", "sum")
@@ -228,6 +228,17 @@ def residual(where: str, call: str, residual: Any, keys: Any, codec: str) -> Non
             f"{where}: residual holds non-finite values, expected finite residuals (a NaN "
             "there would reach every later call)"
         )
+
+
+def submittable(where: str, group: Optional[dist.ProcessGroup], async_op: Any) -> None:
+    """Refuse a call on a destroyed group (RuntimeError) or a bad ``async_op`` (TypeError)."""
+    if not alive(group):
+        raise RuntimeError(
+            f"{where}: the process group was destroyed; an Exchange lives while the group it "
+            "was built on does"
+        )
+    if not isinstance(async_op, bool):
+        raise TypeError(f"{where}: async_op={async_op!r}, expected True or False")
 
 
 def alive(group: Optional[dist.ProcessGroup]) -> bool:

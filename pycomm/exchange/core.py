@@ -134,20 +134,15 @@ class Exchange:
     # --- the calls ----------------------------------------------------------------------
 
     def all_reduce(
-        self,
-        tensor: Union[torch.Tensor, Sequence[torch.Tensor]],
-        key: Hashable,
-        op: str = "mean",
-        *,
-        async_op: bool = True,
-    ) -> Work:
+        self, tensor: Union[torch.Tensor, Sequence[torch.Tensor]], key: Hashable,
+        op: str = "mean", *, async_op: bool = True,
+    ) -> Work:  # fmt: skip
         """Replace ``tensor`` (contiguous, float32, bfloat16 or float16; float64 too with
         ``"allreduce"``) by its mean over the ranks (``op="sum"``: the sum), sent through the
         codec with the error-feedback residual of ``key``. Every rank holds the same bits
         after it. A list (or tuple) of tensors of one dtype and device, any shapes and
         strides, is one exchange: copied into one flat buffer of ``key``, exchanged with
-        one residual, and copied back. ``async_op=False``: the call runs on this thread and
-        is done when it returns (see :meth:`reduce_scatter`).
+        one residual, and copied back. ``async_op``: see :meth:`reduce_scatter`.
 
         Example:
             >>> ex.all_reduce(delta, key="delta").wait()
@@ -185,11 +180,9 @@ class Exchange:
         rank's input times ``scale``, then the sum (``ReduceOp.PREMUL_SUM``; it overrides
         ``op``).
 
-        ``async_op`` (default True): the call returns at once and the Exchange's thread
-        issues it; False, as ``torch.distributed``'s: the call is compared and issued on this
-        thread (once the calls made before it are issued) and done when it returns, for a
-        caller that waits at once (``pycomm.fsdp``'s reduce-scatters and all-gathers). On a
-        GPU either way works on the caller's current stream as it stands at the call.
+        ``async_op=False``, as ``torch.distributed``'s: issued on this thread (after the calls
+        made before it) and done when it returns, for a caller that waits at once
+        (``pycomm.fsdp``). On a GPU a call works on the caller's current stream as it stood.
 
         Example:
             >>> ex.reduce_scatter(shard, grads, key="grads").wait()
@@ -231,13 +224,7 @@ class Exchange:
 
     def _submit(self, call: str, key: Hashable, t: Any, how: str, err: Any, shape: str,
                 body: Any, fuse: Any = None, async_op: bool = True) -> Work:  # fmt: skip
-        if not checks.alive(self.process_group):
-            raise RuntimeError(
-                f"{self.where}.{call}: the process group was destroyed; an Exchange lives "
-                "while the group it was built on does"
-            )
-        if not isinstance(async_op, bool):
-            raise TypeError(f"{self.where}.{call}: async_op={async_op!r}, expected True or False")
+        checks.submittable(f"{self.where}.{call}", self.process_group, async_op)
         work = self._issuer.submit(self._stream, (call, key), t, how, err, shape, body, fuse,
                                    inline=not async_op)  # fmt: skip
         if not async_op:

@@ -117,20 +117,27 @@ def test_local_sgd_averages_and_trains_with_fragments_and_delay():
         assert 0 < s["peak_sync_bytes"] < 0.8 * s["bytes_sent"] / (s["syncs"] / 2)  # one of 2
 
 
-def _run(steps, load=None, save=None, folder=None):
+def _run(steps, load=None, save=None, folder=None, order="built first"):
+    """``order``: the model's state loaded after DiLoCo is built ("built first"), before it
+    ("model first"), or after DiLoCo's own state ("outer first")."""
     rank = dist.get_rank()
     model = _model(0, 32)
     opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    state = None if load is None else copy.deepcopy(load[rank])  # (an optimizer keeps tensors)
+    if state is not None and order == "model first":
+        model.load_state_dict(state["model"])
     outer = pycomm.DiLoCo(model, sync_every=6, fragments=2, delay=1)
     start = 0
-    if load is not None:
-        state = copy.deepcopy(load[rank])  # an optimizer's load_state_dict keeps its tensors
-        model.load_state_dict(state["model"])
+    if state is not None:
+        if order == "built first":
+            model.load_state_dict(state["model"])
         opt.load_state_dict(state["opt"])
         if folder is None:
             outer.load_state_dict(state["outer"])
         else:  # through pycomm.checkpoint, one file per rank
             assert pycomm.checkpoint.load_rank_state(outer, folder)
+        if order == "outer first":
+            model.load_state_dict(state["model"])
         start = state["step"]
     g = torch.Generator().manual_seed(rank)
     for step in range(start, steps):
@@ -152,15 +159,27 @@ def _rank_resume(folder):
     dist.all_gather_object(everyone, mine)
     resumed, _ = _run(13, load=everyone)
     through_checkpoint, _ = _run(13, load=everyone, folder=folder)
+    orders = {o: torch.equal(straight, _run(13, load=everyone, order=o)[0])
+              for o in ("model first", "outer first")}  # fmt: skip
     other = pycomm.LocalSGD(_model(0, 32), sync_every=6)  # another schedule: refused
     refused = error_text(lambda: other.load_state_dict(mine["outer"]))
-    return (torch.equal(straight, resumed), torch.equal(straight, through_checkpoint),
-            len(mine["outer"]["pending"]), refused)  # fmt: skip
+    mid = not torch.equal(*_gathered(_run(6)[0]))  # at the save, the ranks differ
+    return (torch.equal(straight, resumed), torch.equal(straight, through_checkpoint), orders,
+            len(mine["outer"]["pending"]), refused, mid)  # fmt: skip
+
+
+def _gathered(t):
+    out = [torch.empty_like(t) for _ in range(dist.get_world_size())]
+    dist.all_gather(out, t)
+    return out
 
 
 def test_diloco_resumes_bitwise_with_a_sync_in_flight(tmp_path):
-    for same, through, pending, refused in run_ranks(_rank_resume, 2, str(tmp_path)):
+    for same, through, orders, pending, refused, mid in run_ranks(_rank_resume, 2, str(tmp_path)):
         assert same and through and pending == 1
+        # the ranks' parameters differ at the save (mid-window), and any order of loading
+        # the model and building DiLoCo resumes bitwise
+        assert mid and orders == {"model first": True, "outer first": True}, orders
         assert "the state has class='DiLoCo', this pycomm.LocalSGD 'LocalSGD'" in refused
 
 
