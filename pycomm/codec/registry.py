@@ -89,6 +89,21 @@ class CodecSpec:
 
 
 _CODECS: dict[str, CodecSpec] = {}
+# names a registry above this one holds (DDP's hooks with a state of their own): name ->
+# (its class, the module that registered it); no codec takes them
+_RESERVED: dict[str, tuple[Any, str]] = {}
+
+
+def reserve(name: str, owner: Any, module: str) -> None:
+    """Hold ``name`` for ``owner`` (a class of a registry above this one, registered by
+    ``module``): :func:`register_codec` then refuses it, so one name means one thing
+    everywhere. :func:`release` gives it back."""
+    _RESERVED[name] = (owner, module)
+
+
+def release(name: str) -> None:
+    """Give back a name :func:`reserve` held (nothing if it held none)."""
+    _RESERVED.pop(name, None)
 
 
 def _where(name: Any) -> str:
@@ -136,6 +151,9 @@ def register_codec(
     if not callable(codec):
         raise ValueError(f"{where}: codec={codec!r}, expected a Codec class or factory")
     module = caller_module(__name__) if module is None else module
+    if name in _RESERVED:
+        owner, by = _RESERVED[name]
+        taken(where, name, owner, by, codec=False)
     old = _CODECS.get(name)
     if old is not None and old.module != module:
         taken(where, old.name, old.codec, old.module)

@@ -210,6 +210,7 @@ def register_hook(
     if getattr(state, "hook_name", None) == "base":  # a user's state without a name of its own
         state.hook_name = name
     _SPECS[name] = spec
+    codecs.reserve(name, state, module)  # no codec of that name: one name, one meaning
     return spec
 
 
@@ -257,6 +258,7 @@ def unregister_hook(name: str) -> None:
         >>> pycomm.hooks.unregister_hook("topk")
     """
     found = _SPECS.pop(name, None) is not None
+    codecs.release(name)
     if codecs.find_codec(name) is not None:
         codecs.unregister_codec(name)
         found = True

@@ -5,6 +5,7 @@ bitwise state_dict round trip; the configuration compared across ranks at constr
 input named."""
 
 import copy
+import threading
 
 import pytest
 import torch
@@ -979,3 +980,62 @@ def test_messages_and_counters_are_the_exchange_s():
         assert "Exchange.state_dict() on each rank" in out["other rank"]
         assert out["exact nonfinite"] == 1 and out["resumed nonfinite"] == 1
         assert "rebucketed_steps" not in out["keys"] and "nonfinite_buckets" in out["keys"]
+
+
+def _pycomm_threads():
+    return sum(t.name == "pycomm-exchange" for t in threading.enumerate())
+
+
+def _rank_inline():
+    """The three calls with ``async_op=False`` (done on return, on this thread), and mixed
+    with queued calls on one group: the same bits as every call queued."""
+    rank, n = dist.get_rank(), dist.get_world_size()
+
+    def run(ex, modes):
+        g = torch.Generator().manual_seed(rank)
+        a = torch.randn(3000, generator=g)
+        inp, shard = torch.randn(n * 333, generator=g), torch.empty(333)
+        mine, full = torch.randn(257, generator=g), torch.empty(n * 257)
+        works = [
+            ex.all_reduce(a, key="a", async_op=modes[0]),
+            ex.reduce_scatter(shard, inp, key="b", async_op=modes[1]),
+            ex.all_gather(full, mine, key="c", async_op=modes[2]),
+        ]
+        done = [w.is_completed() for w, m in zip(works, modes) if not m]
+        for w in works:
+            w.wait()
+        return torch.cat([a, shard, full]), done
+
+    queued, _ = run(pycomm.Exchange("int8", start_iter=0), (True, True, True))
+    group = dist.new_group(list(range(n)))  # an issuing thread of its own, if it started one
+    before = _pycomm_threads()
+    inline, done = run(pycomm.Exchange("int8", group, start_iter=0), (False, False, False))
+    threads = _pycomm_threads() - before
+    mixed, _ = run(pycomm.Exchange("int8", start_iter=0), (True, False, True))
+    bad = _error(lambda: pycomm.Exchange("int8").all_reduce(torch.ones(4), "x", async_op="no"))
+    return {
+        "inline": torch.equal(queued, inline),
+        "mixed": torch.equal(queued, mixed),
+        "done": done,
+        "threads": threads,
+        # every rank's all-reduce and all-gather the same bits (the shard is each rank's own)
+        "same": all(
+            torch.equal(queued[:3000], x[:3000]) and torch.equal(queued[3333:], x[3333:])
+            for x in _gathered(queued)
+        ),
+        "bad": bad,
+    }
+
+
+def _gathered(t):
+    out = [torch.empty_like(t) for _ in range(dist.get_world_size())]
+    dist.all_gather(out, t)
+    return out
+
+
+@pytest.mark.parametrize("nprocs", [2, 3])
+def test_calls_waited_at_once_run_inline_with_the_same_bits(nprocs):
+    for out in run_ranks(_rank_inline, nprocs, timeout=120):
+        assert out["inline"] and out["mixed"] and out["same"], out
+        assert out["done"] == [True, True, True] and out["threads"] == 0, out
+        assert "async_op='no', expected True or False" in out["bad"], out

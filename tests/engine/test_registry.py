@@ -989,3 +989,54 @@ def test_the_old_state_class_names_still_reach_the_states_with_a_warning():
     assert cls is hook_spec("int8").state
     with pytest.raises(AttributeError, match="no attribute 'Int9State'"):
         pycomm.hooks.Int9State  # noqa: B018
+
+
+def _gathered(t):
+    out = [torch.empty_like(t) for _ in range(dist.get_world_size())]
+    dist.all_gather(out, t.contiguous())
+    return out
+
+
+def _rank_one_codec_everywhere():
+    """A codec registered once with the plain spelling, used by name by DDP, the Exchange
+    and LocalSGD; a name a DDP hook holds is refused; unregistered, it is gone from all."""
+    rank, n = dist.get_rank(), dist.get_world_size()
+    name = "plain_everywhere"
+    pycomm.codec.register_codec(name, PlainCodec, defaults={"start_iter": 2})
+    try:
+        out = {"listed": (name in pycomm.hooks.hook_names(), name in pycomm.Exchange.codecs())}
+        t = torch.arange(8.0) + rank
+        ex = pycomm.Exchange(name, block=2)
+        ex.all_reduce(t, key="t").wait()  # PlainCodec is lossless: the exact mean
+        out["exchange"] = torch.allclose(t, torch.arange(8.0) + (n - 1) / 2)
+        out["exchange codec"] = ex.stats["codec_bytes_sent"] > 0
+        ddp = pycomm.wrap(_model(), hook=name)
+        g = torch.Generator().manual_seed(rank)
+        for _ in range(3):  # the third past the warm-up: through the codec
+            ddp(torch.randn(4, 12, generator=g)).sum().backward()
+        grads = torch.cat([p.grad.reshape(-1) for p in ddp.parameters()])
+        state = pycomm.hook_state(ddp)
+        out["ddp"] = all(torch.equal(grads, x) for x in _gathered(grads))
+        out["ddp codec"] = type(state.codec) is PlainCodec and state.stats["codec_bytes_sent"] > 0
+        model = _model()
+        with torch.no_grad():
+            model[0].weight.add_(rank)  # the ranks' replicas differ before the sync
+        outer = pycomm.LocalSGD(model, sync_every=1, codec=name)
+        outer.step()
+        flat = _flat(model)
+        out["local_sgd"] = all(torch.equal(flat, x) for x in _gathered(flat))
+        out["local_sgd syncs"] = outer.stats["syncs"]
+        out["taken"] = str(pytest.raises(ValueError, pycomm.codec.register_codec, "powersgd",
+                                         PlainCodec).value)  # fmt: skip
+    finally:
+        unregister_hook(name)
+    out["gone"] = name not in pycomm.hooks.hook_names() and name not in pycomm.Exchange.codecs()
+    return out
+
+
+def test_a_codec_registered_once_is_usable_everywhere_under_its_name():
+    for out in run_ranks(_rank_one_codec_everywhere, 2, timeout=120):
+        assert out.pop("listed") == (True, True) and out.pop("gone"), out
+        assert "the name is taken by pycomm.hooks.powersgd.PowerSGDHookState" in out.pop("taken")
+        assert out.pop("local_sgd syncs") == 1, out
+        assert all(out.values()), out
