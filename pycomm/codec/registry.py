@@ -151,7 +151,7 @@ def register_codec(
     if not callable(codec):
         raise ValueError(f"{where}: codec={codec!r}, expected a Codec class or factory")
     module = caller_module(__name__) if module is None else module
-    if name in _RESERVED:
+    if name in _RESERVED and _RESERVED[name][1] != module:
         owner, by = _RESERVED[name]
         taken(where, name, owner, by, codec=False)
     old = _CODECS.get(name)

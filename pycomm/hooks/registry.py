@@ -192,7 +192,7 @@ def register_hook(
         codecs.taken(where, name, taken.codec, taken.module)
     if codec is not None:
         codecs.check_codec(_built(where, codec), where)
-    _check_state_and_hook(where, state, hook)
+    _check_state_and_hook(where, state, hook)  # (the codec registered last, once all is checked)
     if not isinstance(auto, bool):
         raise ValueError(f"{where}: auto={auto!r}, expected True or False")
     if not isinstance(description, str):
@@ -209,8 +209,10 @@ def register_hook(
     spec = HookSpec(name, state, hook, codec, auto, description, module)
     if getattr(state, "hook_name", None) == "base":  # a user's state without a name of its own
         state.hook_name = name
+    if codec is not None:  # the Exchange, FSDP2 and the outer loops take it under the name
+        codecs.register_codec(name, codec, description=description, module=module, where=where)
     _SPECS[name] = spec
-    codecs.reserve(name, state, module)  # no codec of that name: one name, one meaning
+    codecs.reserve(name, state, module)  # no other codec of that name: one name, one meaning
     return spec
 
 

@@ -1040,3 +1040,18 @@ def test_a_codec_registered_once_is_usable_everywhere_under_its_name():
         assert "the name is taken by pycomm.hooks.powersgd.PowerSGDHookState" in out.pop("taken")
         assert out.pop("local_sgd syncs") == 1, out
         assert all(out.values()), out
+
+
+def test_a_state_hook_with_a_codec_lends_the_codec_its_name():
+    """register_hook(name, state, hook, codec=...): DDP runs the state, the Exchange (and
+    FSDP2, the outer loops) the codec, under the one name; no other codec takes it."""
+    register_hook("state_plain", MyState, my_hook, codec=PlainCodec)
+    try:
+        assert "state_plain" in pycomm.Exchange.codecs()
+        assert hook_spec("state_plain").state is MyState
+        assert pycomm.codec.codec_spec("state_plain").codec is PlainCodec
+        with pytest.raises(ValueError, match="the name is taken by"):
+            pycomm.codec.register_codec("state_plain", Int8Codec)
+    finally:
+        unregister_hook("state_plain")
+    assert "state_plain" not in pycomm.Exchange.codecs() + pycomm.hooks.hook_names()
