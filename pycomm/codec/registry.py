@@ -165,7 +165,8 @@ def register_codec(
             f"without arguments ({e}); expected defaults for every parameter"
         ) from e
     check_codec(instance, where)
-    spec = CodecSpec(name, codec, False, "", _check_defaults(where, defaults), None, None, module)
+    spec = CodecSpec(name, codec, auto, description, _check_defaults(where, defaults),
+                     bucket_cap_mb, advice, module)  # fmt: skip
     clash = sorted(set(spec.option_names) & set(ENGINE_OPTIONS))
     if clash:
         raise ValueError(
@@ -188,7 +189,6 @@ def register_codec(
         raise ValueError(f"{where}: description={description!r}, expected a str (one line)")
     if old is not None and qualified_name(old.codec) != qualified_name(codec):
         taken(where, old.name, old.codec, old.module)
-    spec = CodecSpec(name, codec, auto, description, spec.defaults, bucket_cap_mb, advice, module)
     _CODECS[name] = spec
     return spec
 
