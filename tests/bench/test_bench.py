@@ -371,6 +371,7 @@ def test_plot_is_a_png(tiny_all):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+@pytest.mark.slow
 def test_hanging_hook_costs_its_step_deadline_not_the_launch_timeout(tmp_path, capfd, monkeypatch):
     """``tests.bench.bench_hooks:hang`` never completes its second step: the deadline stops the
     ranks; with --rerun-budget 0 it is not rerun alone."""
@@ -636,6 +637,7 @@ def _registered_ops():
         return sorted(set(re.findall(r'm\.def\(\s*"([a-z0-9_]+)\(', f.read())))
 
 
+@pytest.mark.slow
 def test_kernel_benchmarks_cover_every_op(tmp_path):
     """Every op in csrc/registration.cpp is timed by a kernel benchmark (against the copy floor
     and torch eager): run them at a tiny size and read the cases they timed."""

@@ -41,6 +41,7 @@ def _rank_train(epochs, batch):
     return acc
 
 
+@pytest.mark.slow
 def test_compressed_hooks_train_as_well_as_fp32():
     # 6 epochs of 22 steps: the exact all-reduce is at 96% already (96.7% after 15), onebit
     # compresses from its step 20 on

@@ -516,6 +516,7 @@ def _rank_soak():
     return samples, dict(pycomm.hook_state(ddp).stats)
 
 
+@pytest.mark.slow
 def test_int8_500_steps_on_4_ranks_does_not_grow():
     for rank, (samples, stats) in enumerate(run_ranks(_rank_soak, 4, timeout=240)):
         assert stats["steps"] == SOAK_STEPS and stats["compression"] > 2  # int8 ran

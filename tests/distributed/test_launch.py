@@ -121,6 +121,7 @@ def _fresh(monkeypatch):
     pycomm.shutdown()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("method", plaunch.START_METHODS)
 def test_results_in_rank_order(method):
     # 4 ranks (2 ranks: test_tcp_backend_through_launch_warns_and_uses_gloo)
