@@ -1,141 +1,21 @@
-"""The arguments an :class:`~pycomm.exchange.Exchange` call takes, checked: every refusal a
-TypeError or ValueError that names the call, the argument and what was expected."""
+"""What an :class:`~pycomm.exchange.Exchange` loads, checked (a state, a key's history) and
+its refusals named as the Exchange's: every refusal a TypeError or ValueError that names the
+call, the argument and what was expected. A call's own arguments are checked where the call is
+made (:mod:`pycomm.exchange.core`)."""
 
 from __future__ import annotations
 
-import math
-from collections.abc import Hashable, Sequence
-from typing import Any, Optional
+from typing import Any
 
 import torch
-import torch.distributed as dist
 
-from pycomm.codec.agree import dtype_names
 from pycomm.codec.residuals import PHASE_1
 
 __all__ = [
-    "CALLS", "alive", "as_exchange", "loadable", "pair", "residual", "scale_of", "shape",
-    "submittable", "tensor", "tensors",
+    "CALLS", "as_exchange", "loadable", "residual",
 ]  # fmt: skip
 
-OPS = ("mean", "sum")
 CALLS = ("all_reduce", "reduce_scatter", "all_gather")
-# what the exact exchange ("allreduce") takes; a codec, its state's grad_dtypes
-EXACT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
-
-
-def tensor(where: str, name: str, t: Any, op: str, dtypes: Optional[tuple]) -> torch.Tensor:
-    """``t`` flat, once it is a dense, contiguous tensor of ``dtypes`` with data, and ``op``
-    one of ``"mean"``, ``"sum"``."""
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{where}: {name} is a {type(t).__name__}, expected a tensor")
-    dtypes = dtypes or EXACT_DTYPES
-    if t.dtype not in dtypes or t.layout != torch.strided:
-        raise TypeError(
-            f"{where}: {name} has dtype {t.dtype} and layout {t.layout}, expected a dense "
-            f"{dtype_names(dtypes)} tensor"
-        )
-    if not t.is_contiguous():
-        raise ValueError(
-            f"{where}: {name} of shape {list(t.shape)} is not contiguous; expected a "
-            "contiguous tensor (the result is written into it)"
-        )
-    if t.device.type == "meta":
-        raise ValueError(
-            f"{where}: {name} is on the meta device (shapes without data); expected a "
-            "tensor with data (cpu, or cuda on nccl)"
-        )
-    if op not in OPS:
-        raise ValueError(f"{where}: op={op!r}, expected 'mean' or 'sum'")
-    # written as torch.distributed's collectives write: in place, outside autograd (a
-    # parameter too, as dist.all_reduce(p) does)
-    return t.detach().view(-1)
-
-
-def tensors(where: str, key: Hashable, ts: Sequence[Any], op: str, dtypes) -> int:
-    """The elements of a list call's tensors, once each is checked and they share one dtype
-    and device (any shapes and strides: the list is copied into one flat buffer)."""
-    try:
-        hash(key)
-    except TypeError:
-        raise TypeError(
-            f"{where}: key={key!r} is not hashable; expected a str, int or tuple"
-        ) from None
-    if not ts:
-        raise ValueError(f"{where}: tensor is an empty list, expected at least one tensor")
-    for i, t in enumerate(ts):
-        dense = (
-            isinstance(t, torch.Tensor) and t.layout == torch.strided and t.device.type != "meta"
-        )
-        tensor(where, f"tensor[{i}]", t.reshape(-1) if dense else t, op, dtypes)
-        if t.dtype != ts[0].dtype or t.device != ts[0].device:
-            raise TypeError(
-                f"{where}: tensor[{i}] is {t.dtype} on {t.device} and tensor[0] {ts[0].dtype} "
-                f"on {ts[0].device}, expected one dtype and device (the list is exchanged as "
-                "one flat tensor)"
-            )
-    return sum(t.numel() for t in ts)
-
-
-def pair(
-    where: str, call: str, output: Any, input: Any, op: str, n: int, dtypes, hierarchy: Any
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The flat input and output of a reduce-scatter or all-gather over ``n`` ranks: the one
-    of N chunks (reduce_scatter's input, all_gather's output) holds N times the other's
-    elements."""
-    x = tensor(where, "input", input, op, dtypes)
-    out = tensor(where, "output", output, "mean", dtypes)
-    if out.dtype != x.dtype or out.device != x.device:
-        raise TypeError(
-            f"{where}: output is {out.dtype} on {out.device} and input {x.dtype} on "
-            f"{x.device}, expected the same dtype and device"
-        )
-    (whole, wname), (part, pname) = (
-        ((x, "input"), (out, "output")) if call == "reduce_scatter" else
-        ((out, "output"), (x, "input"))
-    )  # fmt: skip
-    if whole.numel() != n * part.numel():
-        raise ValueError(
-            f"{where}: {wname} has {whole.numel()} elements, expected {n} x {pname}'s "
-            f"{part.numel()} = {n * part.numel()}"
-        )
-    if hierarchy == "node":  # asked for; "auto" runs these two flat, over every rank
-        raise ValueError(
-            f"{where}: hierarchy='node' runs all_reduce alone; expected hierarchy='flat' "
-            "or 'auto' (flat for reduce_scatter and all_gather)"
-        )
-    return x, out
-
-
-def scale_of(where: str, op: str, scale: Any, n: int, dtype: torch.dtype) -> float:
-    """The factor each rank's input is multiplied by before the sum (in fp32, or float64
-    for float64 tensors: it must be finite there)."""
-    if scale is None:
-        return 1.0 / n if op == "mean" else 1.0
-    largest = torch.finfo(torch.float64 if dtype == torch.float64 else torch.float32).max
-    if (
-        isinstance(scale, bool)
-        or not isinstance(scale, (int, float))
-        or not math.isfinite(scale)
-        or abs(scale) > largest
-    ):
-        raise ValueError(
-            f"{where}: scale={scale!r}, expected a finite float of at most {largest:.4g} in "
-            f"magnitude (each rank's input is multiplied by it, in "
-            f"{'float64' if dtype == torch.float64 else 'float32'}, before the sum) or None "
-            "(op decides)"
-        )
-    return float(scale)
-
-
-def shape(t: Any) -> str:
-    """A call's tensor (or list of tensors) as the order check names it: shape and dtype."""
-    if isinstance(t, torch.Tensor):
-        return f"shape {list(t.shape)} {str(t.dtype)[6:]}"
-    if isinstance(t, (list, tuple)) and t and all(isinstance(x, torch.Tensor) for x in t):
-        shapes = ", ".join(str(list(x.shape)) for x in t)
-        return f"{len(t)} tensors of shapes {shapes} {str(t[0].dtype)[6:]}"
-    return f"{type(t).__name__}"
 
 
 def loadable(where: str, state: Any) -> tuple[list, list[int]]:
@@ -228,26 +108,3 @@ def residual(where: str, call: str, residual: Any, keys: Any, codec: str) -> Non
             f"{where}: residual holds non-finite values, expected finite residuals (a NaN "
             "there would reach every later call)"
         )
-
-
-def submittable(where: str, group: Optional[dist.ProcessGroup], async_op: Any) -> None:
-    """Refuse a call on a destroyed group (RuntimeError) or a bad ``async_op`` (TypeError)."""
-    if not alive(group):
-        raise RuntimeError(
-            f"{where}: the process group was destroyed; an Exchange lives while the group it "
-            "was built on does"
-        )
-    if not isinstance(async_op, bool):
-        raise TypeError(f"{where}: async_op={async_op!r}, expected True or False")
-
-
-def alive(group: Optional[dist.ProcessGroup]) -> bool:
-    """Whether ``group`` (None: the default group) is still a group of this process (not
-    destroyed with ``dist.destroy_process_group``)."""
-    if not dist.is_initialized():
-        return False
-    try:
-        dist.get_process_group_ranks(group or dist.group.WORLD)
-    except (KeyError, ValueError, RuntimeError):
-        return False
-    return True

@@ -1,7 +1,10 @@
-"""The public face of the exchange: :class:`Exchange`, its options and its three calls."""
+"""The public face of the exchange: :class:`Exchange`, its options, its three calls and their
+argument checks (every refusal a TypeError or ValueError naming the call, the argument and what
+was expected)."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Hashable, Sequence
 from typing import Any, Optional, Union
 
@@ -9,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from pycomm._validate import check_int
-from pycomm.codec.agree import agree, error_field
+from pycomm.codec.agree import agree, dtype_names, error_field
 from pycomm.codec.config import Config, check_hierarchy, resolve
 from pycomm.codec.registry import codec_names, codec_spec, find_codec, qualified_name
 from pycomm.exchange import checks
@@ -152,14 +155,14 @@ class Exchange:
         flat, err = None, None
         try:
             if isinstance(tensor, (list, tuple)):
-                numel = checks.tensors(where, key, tensor, op, dtypes)
+                numel = _tensors(where, key, tensor, op, dtypes)
                 flat = self._keys.flat(key, numel, tensor[0])
             else:
-                flat = checks.tensor(where, "tensor", tensor, op, dtypes)
+                flat = _tensor(where, "tensor", tensor, op, dtypes)
         except (TypeError, ValueError) as e:
             err = e
         body = lambda: self._keys.all_reduce(tensor, key, op, flat)  # noqa: E731
-        return self._submit("all_reduce", key, flat, f"op={op!r}", err, checks.shape(tensor),
+        return self._submit("all_reduce", key, flat, f"op={op!r}", err, _shape(tensor),
                             body, (tensor, key, op, flat), async_op)  # fmt: skip
 
     def reduce_scatter(
@@ -190,13 +193,13 @@ class Exchange:
         """
         where, n, x, out, factor, err = f"{self.where}.reduce_scatter", self._world, *[None] * 4
         try:
-            x, out = checks.pair(where, "reduce_scatter", output, input, op, n,
+            x, out = _pair(where, "reduce_scatter", output, input, op, n,
                                  self._keys.grad_dtypes, self._hierarchy)  # fmt: skip
-            factor = checks.scale_of(where, op, scale, n, x.dtype)
+            factor = _scale_of(where, op, scale, n, x.dtype)
         except (TypeError, ValueError) as e:
             err = e
         how = f"op={op!r}" if scale is None else f"scale={scale!r}"
-        shape = f"{checks.shape(input)} into {checks.shape(output)}"
+        shape = f"{_shape(input)} into {_shape(output)}"
         body = lambda: self._keys.reduce_scatter(output, key, x, out, factor)  # noqa: E731
         return self._submit("reduce_scatter", key, x, how, err, shape, body, None, async_op)
 
@@ -214,17 +217,17 @@ class Exchange:
         """
         where, x, out, err = f"{self.where}.all_gather", None, None, None
         try:
-            x, out = checks.pair(where, "all_gather", output, input, "mean", self._world,
+            x, out = _pair(where, "all_gather", output, input, "mean", self._world,
                                  self._keys.grad_dtypes, self._hierarchy)  # fmt: skip
         except (TypeError, ValueError) as e:
             err = e
-        shape = f"{checks.shape(input)} into {checks.shape(output)}"
+        shape = f"{_shape(input)} into {_shape(output)}"
         body = lambda: self._keys.all_gather(output, key, x, out)  # noqa: E731
         return self._submit("all_gather", key, x, "", err, shape, body, None, async_op)
 
     def _submit(self, call: str, key: Hashable, t: Any, how: str, err: Any, shape: str,
                 body: Any, fuse: Any = None, async_op: bool = True) -> Work:  # fmt: skip
-        checks.submittable(f"{self.where}.{call}", self.process_group, async_op)
+        _submittable(f"{self.where}.{call}", self.process_group, async_op)
         work = self._issuer.submit(self._stream, (call, key), t, how, err, shape, body, fuse,
                                    inline=not async_op)  # fmt: skip
         if not async_op:
@@ -346,3 +349,146 @@ def _check_group(where: str, group: Any) -> None:
             f"(ranks {dist.get_process_group_ranks(group)}); expected the Exchange built by "
             "the group's ranks alone, as its collectives run"
         )
+
+
+# the argument checks of the calls, beside them: a call passes no other module to be checked
+OPS = ("mean", "sum")
+# what the exact exchange ("allreduce") takes; a codec, its state's grad_dtypes
+EXACT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+
+
+def _tensor(where: str, name: str, t: Any, op: str, dtypes: Optional[tuple]) -> torch.Tensor:
+    """``t`` flat, once it is a dense, contiguous tensor of ``dtypes`` with data, and ``op``
+    one of ``"mean"``, ``"sum"``."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{where}: {name} is a {type(t).__name__}, expected a tensor")
+    dtypes = dtypes or EXACT_DTYPES
+    if t.dtype not in dtypes or t.layout != torch.strided:
+        raise TypeError(
+            f"{where}: {name} has dtype {t.dtype} and layout {t.layout}, expected a dense "
+            f"{dtype_names(dtypes)} tensor"
+        )
+    if not t.is_contiguous():
+        raise ValueError(
+            f"{where}: {name} of shape {list(t.shape)} is not contiguous; expected a "
+            "contiguous tensor (the result is written into it)"
+        )
+    if t.device.type == "meta":
+        raise ValueError(
+            f"{where}: {name} is on the meta device (shapes without data); expected a "
+            "tensor with data (cpu, or cuda on nccl)"
+        )
+    if op not in OPS:
+        raise ValueError(f"{where}: op={op!r}, expected 'mean' or 'sum'")
+    # written as torch.distributed's collectives write: in place, outside autograd (a
+    # parameter too, as dist.all_reduce(p) does)
+    return t.detach().view(-1)
+
+
+def _tensors(where: str, key: Hashable, ts: Sequence[Any], op: str, dtypes) -> int:
+    """The elements of a list call's tensors, once each is checked and they share one dtype
+    and device (any shapes and strides: the list is copied into one flat buffer)."""
+    try:
+        hash(key)
+    except TypeError:
+        raise TypeError(
+            f"{where}: key={key!r} is not hashable; expected a str, int or tuple"
+        ) from None
+    if not ts:
+        raise ValueError(f"{where}: tensor is an empty list, expected at least one tensor")
+    for i, t in enumerate(ts):
+        dense = (
+            isinstance(t, torch.Tensor) and t.layout == torch.strided and t.device.type != "meta"
+        )
+        _tensor(where, f"tensor[{i}]", t.reshape(-1) if dense else t, op, dtypes)
+        if t.dtype != ts[0].dtype or t.device != ts[0].device:
+            raise TypeError(
+                f"{where}: tensor[{i}] is {t.dtype} on {t.device} and tensor[0] {ts[0].dtype} "
+                f"on {ts[0].device}, expected one dtype and device (the list is exchanged as "
+                "one flat tensor)"
+            )
+    return sum(t.numel() for t in ts)
+
+
+def _pair(
+    where: str, call: str, output: Any, input: Any, op: str, n: int, dtypes, hierarchy: Any
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The flat input and output of a reduce-scatter or all-gather over ``n`` ranks: the one
+    of N chunks (reduce_scatter's input, all_gather's output) holds N times the other's
+    elements."""
+    x = _tensor(where, "input", input, op, dtypes)
+    out = _tensor(where, "output", output, "mean", dtypes)
+    if out.dtype != x.dtype or out.device != x.device:
+        raise TypeError(
+            f"{where}: output is {out.dtype} on {out.device} and input {x.dtype} on "
+            f"{x.device}, expected the same dtype and device"
+        )
+    (whole, wname), (part, pname) = (
+        ((x, "input"), (out, "output")) if call == "reduce_scatter" else
+        ((out, "output"), (x, "input"))
+    )  # fmt: skip
+    if whole.numel() != n * part.numel():
+        raise ValueError(
+            f"{where}: {wname} has {whole.numel()} elements, expected {n} x {pname}'s "
+            f"{part.numel()} = {n * part.numel()}"
+        )
+    if hierarchy == "node":  # asked for; "auto" runs these two flat, over every rank
+        raise ValueError(
+            f"{where}: hierarchy='node' runs all_reduce alone; expected hierarchy='flat' "
+            "or 'auto' (flat for reduce_scatter and all_gather)"
+        )
+    return x, out
+
+
+def _scale_of(where: str, op: str, scale: Any, n: int, dtype: torch.dtype) -> float:
+    """The factor each rank's input is multiplied by before the sum (in fp32, or float64
+    for float64 tensors: it must be finite there)."""
+    if scale is None:
+        return 1.0 / n if op == "mean" else 1.0
+    largest = torch.finfo(torch.float64 if dtype == torch.float64 else torch.float32).max
+    if (
+        isinstance(scale, bool)
+        or not isinstance(scale, (int, float))
+        or not math.isfinite(scale)
+        or abs(scale) > largest
+    ):
+        raise ValueError(
+            f"{where}: scale={scale!r}, expected a finite float of at most {largest:.4g} in "
+            f"magnitude (each rank's input is multiplied by it, in "
+            f"{'float64' if dtype == torch.float64 else 'float32'}, before the sum) or None "
+            "(op decides)"
+        )
+    return float(scale)
+
+
+def _shape(t: Any) -> str:
+    """A call's tensor (or list of tensors) as the order check names it: shape and dtype."""
+    if isinstance(t, torch.Tensor):
+        return f"shape {list(t.shape)} {str(t.dtype)[6:]}"
+    if isinstance(t, (list, tuple)) and t and all(isinstance(x, torch.Tensor) for x in t):
+        shapes = ", ".join(str(list(x.shape)) for x in t)
+        return f"{len(t)} tensors of shapes {shapes} {str(t[0].dtype)[6:]}"
+    return f"{type(t).__name__}"
+
+
+def _submittable(where: str, group: Optional[dist.ProcessGroup], async_op: Any) -> None:
+    """Refuse a call on a destroyed group (RuntimeError) or a bad ``async_op`` (TypeError)."""
+    if not _alive(group):
+        raise RuntimeError(
+            f"{where}: the process group was destroyed; an Exchange lives while the group it "
+            "was built on does"
+        )
+    if not isinstance(async_op, bool):
+        raise TypeError(f"{where}: async_op={async_op!r}, expected True or False")
+
+
+def _alive(group: Optional[dist.ProcessGroup]) -> bool:
+    """Whether ``group`` (None: the default group) is still a group of this process (not
+    destroyed with ``dist.destroy_process_group``)."""
+    if not dist.is_initialized():
+        return False
+    try:
+        dist.get_process_group_ranks(group or dist.group.WORLD)
+    except (KeyError, ValueError, RuntimeError):
+        return False
+    return True
