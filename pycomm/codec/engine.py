@@ -1,14 +1,13 @@
 """The engine: the one place a tensor is compressed and exchanged.
 
 An :class:`Engine` holds what an exchange through a codec keeps between calls: the codec, the
-error-feedback residuals (:class:`ResidualStore`), the send and receive buffers, the process
-groups of its two phases (:class:`Stage`, :func:`phase_groups`), and the codec's byte counters. Its
-three collectives are the ones every caller runs:
+error-feedback residuals (:mod:`pycomm.codec.residuals`), the send and receive buffers, the
+process groups of its two phases (a :class:`~pycomm.codec.groups.Stage`), and the codec's byte
+counters. Its three collectives are the ones every caller runs:
 
 - :meth:`Engine.all_reduce`, the two-phase exchange (or one all-reduce of the codes for a
-  ``two_phase=False`` codec): every DDP bucket of a codec hook
-  (:func:`pycomm.hooks.compressed_hook`, flat or on the node hierarchy's cross-node shard) and
-  every ``pycomm.Exchange.all_reduce``;
+  ``two_phase=False`` codec): every DDP bucket of a codec hook (flat, or the node
+  hierarchy's cross-node shard) and every ``pycomm.Exchange.all_reduce``;
 - :meth:`Engine.reduce_scatter`, phase 1 alone: ``pycomm.Exchange.reduce_scatter``, and so
   every FSDP2 reduce-scatter of ``pycomm.fsdp``;
 - :meth:`Engine.all_gather`: ``pycomm.Exchange.all_gather``.
@@ -20,14 +19,10 @@ with its own residual and sends it to every rank (phase 2, a gather). Bytes per 
 2(N-1)/N of the compressed tensor, flat in N.
 
 Collective order: phase 1 is issued by the caller, in its order (DDP's bucket order, an
-Exchange's call order), on its
-own process group; phase 2 on a second group, from a callback that also waits until the
-previous exchange's phase 2 was issued. So every rank issues the same collectives in the same
-order on each group, however its phase 1s happen to complete (the trap that aborts torch's
-PowerSGD on gloo).
-
-The residuals are :mod:`pycomm.codec.residuals`'; the process groups (a
-:class:`~pycomm.codec.groups.Stage` of two) :mod:`pycomm.codec.groups`'.
+Exchange's call order), on its own process group; phase 2 on a second group, from a callback
+that also waits until the previous exchange's phase 2 was issued. So every rank issues the
+same collectives in the same order on each group, however its phase 1s happen to complete
+(the trap that aborts torch's PowerSGD on gloo).
 """
 
 from __future__ import annotations
@@ -43,7 +38,8 @@ from pycomm.codec.codecs import Codec
 from pycomm.codec.residuals import PHASE_1, ResidualStore
 
 __all__ = [
-    "Count", "Engine", "Workspace", "completed", "future_on", "ring_bytes", "summed_numel",
+    "Count", "Engine", "Workspace", "add_call", "completed", "exact_mean", "future_on",
+    "ring_bytes", "summed_numel",
 ]  # fmt: skip
 
 # count(bytes_sent, collectives): how a caller accounts one exchange in its own totals
@@ -77,6 +73,49 @@ def future_on(device: torch.device) -> torch.futures.Future:
 def ring_bytes(nbytes: int, world_size: int) -> int:
     """Bytes one rank sends in a ring all-reduce of ``nbytes``: 2(N-1)/N of the payload."""
     return 2 * (world_size - 1) * nbytes // world_size
+
+
+def add_call(
+    stats: dict[str, Any],
+    world_size: int,
+    numel: int,
+    bytes_sent: int,
+    collectives: int = 1,
+    bytes_fp32: Optional[int] = None,
+    last: bool = True,
+    **levels: int,
+) -> None:
+    """Account in ``stats`` (``steps``, ``buckets``: calls, ``collectives``, ``bytes_sent``,
+    ``bytes_fp32``, ``compression``) one call on ``numel`` elements that put ``bytes_sent`` on
+    the wire in ``collectives`` collectives (``levels``: a split of them, added to those
+    counters); ``last``: it ends a step. DDP's hook states and the Exchange count with it."""
+    for name, value in levels.items():
+        stats[name] = stats.get(name, 0) + value
+    stats["buckets"] += 1
+    stats["collectives"] += collectives
+    stats["bytes_sent"] += bytes_sent
+    if bytes_fp32 is None:
+        bytes_fp32 = ring_bytes(numel * 4, world_size)
+    stats["bytes_fp32"] += bytes_fp32
+    stats["compression"] = stats["bytes_fp32"] / stats["bytes_sent"] if stats["bytes_sent"] else 1.0
+    if last:
+        stats["steps"] += 1
+
+
+def exact_mean(
+    x: torch.Tensor, world_size: int, group: Optional[dist.ProcessGroup]
+) -> torch.futures.Future[torch.Tensor]:
+    """The exact mean as DDP takes it: ``x`` scaled by 1/N (DDP's own rounding), then one
+    asynchronous all-reduce on ``group``; the future of ``x``, reduced in place (or of what
+    the collective raised)."""
+    x.mul_(1.0 / world_size)
+    work = dist.all_reduce(x, group=group, async_op=True)
+
+    def done(fut: torch.futures.Future) -> torch.Tensor:
+        fut.value()  # raises what the collective raised
+        return x
+
+    return work.get_future().then(done)
 
 
 class Workspace:

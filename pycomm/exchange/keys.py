@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from pycomm.codec.agree import check_saved, with_strict_skip
 from pycomm.codec.config import Config
-from pycomm.codec.engine import completed, ring_bytes
+from pycomm.codec.engine import add_call, completed, exact_mean, ring_bytes
 from pycomm.codec.groups import compare_steps, phase_groups
 from pycomm.codec.residuals import PHASE_1, check_residuals
 from pycomm.exchange import hierarchy as hier
@@ -115,17 +115,8 @@ class Ledger:
         """Account one call on ``numel`` elements that sent ``nbytes`` in ``collectives``
         collectives (``levels``: the node hierarchy's split of them): every call is a step
         (and, as the counters have it, one "bucket" of the engine)."""
-        c = self.counters
-        for name, value in levels.items():
-            c[name] = c.get(name, 0) + value
-        c["steps"] += 1
-        c["buckets"] += 1
-        c["collectives"] += collectives
-        c["bytes_sent"] += nbytes
-        c["bytes_fp32"] += (
-            ring_bytes(numel * 4, self.world_size) if bytes_fp32 is None else bytes_fp32
-        )
-        c["compression"] = c["bytes_fp32"] / c["bytes_sent"] if c["bytes_sent"] else 1.0
+        add_call(self.counters, self.world_size, numel, nbytes, collectives, bytes_fp32,
+                 **levels)  # fmt: skip
 
     def counting(self, numel: int) -> Any:
         """A count of one call on ``numel`` elements (:func:`~pycomm.exchange.hierarchy.
@@ -136,9 +127,7 @@ class Ledger:
         """The exact mean as DDP takes it: scaled by 1/N (DDP's own rounding), then one
         asynchronous all-reduce on ``group``."""
         self.count(x.numel(), ring_bytes(x.numel() * x.element_size(), self.world_size))
-        x.mul_(1.0 / self.world_size)
-        work = dist.all_reduce(x, group=group, async_op=True)
-        return work.get_future().then(returning(x))
+        return exact_mean(x, self.world_size, group)
 
     def end(self) -> None:
         """A call's step ends (its residuals commit at the next call's begin)."""

@@ -45,7 +45,7 @@ from pycomm.codec.config import (
     engine_options,
 )
 from pycomm.codec.config import codec_options as resolved_codec_options
-from pycomm.codec.engine import Engine, completed, ring_bytes
+from pycomm.codec.engine import Engine, add_call, completed, exact_mean, ring_bytes
 from pycomm.codec.groups import compare_steps, phase_groups
 from pycomm.codec.registry import ENGINE_OPTIONS, codec_identity
 from pycomm.codec.residuals import ResidualStore, check_residuals
@@ -75,32 +75,6 @@ def unbound() -> Iterator[None]:
         yield
     finally:
         _UNBOUND.reset(token)
-
-
-def add_call(
-    stats: dict[str, Any],
-    world_size: int,
-    numel: int,
-    bytes_sent: int,
-    collectives: int = 1,
-    bytes_fp32: Optional[int] = None,
-    last: bool = True,
-    **levels: int,
-) -> None:
-    """Account in ``stats`` one call on ``numel`` elements that put ``bytes_sent`` on the wire
-    in ``collectives`` collectives (see :meth:`pycomm.hooks.HookState.count`); ``last``: it
-    ends a step."""
-    for name, value in levels.items():
-        stats[name] = stats.get(name, 0) + value
-    stats["buckets"] += 1
-    stats["collectives"] += collectives
-    stats["bytes_sent"] += bytes_sent
-    if bytes_fp32 is None:
-        bytes_fp32 = ring_bytes(numel * 4, world_size)
-    stats["bytes_fp32"] += bytes_fp32
-    stats["compression"] = stats["bytes_fp32"] / stats["bytes_sent"] if stats["bytes_sent"] else 1.0
-    if last:
-        stats["steps"] += 1
 
 
 class FrontStage(Protocol):
@@ -389,14 +363,7 @@ def exact_allreduce(
     """The exact mean as DDP takes it: scale by 1/N (DDP's own rounding), all-reduce on
     ``group`` asynchronously; the bytes counted by ``state.count(bucket, ...)``."""
     state.count(bucket, ring_bytes(tensor.numel() * tensor.element_size(), state.world_size))
-    tensor.mul_(1.0 / state.world_size)
-    work = dist.all_reduce(tensor, group=group, async_op=True)
-
-    def done(fut: torch.futures.Future) -> torch.Tensor:
-        fut.value()  # raises what the collective raised
-        return tensor  # reduced in place
-
-    return work.get_future().then(done)
+    return exact_mean(tensor, state.world_size, group)
 
 
 # reduce(bucket, x, index) -> a future of x reduced: the exchange, on hook bucket ``index``
