@@ -30,6 +30,7 @@ from pycomm._validate import check_int
 from pycomm.codec.agree import agree, error_field
 from pycomm.codec.engine import ring_bytes
 from pycomm.exchange import Exchange, Work
+from pycomm.exchange.managed import check_manager
 
 __all__ = ["DiLoCo", "LocalSGD"]
 
@@ -62,6 +63,11 @@ class DiLoCo:
         process_group: the ranks that sync (default every rank): the cross-node group when
             the model is DDP or FSDP2 inside the node (``pycomm.cross_node_group()``).
         hook_options: the codec's options, as ``pycomm.Exchange(**options)`` takes them.
+        manager: a ``torchft.manager.Manager`` (built with ``use_async_quorum=False``): the
+            syncs run across torchft's replica groups, each in a quorum of its own, and
+            commit or roll back; a lost replica group does not stop the others, and one
+            that rejoins heals from a live peer (docs/fault-tolerance.md). Not with
+            ``process_group``.
 
     Raises:
         ValueError or TypeError on every rank: a bad argument on any rank, models of other
@@ -87,12 +93,24 @@ class DiLoCo:
         delay: int = 0,
         process_group: Optional[dist.ProcessGroup] = None,
         hook_options: Optional[dict[str, Any]] = None,
+        manager: Any = None,
     ) -> None:
-        if not (dist.is_available() and dist.is_initialized()):
+        self.manager = manager
+        if manager is not None:
+            check_manager(self.where, manager, sync_quorum=True)
+            if process_group is not None:
+                raise ValueError(
+                    f"{self.where}: manager= and process_group= were both given; expected "
+                    "one: under a torchft manager the syncs run across the replica groups "
+                    "over the manager's group (inside a replica group, DDP or FSDP2)"
+                )
+        elif not (dist.is_available() and dist.is_initialized()):
             raise RuntimeError(f"{self.where}: no process group; call pycomm.init() first")
         fields: dict[str, Any] = error_field(None)
         try:
-            params = _params_of(self.where, model, sync_every, fragments, delay, process_group)
+            params = _params_of(
+                self.where, model, sync_every, fragments, delay, process_group, manager
+            )
             outer_optimizer = outer_optimizer or self._default_outer
             if not callable(outer_optimizer):
                 raise TypeError(
@@ -102,6 +120,8 @@ class DiLoCo:
             if hook_options is not None and not isinstance(hook_options, dict):
                 raise TypeError(f"{self.where}: hook_options={hook_options!r}, expected a dict")
         except (TypeError, ValueError) as e:
+            if manager is not None:  # each replica group checks its own; see below for more
+                raise
             params = []
             fields = error_field(e)
         fields["parameter shapes"] = [list(p.shape) for p in params]
@@ -109,29 +129,45 @@ class DiLoCo:
         for name, value in (("sync_every", sync_every), ("fragments", fragments),
                             ("delay", delay), ("codec", codec)):  # fmt: skip
             fields[name] = repr(value)
-        agree(self.where, fields, process_group)
         self.params, self.sync_every, self.delay = params, sync_every, delay
         self.process_group = process_group
-        # DDP's all-reduce of the same model would span every rank of the job
-        self._ddp_world = dist.get_world_size()
-        # this rank's parameters as handed over, until the first step: a state loaded before
-        # it (the model loaded before this was built, mid-window) puts them back
-        self._own: Optional[list[torch.Tensor]] = [p.detach().clone() for p in params]
-        with torch.no_grad():  # the outer copy starts from the first rank's parameters
-            src = dist.get_global_rank(process_group or dist.group.WORLD, 0)
-            for p in params:
-                dist.broadcast(p.data, src=src, group=process_group)
+        self._own: Optional[list[torch.Tensor]] = None
+        if manager is None:
+            agree(self.where, fields, process_group)
+            # DDP's all-reduce of the same model would span every rank of the job
+            self._ddp_world = dist.get_world_size()
+            # this rank's parameters as handed over, until the first step: a state loaded
+            # before it (the model loaded before this was built, mid-window) puts them back
+            self._own = [p.detach().clone() for p in params]
+            with torch.no_grad():  # the outer copy starts from the first rank's parameters
+                src = dist.get_global_rank(process_group or dist.group.WORLD, 0)
+                for p in params:
+                    dist.broadcast(p.data, src=src, group=process_group)
+        else:  # the replica groups compare these before each sync, through the exchange
+            self._ddp_world = 1
         self.outer = [torch.nn.Parameter(p.detach().clone()) for p in params]
         self.optimizer = _outer_optimizer(self.where, outer_optimizer, self.outer)
-        self.exchange = Exchange(codec, process_group, **(hook_options or {}))
+        if manager is None:
+            self.exchange = Exchange(codec, process_group, **(hook_options or {}))
+        else:
+            self._register_with(manager)
+            fields["outer optimizer"] = type(self.optimizer).__name__
+            fields["outer optimizer's options"] = repr(
+                [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
+            )
+            self.exchange = Exchange(
+                codec, manager=manager, name=type(self).__name__,
+                fields={k: v for k, v in fields.items() if "error" not in k},
+                **(hook_options or {}),
+            )  # fmt: skip
         self.fragments = _split(list(range(len(params))), params, fragments)
         h = sync_every
         # fragment f is issued at the steps t with t % H == its offset: H/F apart
         self.offsets = [((f + 1) * h // fragments) % h for f in range(fragments)]
         self.step_count = 0
         self.pending: dict[int, tuple[int, Work, list[torch.Tensor]]] = {}  # f -> (due, ...)
-        self._stats = {"syncs": 0, "skipped": 0, "bytes_sent": 0, "bytes_fp32": 0,
-                       "peak_sync_bytes": 0}  # fmt: skip
+        self._stats = {"syncs": 0, "skipped": 0, "rollbacks": 0, "bytes_sent": 0,
+                       "bytes_fp32": 0, "peak_sync_bytes": 0}  # fmt: skip
         self._numel = sum(p.numel() for p in params)
 
     @staticmethod
@@ -150,8 +186,9 @@ class DiLoCo:
         for f in [f for f, (due, _, _) in self.pending.items() if due <= t]:
             self._apply(f)
         for f, off in enumerate(self.offsets):
-            if t % self.sync_every == off and f not in self.pending:
-                self._issue(f, t + self.delay)
+            if t % self.sync_every == off and f not in self.pending and not self.pending:
+                f = self._quorum(f)
+                self._issue(f, self.step_count + self.delay)
                 if self.delay == 0:
                     self._apply(f)
 
@@ -184,10 +221,25 @@ class DiLoCo:
         the same bits in every parameter. Before an evaluation, a save, or at the end."""
         for f in sorted(self.pending):
             self._apply(f)
+        if self.manager is not None:  # one quorum per fragment, each committed or not
+            for f in range(len(self.fragments)):
+                f = self._quorum(f)
+                self._issue(f, self.step_count)
+                self._apply(f)
+            return
         for f in range(len(self.fragments)):
             self._issue(f, self.step_count)
         for f in range(len(self.fragments)):
             self._apply(f)
+
+    def _quorum(self, f: int) -> int:
+        """Under a manager: a new quorum for the sync (a replica group that rejoins heals
+        here, taking a live peer's outer state), and the fragment it syncs, by the manager's
+        step: one that did not commit is synced again. Without one: ``f``."""
+        if self.manager is None:
+            return f
+        self.manager.start_quorum()
+        return self.manager.current_step() % len(self.fragments)
 
     def _issue(self, f: int, due: int) -> None:
         with torch.no_grad():
@@ -206,9 +258,15 @@ class DiLoCo:
         s["bytes_fp32"] += work.bytes_fp32
         s["peak_sync_bytes"] = max(s["peak_sync_bytes"], work.bytes_sent)
         idx = self.fragments[f]
+        committed = True
+        if self.manager is not None:  # the manager's verdict, the residuals settled by it
+            committed = self.exchange.should_commit()
+            self._ddp_world = max(self._ddp_world, self.manager.num_participants())
         with torch.no_grad():
             finite = bool(torch.stack([torch.isfinite(g).all() for g in pseudo]).all())
-            if finite:  # every rank holds the same average: all skip, or none
+            if not committed:  # the fragment goes back to the outer copy, synced again
+                s["rollbacks"] += 1
+            elif finite:  # every rank holds the same average: all skip, or none
                 for i, g in zip(idx, pseudo):
                     self.outer[i].grad = g.to(self.outer[i].dtype)
                 self.optimizer.step()
@@ -219,6 +277,39 @@ class DiLoCo:
                 s["skipped"] += 1
             for i in idx:
                 self.params[i].copy_(self.outer[i])
+
+    # --- under a torchft manager --------------------------------------------------------
+
+    def _register_with(self, manager: Any) -> None:
+        """The outer state, shared by the replica groups, registered with the manager: a
+        replica group that heals takes a live peer's, bit for bit (its residuals start from
+        zeros: the exchange's own heal)."""
+        key = f"pycomm.{type(self).__name__}"
+        try:
+            manager.register_state_dict_fn(key, self._load_shared, self._shared_state)
+        except AssertionError:  # torchft refuses a key twice with a bare assert
+            raise ValueError(
+                f"{self.where}: the manager has a state registered as {key!r} already; "
+                "expected one outer loop per manager"
+            ) from None
+
+    def _shared_state(self) -> dict[str, Any]:
+        """What a healing replica group takes: the outer copy, the outer optimizer, the step."""
+        return {
+            "step": self.step_count,
+            "outer": [p.detach().clone() for p in self.outer],
+            "outer_optimizer": copy.deepcopy(self.optimizer.state_dict()),
+            "stats": dict(self._stats),
+        }
+
+    def _load_shared(self, state: dict[str, Any]) -> None:
+        """Heal from a live peer's :meth:`_shared_state`."""
+        with torch.no_grad():
+            for p, t in zip(self.outer, state["outer"]):
+                p.copy_(t)
+        self.optimizer.load_state_dict(copy.deepcopy(state["outer_optimizer"]))
+        self.step_count = int(state["step"])
+        self.pending = {}
 
     # --- counters and state -------------------------------------------------------------
 
@@ -292,10 +383,14 @@ class DiLoCo:
 
     @property
     def rank(self) -> int:
+        if self.manager is not None:  # a replica group's state: its rank within the group
+            return dist.get_rank() if dist.is_initialized() else 0
         return dist.get_rank(self.process_group)
 
     @property
     def world_size(self) -> int:
+        if self.manager is not None:
+            return dist.get_world_size() if dist.is_initialized() else 1
         return dist.get_world_size(self.process_group)
 
     def _fingerprint(self) -> dict[str, Any]:
@@ -348,18 +443,31 @@ class LocalSGD(DiLoCo):
         delay: int = 0,
         process_group: Optional[dist.ProcessGroup] = None,
         hook_options: Optional[dict[str, Any]] = None,
+        manager: Any = None,
     ) -> None:
         super().__init__(
-            model, sync_every, codec, _averaging, fragments, delay, process_group, hook_options
+            model,
+            sync_every,
+            codec,
+            _averaging,
+            fragments,
+            delay,
+            process_group,
+            hook_options,
+            manager,
         )
 
 
-def _params_of(where: str, model: Any, h: Any, fragments: Any, delay: Any, group: Any) -> list:
+def _params_of(
+    where: str, model: Any, h: Any, fragments: Any, delay: Any, group: Any, manager: Any
+) -> list:
     """The parameters to sync, once the arguments are checked on this rank."""
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"{where}: model is a {type(model).__name__}, expected an nn.Module")
     inner = model
-    if isinstance(model, torch.nn.parallel.DistributedDataParallel):
+    if isinstance(model, torch.nn.parallel.DistributedDataParallel) and manager is not None:
+        inner = model.module  # DDP inside the replica group; the manager's group across them
+    elif isinstance(model, torch.nn.parallel.DistributedDataParallel):
         mine = dist.get_process_group_ranks(model.process_group)
         outer = dist.get_process_group_ranks(group or dist.group.WORLD)
         if len(set(mine) & set(outer)) > 1:

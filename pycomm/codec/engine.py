@@ -134,6 +134,8 @@ class Workspace:
         buffers of both ranks already exceed this kind of machine's share of the last-level
         cache."""
         ws = self.buffers.get(key)
+        if ws is not None and ws["send"].shape != (w, row_bytes):  # another world size
+            ws = None
         if ws is None:  # one key per index, as the residuals: another size replaces it
             for old in [k for k in self.buffers if k[0] == key[0] and len(k) == len(key)]:
                 del self.buffers[old]

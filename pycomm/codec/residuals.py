@@ -215,6 +215,35 @@ class ResidualStore:
         self.touched = set()
         self.bad_steps = {s for s in self.bad_steps if s > step}
 
+    def settle(self, keys: set, keep: bool) -> None:
+        """Two copies (``strict``) settled per key instead of per step: the new residuals of
+        ``keys`` are swapped in (``keep``, when their call committed) or dropped (it did not:
+        the kept ones stay as they were before it). A call under a torchft manager commits
+        when the manager's ``should_commit`` says so, not when a DDP step ends."""
+        for key in keys & self.touched:
+            if keep and key in self.residuals:
+                self.residuals[key], self.next[key] = self.next[key], self.residuals[key]
+        self.touched -= keys
+
+    def resize(self, key: tuple, sizes: dict[str, int]) -> None:
+        """Fit ``key``'s kept residuals to ``sizes`` (the engine's for another world size):
+        each keeps its first elements (r1 is laid out as the tensor, its tail the padding),
+        grown with zeros; a residual whose size is unchanged is kept as it is, and r2, the
+        error of the chunk this rank reduced for the others, starts from zeros whenever the
+        ranks' chunks changed, as its elements belong to another chunk then."""
+        res = self.residuals.get(key)
+        if res is None or {n: t.numel() for n, t in res.items()} == sizes:
+            return
+        new = {}
+        for name, numel in sizes.items():
+            t = torch.zeros(numel, dtype=self.dtype, device=next(iter(res.values())).device)
+            if name == "r1" and name in res:
+                m = min(numel, res[name].numel())
+                t[:m] = res[name][:m]
+            new[name] = t
+        self.touched.discard(key)
+        self.put(key, new)
+
     def _finite_on_device(self, step: int) -> Optional[torch.Tensor]:
         """A device bool, true when every decode of ``step`` was finite (None: no decode, as
         in a warm-up step). The step's decode results are summed into one entry on the device,

@@ -5,14 +5,17 @@ made (:mod:`pycomm.exchange.core`)."""
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Hashable, Sequence
+from typing import Any, Optional
 
 import torch
 
+from pycomm.codec.agree import dtype_names
 from pycomm.codec.residuals import PHASE_1
 
 __all__ = [
-    "CALLS", "as_exchange", "loadable", "residual",
+    "CALLS", "EXACT_DTYPES", "OPS", "as_exchange", "check_tensor", "check_tensors", "loadable",
+    "residual",
 ]  # fmt: skip
 
 CALLS = ("all_reduce", "reduce_scatter", "all_gather")
@@ -108,3 +111,61 @@ def residual(where: str, call: str, residual: Any, keys: Any, codec: str) -> Non
             f"{where}: residual holds non-finite values, expected finite residuals (a NaN "
             "there would reach every later call)"
         )
+
+
+OPS = ("mean", "sum")
+# what the exact exchange ("allreduce") takes; a codec, its state's grad_dtypes
+EXACT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+
+
+def check_tensor(where: str, name: str, t: Any, op: str, dtypes: Optional[tuple]) -> torch.Tensor:
+    """``t`` flat, once it is a dense, contiguous tensor of ``dtypes`` with data, and ``op``
+    one of ``"mean"``, ``"sum"``."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{where}: {name} is a {type(t).__name__}, expected a tensor")
+    dtypes = dtypes or EXACT_DTYPES
+    if t.dtype not in dtypes or t.layout != torch.strided:
+        raise TypeError(
+            f"{where}: {name} has dtype {t.dtype} and layout {t.layout}, expected a dense "
+            f"{dtype_names(dtypes)} tensor"
+        )
+    if not t.is_contiguous():
+        raise ValueError(
+            f"{where}: {name} of shape {list(t.shape)} is not contiguous; expected a "
+            "contiguous tensor (the result is written into it)"
+        )
+    if t.device.type == "meta":
+        raise ValueError(
+            f"{where}: {name} is on the meta device (shapes without data); expected a "
+            "tensor with data (cpu, or cuda on nccl)"
+        )
+    if op not in OPS:
+        raise ValueError(f"{where}: op={op!r}, expected 'mean' or 'sum'")
+    # written as torch.distributed's collectives write: in place, outside autograd (a
+    # parameter too, as dist.all_reduce(p) does)
+    return t.detach().view(-1)
+
+
+def check_tensors(where: str, key: Hashable, ts: Sequence[Any], op: str, dtypes) -> int:
+    """The elements of a list call's tensors, once each is checked and they share one dtype
+    and device (any shapes and strides: the list is copied into one flat buffer)."""
+    try:
+        hash(key)
+    except TypeError:
+        raise TypeError(
+            f"{where}: key={key!r} is not hashable; expected a str, int or tuple"
+        ) from None
+    if not ts:
+        raise ValueError(f"{where}: tensor is an empty list, expected at least one tensor")
+    for i, t in enumerate(ts):
+        dense = (
+            isinstance(t, torch.Tensor) and t.layout == torch.strided and t.device.type != "meta"
+        )
+        check_tensor(where, f"tensor[{i}]", t.reshape(-1) if dense else t, op, dtypes)
+        if t.dtype != ts[0].dtype or t.device != ts[0].device:
+            raise TypeError(
+                f"{where}: tensor[{i}] is {t.dtype} on {t.device} and tensor[0] {ts[0].dtype} "
+                f"on {ts[0].device}, expected one dtype and device (the list is exchanged as "
+                "one flat tensor)"
+            )
+    return sum(t.numel() for t in ts)

@@ -12,12 +12,13 @@ import torch
 import torch.distributed as dist
 
 from pycomm._validate import check_int
-from pycomm.codec.agree import agree, dtype_names, error_field
+from pycomm.codec.agree import agree, error_field
 from pycomm.codec.config import Config, check_hierarchy, resolve
 from pycomm.codec.registry import codec_names, codec_spec, find_codec, qualified_name
 from pycomm.exchange import checks
 from pycomm.exchange.issue import Issuer, Stream, Work
 from pycomm.exchange.keys import Keys
+from pycomm.exchange.managed import ManagedExchange
 
 __all__ = ["Exchange"]
 
@@ -57,6 +58,26 @@ class Exchange:
 
     where = "pycomm.Exchange"
 
+    def __new__(
+        cls,
+        codec: str = "int8",
+        process_group: Optional[dist.ProcessGroup] = None,
+        *,
+        manager: Any = None,
+        **options: Any,
+    ) -> Any:
+        """With ``manager=`` (a torchft ``Manager``): the exchange across its replica groups,
+        a :class:`~pycomm.exchange.managed.ManagedExchange` (docs/fault-tolerance.md)."""
+        if manager is None:
+            return super().__new__(cls)
+        if process_group is not None:
+            raise ValueError(
+                f"{cls.where}: manager= and process_group= were both given; expected one: "
+                "under a torchft manager the exchange runs over the manager's own group "
+                "across the replica groups"
+            )
+        return ManagedExchange(codec, manager, **options)
+
     def __init__(
         self,
         codec: str = "int8",
@@ -64,6 +85,7 @@ class Exchange:
         *,
         start_iter: int = 0,
         check_order: str = "every",
+        manager: None = None,
         **options: Any,
     ) -> None:
         _check_group(self.where, process_group)
@@ -155,10 +177,10 @@ class Exchange:
         flat, err = None, None
         try:
             if isinstance(tensor, (list, tuple)):
-                numel = _tensors(where, key, tensor, op, dtypes)
+                numel = checks.check_tensors(where, key, tensor, op, dtypes)
                 flat = self._keys.flat(key, numel, tensor[0])
             else:
-                flat = _tensor(where, "tensor", tensor, op, dtypes)
+                flat = checks.check_tensor(where, "tensor", tensor, op, dtypes)
         except (TypeError, ValueError) as e:
             err = e
         body = lambda: self._keys.all_reduce(tensor, key, op, flat)  # noqa: E731
@@ -327,6 +349,12 @@ class Exchange:
 
 def _check_group(where: str, group: Any) -> None:
     """Refuse an Exchange without a process group, or on a group this rank is not in."""
+    if type(group).__module__.startswith("torchft."):
+        raise ValueError(
+            f"{where}: process_group is torchft's {type(group).__name__}, whose ranks change "
+            "with each quorum; expected pycomm.Exchange(codec, manager=manager) for an "
+            "exchange across torchft's replica groups (docs/fault-tolerance.md)"
+        )
     if not (dist.is_available() and dist.is_initialized()):
         raise RuntimeError(
             f"{where}: no process group; call pycomm.init() (or "
@@ -352,72 +380,14 @@ def _check_group(where: str, group: Any) -> None:
 
 
 # the argument checks of the calls, beside them: a call passes no other module to be checked
-OPS = ("mean", "sum")
-# what the exact exchange ("allreduce") takes; a codec, its state's grad_dtypes
-EXACT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
-
-
-def _tensor(where: str, name: str, t: Any, op: str, dtypes: Optional[tuple]) -> torch.Tensor:
-    """``t`` flat, once it is a dense, contiguous tensor of ``dtypes`` with data, and ``op``
-    one of ``"mean"``, ``"sum"``."""
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{where}: {name} is a {type(t).__name__}, expected a tensor")
-    dtypes = dtypes or EXACT_DTYPES
-    if t.dtype not in dtypes or t.layout != torch.strided:
-        raise TypeError(
-            f"{where}: {name} has dtype {t.dtype} and layout {t.layout}, expected a dense "
-            f"{dtype_names(dtypes)} tensor"
-        )
-    if not t.is_contiguous():
-        raise ValueError(
-            f"{where}: {name} of shape {list(t.shape)} is not contiguous; expected a "
-            "contiguous tensor (the result is written into it)"
-        )
-    if t.device.type == "meta":
-        raise ValueError(
-            f"{where}: {name} is on the meta device (shapes without data); expected a "
-            "tensor with data (cpu, or cuda on nccl)"
-        )
-    if op not in OPS:
-        raise ValueError(f"{where}: op={op!r}, expected 'mean' or 'sum'")
-    # written as torch.distributed's collectives write: in place, outside autograd (a
-    # parameter too, as dist.all_reduce(p) does)
-    return t.detach().view(-1)
-
-
-def _tensors(where: str, key: Hashable, ts: Sequence[Any], op: str, dtypes) -> int:
-    """The elements of a list call's tensors, once each is checked and they share one dtype
-    and device (any shapes and strides: the list is copied into one flat buffer)."""
-    try:
-        hash(key)
-    except TypeError:
-        raise TypeError(
-            f"{where}: key={key!r} is not hashable; expected a str, int or tuple"
-        ) from None
-    if not ts:
-        raise ValueError(f"{where}: tensor is an empty list, expected at least one tensor")
-    for i, t in enumerate(ts):
-        dense = (
-            isinstance(t, torch.Tensor) and t.layout == torch.strided and t.device.type != "meta"
-        )
-        _tensor(where, f"tensor[{i}]", t.reshape(-1) if dense else t, op, dtypes)
-        if t.dtype != ts[0].dtype or t.device != ts[0].device:
-            raise TypeError(
-                f"{where}: tensor[{i}] is {t.dtype} on {t.device} and tensor[0] {ts[0].dtype} "
-                f"on {ts[0].device}, expected one dtype and device (the list is exchanged as "
-                "one flat tensor)"
-            )
-    return sum(t.numel() for t in ts)
-
-
 def _pair(
     where: str, call: str, output: Any, input: Any, op: str, n: int, dtypes, hierarchy: Any
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The flat input and output of a reduce-scatter or all-gather over ``n`` ranks: the one
     of N chunks (reduce_scatter's input, all_gather's output) holds N times the other's
     elements."""
-    x = _tensor(where, "input", input, op, dtypes)
-    out = _tensor(where, "output", output, "mean", dtypes)
+    x = checks.check_tensor(where, "input", input, op, dtypes)
+    out = checks.check_tensor(where, "output", output, "mean", dtypes)
     if out.dtype != x.dtype or out.device != x.device:
         raise TypeError(
             f"{where}: output is {out.dtype} on {out.device} and input {x.dtype} on "
