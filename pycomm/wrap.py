@@ -13,7 +13,9 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from pycomm._validate import check_int, hook_options_of
 from pycomm.codec.agree import ERROR, agree, dtype_names, error_field
+from pycomm.codec.registry import codec_names
 from pycomm.dist import settle_at_exit
+from pycomm.exchange.managed import ManagedExchange, check_manager
 from pycomm.hooks import HookState
 from pycomm.hooks.accumulate import Accumulate, accumulate_hook
 from pycomm.hooks.auto import AutoState
@@ -491,9 +493,16 @@ def wrap(
     accumulate_steps: int = 1,
     process_group: Optional[dist.ProcessGroup] = None,
     hook_options: Optional[dict[str, Any]] = None,
+    manager: Any = None,
     **ddp_kwargs: Any,
 ) -> DDP:
     """Wrap ``module`` in DistributedDataParallel with a pycomm hook registered.
+
+    ``manager``: a ``torchft.manager.Manager``: per-step fault-tolerant DDP across torchft's
+    replica groups (one rank each), as torchft's own ``DistributedDataParallel``, with the
+    gradients averaged through ``hook`` (a codec, or ``"allreduce"``) and error feedback
+    (:class:`pycomm.exchange.managed.ManagedExchange`): a lost replica group does not stop
+    the others, and one that rejoins heals from a live peer (docs/fault-tolerance.md).
 
     ``ddp_kwargs`` go to DDP unchanged (``bucket_cap_mb``, ``device_ids``, ...), except that
     without a ``bucket_cap_mb`` DDP gets the hook's own bucket size (docs/reference.md, "The
@@ -509,6 +518,10 @@ def wrap(
         >>> ddp = pycomm.wrap(model.to(info.device), hook="allreduce")
         >>> pycomm.hook_state(ddp).stats
     """
+    if manager is not None:
+        return _wrap_managed(
+            module, hook, manager, accumulate_steps, process_group, hook_options, ddp_kwargs
+        )
     if isinstance(module, DDP):
         raise TypeError(
             "pycomm.wrap: module is already a DistributedDataParallel; wrapping it again "
@@ -595,6 +608,74 @@ def wrap(
     ddp = DDP(module, process_group=process_group, **ddp_kwargs)
     _attach(ddp, state, fn, accumulate_steps)
     return ddp
+
+
+def _wrap_managed(
+    module: torch.nn.Module, hook: Any, manager: Any, accumulate_steps: int, group: Any,
+    hook_options: Optional[dict[str, Any]], ddp_kwargs: dict[str, Any],
+) -> DDP:  # fmt: skip
+    """:func:`wrap` with ``manager``: DDP over a one-rank group of its own (torchft's
+    ``ProcessGroupDummy``, as torchft's DDP), its buckets averaged across the replica groups
+    by a :class:`ManagedExchange` of ``hook``, each bucket waited for in the hook."""
+    where = "pycomm.wrap"
+    check_manager(where, manager)
+    if not isinstance(module, torch.nn.Module) or isinstance(module, DDP):
+        raise TypeError(
+            f"pycomm.wrap: module is a {type(module).__name__}, expected a torch.nn.Module "
+            "(not a DDP model)"
+        )
+    if group is not None:
+        raise ValueError(
+            f"{where}: manager= and process_group= were both given; expected one: under a "
+            "torchft manager the gradients are averaged across the replica groups over the "
+            "manager's group"
+        )
+    if accumulate_steps != 1:
+        raise ValueError(
+            f"{where}: accumulate_steps={accumulate_steps!r} with manager=: expected 1 (each "
+            "step commits or not as the manager says; accumulate with DDP's no_sync())"
+        )
+    if not isinstance(hook, str) or hook not in ("allreduce", *codec_names()):
+        raise ValueError(
+            f"{where}: hook={hook!r} with manager=, expected 'allreduce' or a codec "
+            f"({', '.join(codec_names())}); a hook with a state of its own (powersgd, auto, a "
+            "user's state hook) is not run under a manager"
+        )
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        raise ValueError(
+            f"{where}: manager= with a process group of {dist.get_world_size()} ranks: "
+            "expected one rank per replica group (torchft's DDP), the manager's group "
+            "across them; a replica group of several ranks shards the model with FSDP2 and "
+            "syncs across groups with pycomm.DiLoCo(manager=) or pycomm.Exchange(manager=)"
+        )
+    options = hook_options_of(where, hook_options, {})
+    from torchft.process_group import ProcessGroupDummy  # installed: check_manager passed
+
+    if not ddp_kwargs.setdefault("find_unused_parameters", True):
+        raise ValueError(
+            f"{where}: find_unused_parameters=False with manager=: expected True (the "
+            "default here, as torchft's DDP): DDP then keeps its first buckets, so a replica "
+            "group that rejoins with a new DDP model has the same buckets as the others; "
+            "with False DDP rebuilds them after the first step, in the order the gradients "
+            "came on that replica"
+        )
+    exchange = ManagedExchange(hook, manager, name="wrap", **options)
+    ddp = DDP(module, process_group=ProcessGroupDummy(0, 1), **ddp_kwargs)
+    ddp.register_comm_hook(exchange, _managed_hook)
+    setattr(ddp, STATE_ATTR, exchange)
+    return ddp
+
+
+def _managed_hook(exchange, bucket):  # type: ignore[no-untyped-def]  # DDP reads annotations
+    """A bucket's mean across the replica groups (``bucket``: a ``dist.GradBucket``), done
+    before the hook returns (the manager's verdict on the step needs every bucket's
+    collective finished). Unannotated: DDP checks a hook's annotations, which
+    ``from __future__ import annotations`` turns into strings."""
+    buffer = bucket.buffer()
+    exchange.all_reduce(buffer, key=bucket.index(), compare=bucket.index() == 0, async_op=False)
+    fut: torch.futures.Future = torch.futures.Future()
+    fut.set_result(buffer)
+    return fut
 
 
 def hook_state(ddp: DDP) -> HookState:

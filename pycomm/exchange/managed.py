@@ -246,7 +246,8 @@ class ManagedExchange:
         self._settle_older(step)
         try:
             if compare:
-                self.compare(group, where)
+                call = f"key {key!r}, {flat.numel()} elements of {str(flat.dtype)[6:]}"
+                self.compare(group, where, call)
             future, sent, fp32 = self._issue(flat, key, op, step, group, size, participating)
         except ValueError:
             raise
@@ -374,11 +375,13 @@ class ManagedExchange:
             self.engine.store.load({})
         self._pending = {}
 
-    def compare(self, group: Any, where: str) -> None:
-        """The replica groups compare :attr:`fields` (one all-gather of their digests): a
-        difference is a ValueError on every replica group, naming the field and this
-        group's value."""
+    def compare(self, group: Any, where: str, call: str = "") -> None:
+        """The replica groups compare :attr:`fields` and ``call`` (one all-gather of their
+        digests): a difference is a ValueError on every replica group, naming the field and
+        this group's value."""
         items = list(self.fields.items())  # in order: an option before the codec's format
+        if call:
+            items.append(("the call", call))
         digests = [
             int.from_bytes(hashlib.blake2b(f"{k}={v}".encode(), digest_size=7).digest(), "little")
             for k, v in items
@@ -403,7 +406,7 @@ class ManagedExchange:
             f"{where}: the replica groups resolved different options: {what} is {value} on "
             f"this replica group (rank {mine} of the manager's group) and differs on ranks "
             f"{others}; expected every replica group to build the same exchange (codec, "
-            "options, schedule)"
+            "options, schedule) and make the same calls"
         )
 
     # --- counters and state -------------------------------------------------------------
