@@ -19,6 +19,8 @@ $(VENV)/.deps: $(PY)
 	# the real clients of tests/integrations/test_clients.py, installed without changing the
 	# torch above
 	$(PY) -m pip install -q lightning accelerate $(if $(TORCH),"$(TORCH)")
+	# the [ft] extra (torchft, for manager=: tests/ft), without changing the torch above
+	$(PY) -m pip install -q "torchft==0.2.0" $(if $(TORCH),"$(TORCH)")
 	touch $@
 
 # the Hugging Face Trainer and Ray Train, for tests/integrations/test_transformers.py and

@@ -3,7 +3,9 @@
 Real data that needs no download: scikit-learn's digits (1797 8x8 images, 10 classes; an MLP,
 test accuracy on 360 held-out images) and the text of Python's own documentation
 (``pydoc_data.topics``, about 465K characters of English; a character-level GPT, held-out
-cross-entropy in nats per character on the last 10% of the text).
+cross-entropy in nats per character on the last 10% of the text). And a regression, drawn
+fresh each step: Friedman's first function (an MLP, held-out mean squared error against the
+noiseless target; :func:`friedman`).
 
 Every hook trains the same model from the same initial weights on the same batches, one after
 the other, on every rank; the exact all-reduce is the reference.
@@ -132,11 +134,11 @@ class Task:
     """One case of the suite: data, model, training length, bucket size and learning rates.
 
     ``bucket_mb`` None: each hook's default bucket size (what ``pycomm.wrap`` picks).
-    ``steps``: digits, epochs over each rank's shard; charlm, optimizer steps.
+    ``steps``: digits, epochs over each rank's shard; charlm and friedman, optimizer steps.
     """
 
     name: str
-    kind: str  # "digits" or "charlm"
+    kind: str  # "digits", "charlm" or "friedman"
     description: str
     steps: int
     quick_steps: int
@@ -192,6 +194,16 @@ TASKS: dict[str, Task] = {
             bucket_mb=0.1,
             max_grad_norm=1.0,
         ),
+        Task(
+            "friedman",
+            "friedman",
+            "Friedman #1 regression, noise sd 1, MLP 10-256-256-1 (69K params), one bucket",
+            steps=2000,
+            quick_steps=300,
+            batch=32,
+            lr={"sgd": 0.01, "adamw": 1e-3},
+            widths=(256, 256),
+        ),
     )
 }
 DEFAULT_TASKS = ("digits-small", "digits-wide-split", "charlm")
@@ -246,17 +258,51 @@ def docs_text() -> tuple[torch.Tensor, torch.Tensor, int]:
     return ids[:cut], ids[cut:], len(chars)
 
 
+# Friedman #1: y = 10 sin(pi x1 x2) + 20 (x3 - 1/2)^2 + 10 x4 + 5 x5 + noise, x uniform on
+# [0, 1]^10 (x6..x10 unused), standardized by the noiseless target's mean and sd over that
+# distribution (sampled: 14.42, 4.88)
+FRIEDMAN_INPUTS, FRIEDMAN_NOISE = 10, 1.0
+_FRIEDMAN_MEAN, _FRIEDMAN_SD = 14.42, 4.88
+
+
+def friedman(n: int, g: torch.Generator, noise: float = FRIEDMAN_NOISE) -> tuple[torch.Tensor, ...]:
+    """(x, y): ``n`` draws of Friedman's first regression problem from ``g``, the target
+    standardized (noise of sd ``noise`` before it; 0: the noiseless function).
+
+    Example:
+        >>> x, y = friedman(4, torch.Generator().manual_seed(0))
+        >>> x.shape, y.shape
+        (torch.Size([4, 10]), torch.Size([4]))
+    """
+    x = torch.rand(n, FRIEDMAN_INPUTS, generator=g)
+    y = (
+        10 * torch.sin(torch.pi * x[:, 0] * x[:, 1])
+        + 20 * (x[:, 2] - 0.5) ** 2
+        + 10 * x[:, 3]
+        + 5 * x[:, 4]
+    )
+    if noise:
+        y = y + noise * torch.randn(n, generator=g)
+    return x, (y - _FRIEDMAN_MEAN) / _FRIEDMAN_SD
+
+
+def friedman_data() -> tuple[torch.Tensor, torch.Tensor]:
+    """(x, y): the held-out set, 4096 draws with the noiseless target (every rank the same;
+    the training batches are drawn fresh, :func:`batches`)."""
+    return friedman(4096, torch.Generator().manual_seed(2**31 - 1), noise=0.0)
+
+
 # --- models --------------------------------------------------------------------------------
 
 
 def build_model(task: Task, vocab: int = 0) -> torch.nn.Module:
-    if task.kind == "digits":
+    if task.kind in ("digits", "friedman"):
         mods: list[torch.nn.Module] = []
-        width = 64
+        width, out = (64, 10) if task.kind == "digits" else (FRIEDMAN_INPUTS, 1)
         for w in task.widths:
             mods += [torch.nn.Linear(width, w), torch.nn.ReLU()]
             width = w
-        return torch.nn.Sequential(*mods, torch.nn.Linear(width, 10))
+        return torch.nn.Sequential(*mods, torch.nn.Linear(width, out))
     spec = ModelSpec(
         "transformer", layers=task.layers, d_model=task.d_model, heads=4, seq_len=task.seq_len,
         vocab=vocab,
@@ -317,10 +363,14 @@ def _curve(losses: list[float], points: int = 40) -> list[float]:
 
 def batches(task: Task, data, length: int, seed: int):
     """The rank's micro-batches: digits, ``length`` epochs, a reshuffle of its shard each;
-    charlm, ``length`` batches of random windows of the training text. The same for every
-    hook; every rank the same count."""
+    charlm, ``length`` batches of random windows of the training text; friedman, ``length``
+    batches drawn fresh (noisy targets). The same for every hook; every rank the same count."""
     rank, world = dist.get_rank(), dist.get_world_size()
     g = torch.Generator().manual_seed(1000 * seed + rank)
+    if task.kind == "friedman":
+        for _ in range(length):
+            yield friedman(task.batch, g)
+        return
     if task.kind == "digits":
         xtr, ytr = data[0][rank::world], data[1][rank::world]
         per_epoch = len(data[0]) // world // task.batch
@@ -341,17 +391,22 @@ def batches(task: Task, data, length: int, seed: int):
 def loss_of(task: Task, model, batch) -> torch.Tensor:
     x, y = batch
     out = model(x)
+    if task.kind == "friedman":
+        return F.mse_loss(out.squeeze(-1), y)
     return F.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1))
 
 
 @torch.no_grad()
 def evaluate(task: Task, model: torch.nn.Module, data) -> float:
     """Digits: test accuracy in percent; charlm: mean held-out cross-entropy over 64 windows
-    spread evenly over the held-out text."""
+    spread evenly over the held-out text; friedman: mean squared error on the held-out set
+    (:func:`friedman_data`)."""
     model.eval()
     try:
         if task.kind == "digits":
             return (model(data[2]).argmax(1) == data[3]).float().mean().item() * 100
+        if task.kind == "friedman":
+            return loss_of(task, model, data).item()
         held = data[1]
         starts = torch.linspace(0, len(held) - task.seq_len - 2, 64).long()
         seq = held[starts[:, None] + torch.arange(task.seq_len + 1)]
@@ -467,6 +522,8 @@ def run_rank(plan: dict[str, Any]) -> list[dict[str, Any]]:
         for task in tasks:
             if task.kind == "digits":
                 data, vocab = digits_data(), 0
+            elif task.kind == "friedman":
+                data, vocab = friedman_data(), 0
             else:
                 train, held, vocab = docs_text()
                 data = (train, held)

@@ -276,3 +276,15 @@ def test_without_torchft_manager_is_an_import_error_naming_the_extra(monkeypatch
     monkeypatch.setitem(sys.modules, "torchft.manager", None)
     with pytest.raises(ImportError, match=r"pycomm\[ft\]"):
         pycomm.Exchange("int4", manager=object())
+
+
+def test_the_ft_extra_pins_the_torchft_that_make_test_installs_and_runs() -> None:
+    import importlib.metadata
+    import os
+    import re
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    pyproject = open(os.path.join(root, "pyproject.toml")).read()
+    pin = re.search(r'^ft = \["torchft==([\d.]+)"\]', pyproject, re.M).group(1)
+    assert f'"torchft=={pin}"' in open(os.path.join(root, "Makefile")).read()
+    assert importlib.metadata.version("torchft") == pin

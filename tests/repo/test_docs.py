@@ -39,6 +39,7 @@ MUST_HAVE_CODE = {
     "docs/accumulation.md",
     "docs/choosing-a-hook.md",
     "docs/exchange.md",
+    "docs/fault-tolerance.md",
     "docs/frameworks.md",
     "docs/fsdp.md",
     "docs/launch.md",
