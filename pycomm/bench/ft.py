@@ -171,7 +171,10 @@ def _train(conn: Any, plan: Plan, replica: int, attempt: int, pause_from: Option
     store = dist.TCPStore("localhost", 0, is_master=True, wait_for_workers=False)
     manager = Manager(
         pg=ProcessGroupGloo(timeout=timeout),
-        load_state_dict=lambda s: (model.load_state_dict(s["model"]), opt.load_state_dict(s["opt"])),
+        load_state_dict=lambda s: (
+            model.load_state_dict(s["model"]),
+            opt.load_state_dict(s["opt"]),
+        ),
         state_dict=lambda: {"model": model.state_dict(), "opt": opt.state_dict()},
         min_replica_size=1,
         replica_id=str(replica),
@@ -318,3 +321,518 @@ class _TorchftLoop(_Loop):
 
     def outer(self) -> list[torch.Tensor]:
         return [p.detach() for p in self.model.parameters()]
+
+
+# --- the parent: start, kill, restart, collect ---------------------------------------------------
+
+
+def kill_steps(steps: int, h: int) -> tuple[int, int]:
+    """(the step of the kill in the middle of a window, about a quarter of the way in; the
+    first sync past 55% of ``steps``, from which the kill during a sync is armed).
+
+    Example:
+        >>> kill_steps(1000, 50)
+        (275, 550)
+    """
+    return max(1, steps // 4 // h) * h + h // 2, math.ceil(0.55 * steps / h) * h
+
+
+@dataclasses.dataclass
+class _Proc:
+    """One process of a replica group, as the parent sees it."""
+
+    replica: int
+    attempt: int
+    process: Any
+    conn: Any
+    log: str
+    started: float
+    ready: Optional[float] = None
+    killed: Optional[float] = None
+    healed: Optional[float] = None  # a restart's first committed sync (its step's end)
+    heal_step: Optional[int] = None
+    steps: list = dataclasses.field(default_factory=list)
+    result: Optional[dict] = None
+    closed: bool = False
+
+
+class RunError(RuntimeError):
+    """A run that failed: a replica group's error, an exit without a result, a timeout."""
+
+
+class _Run:
+    """One run of ``plan``: the lighthouse, the replica groups' processes, the kills."""
+
+    def __init__(
+        self, plan: Plan, ctx: Any, log_dir: str, kill: bool, victim: int, run_timeout: float,
+        join_timeout_ms: int, heartbeat_timeout_ms: int,
+    ) -> None:  # fmt: skip
+        self.plan, self.ctx, self.log_dir = plan, ctx, log_dir
+        self.kill, self.victim, self.run_timeout = kill, victim, run_timeout
+        self.join_timeout_ms, self.heartbeat_timeout_ms = join_timeout_ms, heartbeat_timeout_ms
+        self.k1, self.k2 = kill_steps(plan.steps, plan.sync_every)
+        self.procs: list[_Proc] = []
+        self.kills: list[dict[str, Any]] = []
+        self.notes: list[str] = []
+        self.t0 = 0.0
+
+    def start(self, replica: int, attempt: int) -> _Proc:
+        """A fresh process of replica group ``replica``."""
+        pause_from = self.k2 if self.kill and replica == self.victim and attempt < 2 else None
+        log = os.path.join(self.log_dir, f"{self.plan.run}-replica{replica}-{attempt}.log")
+        parent, child = self.ctx.Pipe()
+        target = _replica_entry()
+        process = self.ctx.Process(
+            target=target,
+            args=(child, dataclasses.asdict(self.plan), replica, attempt, pause_from, log),
+            daemon=True,
+        )
+        proc = _Proc(replica, attempt, process, parent, log, time.monotonic())
+        process.start()
+        child.close()
+        self.procs.append(proc)
+        return proc
+
+    def latest(self, replica: int) -> _Proc:
+        return [p for p in self.procs if p.replica == replica][-1]
+
+    def run(self) -> dict[str, Any]:
+        from torchft.coordination import LighthouseServer
+
+        lighthouse = LighthouseServer(
+            bind="[::]:0",
+            min_replicas=1,
+            join_timeout_ms=self.join_timeout_ms,
+            heartbeat_timeout_ms=self.heartbeat_timeout_ms,
+        )
+        self.plan = dataclasses.replace(self.plan, lighthouse=lighthouse.address())
+        self.t0 = time.monotonic()
+        deadline = self.t0 + self.run_timeout
+        try:
+            for r in range(self.plan.replicas):
+                self.start(r, 0)
+            while not all(self.latest(r).result for r in range(self.plan.replicas)):
+                if time.monotonic() > deadline:
+                    raise RunError(self._timeout_message())
+                live = {p.conn: p for p in self.procs if not p.closed}
+                for conn in multiprocessing.connection.wait(list(live), timeout=0.5):
+                    proc = live[conn]
+                    if proc.closed:  # killed while handling another message
+                        continue
+                    try:
+                        message = conn.recv()
+                    except (EOFError, OSError):
+                        self._closed(proc)
+                        continue
+                    self._handle(proc, message)
+            t_end = time.monotonic()
+        finally:
+            self.stop()
+            lighthouse.shutdown()
+        return self._summary(t_end)
+
+    def stop(self) -> None:
+        """Kill every process of the run still alive, and wait for it."""
+        for p in self.procs:
+            if p.process.is_alive():
+                try:
+                    os.kill(p.process.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            p.process.join(10)
+            if not p.closed:
+                p.conn.close()
+                p.closed = True
+
+    def _timeout_message(self) -> str:
+        where = ", ".join(
+            f"replica {p.replica} (process {p.attempt}) at step {p.steps[-1][0] if p.steps else 0}"
+            for p in self.procs
+            if not p.closed and p.result is None
+        )
+        tail = "".join(f"\n--- {p.log}:\n{_tail(p.log)}" for p in self.procs if not p.closed)
+        return f"{self.plan.run} run: no end after {self.run_timeout:.0f} s: {where}{tail}"
+
+    def _closed(self, proc: _Proc) -> None:
+        proc.closed = True
+        proc.conn.close()
+        if proc.result is None and proc.killed is None:
+            proc.process.join(10)
+            raise RunError(
+                f"{self.plan.run} run: replica {proc.replica} (process {proc.attempt}) exited "
+                f"without a result (exit code {proc.process.exitcode}); its log "
+                f"{proc.log}:\n{_tail(proc.log)}"
+            )
+
+    def _kill(self, proc: _Proc, kind: str, step: int) -> None:
+        """SIGKILL ``proc`` and start its replica group again at once."""
+        os.kill(proc.process.pid, signal.SIGKILL)
+        proc.killed = time.monotonic()
+        proc.process.join(10)
+        proc.conn.close()
+        proc.closed = True
+        restarted = self.start(proc.replica, proc.attempt + 1)
+        self.kills.append({"kind": kind, "replica": proc.replica, "step": step,
+                           "killed": proc.killed, "process": restarted})  # fmt: skip
+
+    def _handle(self, proc: _Proc, message: tuple) -> None:
+        kind = message[0]
+        h = self.plan.sync_every
+        if kind == READY:
+            proc.ready = message[1]
+            first = [p for p in self.procs if p.attempt == 0]
+            if proc.attempt > 0:  # a restart trains at once
+                proc.conn.send(GO)
+            elif all(p.ready is not None for p in first) and len(first) == self.plan.replicas:
+                for p in first:  # the first processes start together
+                    p.conn.send(GO)
+        elif kind == STEP:
+            step, syncs = message[1], message[5]
+            proc.steps.append(message[1:])
+            if proc.attempt > 0 and proc.healed is None and syncs >= 1:
+                proc.healed, proc.heal_step = message[4], step
+            if (
+                self.kill and proc.replica == self.victim and proc.attempt == 0 and not self.kills
+                and step >= self.k1 and step % h
+            ):  # fmt: skip
+                self._kill(proc, "mid-window", step)
+        elif kind == IN_SYNC:
+            step = message[1]
+            armed = (
+                self.kill and len(self.kills) == 1 and proc.attempt == 1
+                and proc.healed is not None and step <= self.plan.steps - 3 * h
+            )  # fmt: skip
+            if armed:
+                self._kill(proc, "in-sync", step)
+            else:
+                proc.conn.send(GO)
+        elif kind == DONE:
+            proc.result = message[1]
+        elif kind == ERROR:
+            raise RunError(
+                f"{self.plan.run} run: replica {proc.replica} (process {proc.attempt}) "
+                f"failed:\n{message[1]}\nits log {proc.log}:\n{_tail(proc.log)}"
+            )
+
+    # --- the run's figures ------------------------------------------------------------------
+
+    def _summary(self, t_end: float) -> dict[str, Any]:
+        plan, h = self.plan, self.plan.sync_every
+        finals = [self.latest(r) for r in range(plan.replicas)]
+        results = [p.result or {} for p in finals]
+        kills = []
+        windows = []
+        for k in self.kills:
+            p: _Proc = k["process"]
+            end = p.healed if p.healed is not None else t_end
+            windows.append((k["killed"], end))
+            kills.append({
+                "kind": k["kind"],
+                "replica": k["replica"],
+                "step": k["step"],
+                "at_s": k["killed"] - self.t0,
+                "ready_after_s": None if p.ready is None else p.ready - p.started,
+                "time_to_heal_s": None if p.healed is None else p.healed - p.started,
+                "heal_step": p.heal_step,
+                "healed": p.healed is not None,
+            })  # fmt: skip
+        if self.kill and len(self.kills) < 2:
+            self.notes.append(
+                f"{len(self.kills)} kill(s) of 2: the run ended before the next was armed"
+            )
+        killed = {k["replica"] for k in self.kills}
+        survivors = [r for r in range(plan.replicas) if r not in killed]
+        healthy, outage, slowest = [], [], (0.0, 0, 0)
+        for p in self.procs:
+            if p.replica not in survivors:
+                continue
+            for step, _, t0, t1, *_ in p.steps:
+                if step <= h:  # the first window: the start
+                    continue
+                dt = t1 - t0
+                inside = any(t1 > a and t0 < b for a, b in windows)
+                (outage if inside else healthy).append(dt)
+                if dt > slowest[0]:
+                    slowest = (dt, step, p.replica)
+        med_h = statistics.median(healthy) if healthy else None
+        med_o = statistics.median(outage) if outage else None
+        replicas = []
+        for r in range(plan.replicas):
+            procs = [p for p in self.procs if p.replica == r]
+            sent = sum(
+                (p.result["bytes_sent"] if p.result else (p.steps[-1][7] if p.steps else 0))
+                for p in procs
+            )
+            res = results[r]
+            replicas.append({
+                "replica": r, "processes": len(procs), "bytes_sent": sent,
+                "bytes_fp32": res.get("bytes_fp32"), "heals": res.get("heals"),
+                "syncs": res.get("syncs"), "rollbacks": res.get("rollbacks"),
+                "manager_step": res.get("manager_step"), "loss": res.get("loss"),
+                "digest": res.get("digest"),
+            })  # fmt: skip
+        digests = {r["digest"] for r in replicas}
+        return {
+            "run": plan.run,
+            "wall_s": t_end - self.t0,
+            "params": results[0].get("params"),
+            "loss": results[0].get("loss"),
+            "digests_equal": len(digests) == 1,
+            "bytes_sent_per_replica": statistics.mean(r["bytes_sent"] for r in replicas),
+            "replicas": replicas,
+            "survivors": survivors,
+            "kills": kills,
+            "steps": {
+                "median_healthy_s": med_h,
+                "median_outage_s": med_o,
+                "outage_ratio": med_o / med_h if med_o and med_h else None,
+                "slowest_s": slowest[0],
+                "slowest_step": slowest[1],
+                "slowest_replica": slowest[2],
+                "healthy": len(healthy),
+                "outage": len(outage),
+            },
+            "notes": self.notes,
+        }
+
+
+def _replica_entry() -> Callable[..., None]:
+    """:func:`replica_main` under its module's own name (a child process imports it so,
+    also when this module runs as ``__main__``)."""
+    import importlib
+
+    return importlib.import_module("pycomm.bench.ft").replica_entry
+
+
+def replica_entry(
+    conn: Any, plan: dict, replica: int, attempt: int, pause_from: Optional[int], log: str
+) -> None:
+    """A child process's entry: :func:`replica_main` with the plan rebuilt."""
+    replica_main(conn, Plan(**plan), replica, attempt, pause_from, log)
+
+
+def _tail(path: str, limit: int = 4000) -> str:
+    try:
+        with open(path, errors="replace") as f:
+            return f.read()[-limit:]
+    except OSError:
+        return "(no log)"
+
+
+# --- the bench ----------------------------------------------------------------------------------
+
+
+def run_bench(
+    plan: Plan, runs: list[str], *, victim: int = 1, run_timeout: float = 600.0,
+    start_method: str = "spawn", join_timeout_ms: int = 1000, heartbeat_timeout_ms: int = 1000,
+    log_dir: Optional[str] = None, progress: Optional[Callable[[str], None]] = None,
+) -> dict[str, Any]:  # fmt: skip
+    """Each of ``runs`` ("clean", "kill", "torchft") of ``plan``, one after the other: their
+    figures (see :meth:`_Run._summary`) by name, and the targets of the runs there are.
+
+    Example:
+        >>> plan = Plan("clean", "diloco", "int4", 3, 400, 20, 0, 32, 1, 3e-3, 5.0, 60.0)
+        >>> run_bench(plan, ["clean", "kill"])["targets"]["restarted_bitwise_equal"]["ok"]
+        True
+    """
+    ctx = multiprocessing.get_context(start_method)
+    if start_method == "forkserver":
+        ctx.set_forkserver_preload(["torch", "torch.distributed", "torchft.manager", "pycomm"])
+    own_dir = log_dir is None
+    log_dir = log_dir or tempfile.mkdtemp(prefix="pycomm-ft-")
+    out: dict[str, Any] = {"runs": {}}
+    for name in runs:
+        if progress:
+            progress(name)
+        run = _Run(
+            dataclasses.replace(plan, run=name), ctx, log_dir, name == "kill", victim,
+            run_timeout, join_timeout_ms, heartbeat_timeout_ms,
+        )  # fmt: skip
+        out["runs"][name] = run.run()
+    out["targets"] = targets(out["runs"], plan.timeout_s)
+    if own_dir:
+        for f in os.listdir(log_dir):
+            os.remove(os.path.join(log_dir, f))
+        os.rmdir(log_dir)
+    return out
+
+
+def targets(runs: dict[str, Any], timeout_s: float) -> dict[str, dict[str, Any]]:
+    """The report's targets that the runs given measure: value, limit, ok.
+
+    Example:
+        >>> runs = {"clean": {"loss": 2.0, "digests_equal": True, "bytes_sent_per_replica": 1},
+        ...         "torchft": {"loss": 2.005, "bytes_sent_per_replica": 8}}
+        >>> targets(runs, 5.0)["bytes_vs_torchft"]
+        {'value': 8.0, 'limit': 7.0, 'ok': True, 'what': "torchft's exact bytes / int4's >= 7"}
+    """
+    out: dict[str, dict[str, Any]] = {}
+
+    def put(name: str, value: Any, ok: bool, limit: Optional[float] = None) -> None:
+        lim = TARGETS[name][0] if limit is None else limit
+        out[name] = {"value": value, "limit": lim, "ok": bool(ok), "what": TARGETS[name][1]}
+
+    clean, kill, ft = runs.get("clean"), runs.get("kill"), runs.get("torchft")
+    if kill:
+        st = kill["steps"]
+        if st["median_healthy_s"] is not None:
+            limit = timeout_s + st["median_healthy_s"]
+            put("slowest_survivor_step", st["slowest_s"], st["slowest_s"] <= limit, limit)
+        if st["outage_ratio"] is not None:
+            put("outage_step_ratio", st["outage_ratio"], st["outage_ratio"] <= 1.2)
+        put("restarted_bitwise_equal", kill["digests_equal"], kill["digests_equal"])
+        if clean:
+            rel = kill["loss"] / clean["loss"] - 1
+            put("kill_loss_vs_clean", rel, abs(rel) <= 0.01)
+    if clean and ft:
+        ratio = ft["bytes_sent_per_replica"] / max(clean["bytes_sent_per_replica"], 1)
+        put("bytes_vs_torchft", ratio, ratio >= 7.0)
+        rel = clean["loss"] / ft["loss"] - 1
+        put("loss_vs_torchft", rel, abs(rel) <= 0.005)
+    return out
+
+
+def report_lines(doc: dict[str, Any]) -> list[str]:
+    """The printed report of :func:`run_bench`'s result ``doc`` (with its ``config``)."""
+    c, runs = doc["config"], doc["runs"]
+    any_run = next(iter(runs.values()))
+    outer = "DiLoCo" if c["outer"] == "diloco" else "LocalSGD"
+    lines = [
+        f"charlm {c['layers']} x {c['d_model']} ({any_run['params']:,} params), "
+        f"{c['replicas']} replica groups (1 rank each, gloo), {c['steps']} steps, AdamW "
+        f"{c['lr']:g}, {outer} H={c['sync_every']}; manager timeout {c['timeout_s']:g} s",
+        f"{'run':<9}{'held-out loss':>14}{'bytes/replica':>15}{'syncs':>7}{'rollbacks':>10}"
+        f"{'heals':>7}{'same bits':>11}{'median step':>13}{'wall':>8}",
+    ]
+    for name, r in runs.items():
+        reps = r["replicas"]
+        what = f"{name} ({'fp32' if name == 'torchft' else c['codec']})"
+        lines.append(
+            f"{what:<9}{r['loss']:>14.4f}{r['bytes_sent_per_replica'] / 1e6:>13.2f}MB"
+            f"{reps[0]['syncs']:>7}{sum(x['rollbacks'] for x in reps):>10}"
+            f"{sum(x['heals'] for x in reps):>7}{'yes' if r['digests_equal'] else 'NO':>11}"
+            f"{_ms(r['steps']['median_healthy_s']):>13}{r['wall_s']:>7.0f}s"
+        )
+    kill = runs.get("kill")
+    if kill:
+        st = kill["steps"]
+        lines.append(
+            f"kill run, survivors (replicas {', '.join(map(str, kill['survivors']))}): median "
+            f"step {_ms(st['median_healthy_s'])} healthy ({st['healthy']} steps), "
+            f"{_ms(st['median_outage_s'])} through the outages ({st['outage']} steps); "
+            f"slowest {_ms(st['slowest_s'])} (replica {st['slowest_replica']}, step "
+            f"{st['slowest_step']})"
+        )
+        for k in kill["kills"]:
+            healed = (
+                f"healed {k['time_to_heal_s']:.1f} s after its restart (process up after "
+                f"{k['ready_after_s']:.1f} s), at step {k['heal_step']}"
+                if k["healed"] else "did NOT heal"
+            )  # fmt: skip
+            lines.append(
+                f"  killed replica {k['replica']} {k['kind']} at step {k['step']} "
+                f"({k['at_s']:.1f} s in), restarted at once: {healed}"
+            )
+        for note in kill["notes"]:
+            lines.append(f"  note: {note}")
+    for name, t in doc["targets"].items():
+        value = t["value"]
+        if name in ("kill_loss_vs_clean", "loss_vs_torchft"):
+            shown = f"{value * 100:+.2f}%"
+        elif name == "slowest_survivor_step":
+            shown = f"{value:.2f} s (limit {t['limit']:.2f} s)"
+        elif isinstance(value, bool):
+            shown = "yes" if value else "no"
+        else:
+            shown = f"{value:.2f}x"
+        lines.append(f"{'ok    ' if t['ok'] else 'MISSED'} {t['what']}: {shown}")
+    return lines
+
+
+def _ms(seconds: Optional[float]) -> str:
+    return "-" if seconds is None else f"{seconds * 1e3:.1f} ms"
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    ap = argparse.ArgumentParser(
+        prog="python -m pycomm.bench.ft",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    ap.add_argument("--kill", action="store_true", help="add the run with two kills")
+    ap.add_argument(
+        "--runs",
+        default=None,
+        help="comma-separated runs of clean, kill, torchft (default: clean,torchft; with "
+        "--kill clean,kill,torchft)",
+    )
+    ap.add_argument("--outer", choices=OUTERS, default="diloco")
+    ap.add_argument("--codec", default="int4", help="pycomm's codec of the outer syncs")
+    ap.add_argument("--replicas", type=positive_int, default=3)
+    ap.add_argument("--victim", type=int, default=1, help="the replica group killed")
+    ap.add_argument("--steps", type=positive_int, default=1000, help="inner steps in all")
+    ap.add_argument("--sync-every", type=positive_int, default=50, help="H")
+    ap.add_argument("--d-model", type=positive_int, default=TASKS["charlm"].d_model)
+    ap.add_argument("--layers", type=positive_int, default=TASKS["charlm"].layers)
+    ap.add_argument("--lr", type=float, default=TASKS["charlm"].lr["adamw"])
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--timeout", type=float, default=5.0, help="the manager's timeout (s)")
+    ap.add_argument("--quorum-timeout", type=float, default=60.0, help="seconds")
+    ap.add_argument("--join-timeout-ms", type=positive_int, default=1000)
+    ap.add_argument("--heartbeat-timeout-ms", type=positive_int, default=1000)
+    ap.add_argument("--run-timeout", type=float, default=600.0, help="seconds per run")
+    ap.add_argument("--start-method", choices=START_METHODS, default="spawn")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args(argv)
+    runs = (args.runs or ("clean,kill,torchft" if args.kill else "clean,torchft")).split(",")
+    bad = [r for r in runs if r not in RUNS]
+    if bad or not runs:
+        ap.error(f"--runs {args.runs}: expected some of {', '.join(RUNS)}")
+    if "kill" in runs:
+        if not args.kill:
+            ap.error("--runs kill: give --kill too")
+        if not 0 <= args.victim < args.replicas:
+            ap.error(f"--victim {args.victim}: expected 0 <= victim < --replicas {args.replicas}")
+        if args.replicas < 3:
+            ap.error("--kill: expected --replicas >= 3 (two survivors hold the quorum)")
+        if args.sync_every < 2 or args.steps < 8 * args.sync_every:
+            ap.error(
+                f"--kill: expected --sync-every >= 2 and --steps >= 8 x --sync-every, got "
+                f"{args.steps} and {args.sync_every}"
+            )
+    if args.steps % args.sync_every:
+        ap.error(f"--steps {args.steps}: expected a multiple of --sync-every {args.sync_every}")
+    check_output_paths(ap, args.json)
+    plan = Plan(
+        run=runs[0], outer=args.outer, codec=args.codec, replicas=args.replicas,
+        steps=args.steps, sync_every=args.sync_every, seed=args.seed, d_model=args.d_model,
+        layers=args.layers, lr=args.lr, timeout_s=args.timeout,
+        quorum_timeout_s=args.quorum_timeout,
+    )  # fmt: skip
+
+    def term(signum: int, frame: Any) -> None:  # SIGTERM: the children are killed on the way
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, term)
+    doc = run_bench(
+        plan, runs, victim=args.victim, run_timeout=args.run_timeout,
+        start_method=args.start_method, join_timeout_ms=args.join_timeout_ms,
+        heartbeat_timeout_ms=args.heartbeat_timeout_ms,
+        progress=lambda name: print(f"running: {name}", file=sys.stderr, flush=True),
+    )  # fmt: skip
+    config = {k: v for k, v in dataclasses.asdict(plan).items() if k not in ("run", "lighthouse")}
+    config.update(runs=runs, victim=args.victim, join_timeout_ms=args.join_timeout_ms,
+                  heartbeat_timeout_ms=args.heartbeat_timeout_ms,
+                  start_method=args.start_method)  # fmt: skip
+    doc = {"command": " ".join(["python -m pycomm.bench.ft", *argv]), "config": config, **doc}
+    for line in report_lines(doc):
+        print(line)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(doc, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

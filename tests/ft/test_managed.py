@@ -4,6 +4,7 @@ its own; failures injected and replica groups restarted."""
 
 from __future__ import annotations
 
+import copy
 import sys
 import threading
 
@@ -288,3 +289,49 @@ def test_the_ft_extra_pins_the_torchft_that_make_test_installs_and_runs() -> Non
     pin = re.search(r'^ft = \["torchft==([\d.]+)"\]', pyproject, re.M).group(1)
     assert f'"torchft=={pin}"' in open(os.path.join(root, "Makefile")).read()
     assert importlib.metadata.version("torchft") == pin
+
+
+def _resumable(replica: Replica, until: int, saved: dict, order: str) -> dict:
+    """DiLoCo (H=4, int4) to inner step ``until``; from ``saved[replica_id]`` when given
+    (loaded in ``order``), saved there at the end."""
+    manager = replica.manager
+    model = _model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    replica.user_state(lambda: {}, lambda s: None)
+    mine = saved.get(replica.replica_id)
+    if mine is not None and order == "model first":
+        model.load_state_dict(mine["model"])
+    outer = pycomm.DiLoCo(model, sync_every=4, manager=manager)
+    if mine is not None:
+        if order == "model after":
+            model.load_state_dict(mine["model"])
+        opt.load_state_dict(mine["opt"])
+        manager.load_state_dict(mine["manager"])
+        outer.load_state_dict(mine["outer"])
+    while outer.step_count < until:
+        g = torch.Generator().manual_seed(1000 * replica.replica_id + outer.step_count)
+        model(torch.randn(16, 8, generator=g)).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+        outer.step()
+    saved[replica.replica_id] = {
+        "model": {k: v.clone() for k, v in model.state_dict().items()},
+        "opt": copy.deepcopy(opt.state_dict()),
+        "manager": manager.state_dict(),
+        "outer": outer.state_dict(),
+    }
+    return saved[replica.replica_id]
+
+
+@pytest.mark.parametrize("order", ["model first", "model after"])
+def test_a_replica_group_resumed_mid_window_from_its_checkpoint_is_bitwise(order: str) -> None:
+    straight: dict = {}
+    run_replicas(lambda r: _resumable(r, 14, straight, order), 2, min_replicas=2)
+    halves: dict = {}
+    run_replicas(lambda r: _resumable(r, 6, halves, order), 2, min_replicas=2)  # mid-window
+    run_replicas(lambda r: _resumable(r, 14, halves, order), 2, min_replicas=2)
+    for i in range(2):
+        for k, v in straight[i]["model"].items():
+            assert torch.equal(v, halves[i]["model"][k]), (i, k)
+        for a, b in zip(straight[i]["outer"]["outer"], halves[i]["outer"]["outer"]):
+            assert torch.equal(a, b)
