@@ -347,9 +347,20 @@ class Exchange:
         self._keys.load_key((call, key), calls, residual)
 
 
+def _torchft_backend(group: Any) -> bool:
+    """Whether ``group`` is a torchft group registered with torch.distributed (torchft's
+    ``ProcessGroup.register``): one rank to torch, the replica groups behind it."""
+    if not isinstance(group, dist.ProcessGroup) or not dist.is_initialized():
+        return False
+    try:
+        return str(dist.get_backend(group)).lower().startswith("torchft")
+    except (ValueError, RuntimeError):
+        return False
+
+
 def _check_group(where: str, group: Any) -> None:
     """Refuse an Exchange without a process group, or on a group this rank is not in."""
-    if type(group).__module__.startswith("torchft."):
+    if type(group).__module__.startswith("torchft.") or _torchft_backend(group):
         raise ValueError(
             f"{where}: process_group is torchft's {type(group).__name__}, whose ranks change "
             "with each quorum; expected pycomm.Exchange(codec, manager=manager) for an "

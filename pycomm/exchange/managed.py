@@ -222,7 +222,7 @@ class ManagedExchange:
             torch.cat([t.detach().reshape(-1) for t in tensor], out=flat)
         else:
             flat = checks.check_tensor(where, "tensor", tensor, op, dtypes)
-            hash(key)
+            checks.check_tensors(where, key, [tensor], op, dtypes)  # the key too
         if not isinstance(async_op, bool) or not isinstance(compare, bool):
             raise TypeError(
                 f"{where}: async_op={async_op!r}, compare={compare!r}, expected True or False"

@@ -64,6 +64,16 @@ def test_a_torchft_group_given_as_process_group_is_refused_naming_manager() -> N
         replica.user_state(dict, lambda s: None)
         with pytest.raises(ValueError, match="manager=manager"):
             pycomm.Exchange("int4", process_group=replica.manager._pg)
+        # the same group registered with torch.distributed (one rank to torch): refused too,
+        # where it would otherwise run on one rank and average nothing
+        store = torch.distributed.HashStore()
+        torch.distributed.init_process_group("gloo", store=store, rank=0, world_size=1)
+        try:
+            registered = replica.manager._pg.register("pycomm_test")
+            with pytest.raises(ValueError, match="manager=manager"):
+                pycomm.Exchange("int4", process_group=registered)
+        finally:
+            torch.distributed.destroy_process_group()
         with pytest.raises(ValueError, match="manager= and process_group="):
             pycomm.Exchange("int4", process_group=object(), manager=replica.manager)
         return "ok"
@@ -335,3 +345,23 @@ def test_a_replica_group_resumed_mid_window_from_its_checkpoint_is_bitwise(order
             assert torch.equal(v, halves[i]["model"][k]), (i, k)
         for a, b in zip(straight[i]["outer"]["outer"], halves[i]["outer"]["outer"]):
             assert torch.equal(a, b)
+
+
+def test_outer_loops_that_differ_between_replica_groups_are_refused_on_every_one() -> None:
+    def fn(replica: Replica) -> str:
+        replica.user_state(dict, lambda s: None)
+        model = _model()
+        lr = 0.7 if replica.replica_id == 0 else 0.5  # the outer optimizer's lr differs
+        outer = pycomm.DiLoCo(
+            model, sync_every=2, manager=replica.manager,
+            outer_optimizer=lambda p: torch.optim.SGD(p, lr=lr, momentum=0.9, nesterov=True),
+        )  # fmt: skip
+        before = [p.detach().clone() for p in outer.outer]
+        outer.step()
+        with pytest.raises(ValueError, match="outer optimizer's options") as err:
+            outer.step()
+        assert all(torch.equal(a, b) for a, b in zip(before, outer.outer))
+        return str(err.value)
+
+    for message in run_replicas(fn, 2, min_replicas=2):
+        assert "'lr': 0.7" in message or "'lr': 0.5" in message
