@@ -46,6 +46,10 @@ class Exchange:
         **options: the codec's options (``block``, ``error_feedback``, ``residual_dtype``,
             ``local_feedback``, ``hierarchy``, a user's codec's own), as in
             ``pycomm.wrap(hook_options=...)``.
+        manager: a ``torchft.manager.Manager`` (keyword, not with ``process_group``): the
+            exchange across torchft's replica groups instead, with the manager's semantics
+            (quorum, participants, commit or roll back, heal): a
+            :class:`~pycomm.exchange.managed.ManagedExchange` (docs/fault-tolerance.md).
 
     Raises:
         ValueError or TypeError, on every rank: an unknown codec or option, a bad value on

@@ -228,7 +228,6 @@ def test_a_replica_group_that_fails_and_rejoins_heals_to_the_peers_outer_state(c
     results = run_replicas(lambda r: _train(r, cls, 6, fail_at=2 if r.replica_id == 1 else None), 2)
     _same_outer(results)
     assert results[1]["exchange"]["heals"] == 1  # the restarted one, from its peer
-    assert results[0]["exchange"]["heals"] == 0
 
 
 def test_a_replica_group_that_joins_mid_run_heals_and_ends_bitwise_equal() -> None:
