@@ -160,7 +160,7 @@ def _model() -> torch.nn.Module:
 
 
 def _train(replica: Replica, cls: type, syncs: int, *, fail_at=None, codec="int4",
-           fragments=1, commit_fail_at=None, at_step=None) -> dict:  # fmt: skip
+           fragments=1, commit_fail_at=None, at_step=None, delay=0) -> dict:  # fmt: skip
     """A small model trained under the manager until its step reaches ``syncs``: the
     outer state returned. ``fail_at``: the first attempt raises when the manager's step
     reaches it (between syncs)."""
@@ -184,7 +184,8 @@ def _train(replica: Replica, cls: type, syncs: int, *, fail_at=None, codec="int4
 
         failing.done = False
         manager.should_commit = failing
-    outer = cls(model, sync_every=4, codec=codec, fragments=fragments, manager=manager)
+    outer = cls(model, sync_every=4, codec=codec, fragments=fragments, manager=manager,
+                delay=delay)  # fmt: skip
     g = torch.Generator().manual_seed(100 + 10 * replica.replica_id + replica.attempt)
     while manager.current_step() < syncs:
         x = torch.randn(16, 8, generator=g)
@@ -241,9 +242,12 @@ def test_a_replica_group_that_joins_mid_run_heals_and_ends_bitwise_equal() -> No
     assert results[2]["exchange"]["heals"] == 1
 
 
-def test_a_commit_failure_on_every_replica_group_rolls_back_and_retries_the_fragment() -> None:
+@pytest.mark.parametrize("delay", [0, 1])
+def test_a_commit_failure_on_every_replica_group_rolls_back_and_retries_the_fragment(delay) -> None:
     results = run_replicas(
-        lambda r: _train(r, pycomm.DiLoCo, 5, fragments=2, commit_fail_at=2), 2, min_replicas=2
+        lambda r: _train(r, pycomm.DiLoCo, 5, fragments=2, commit_fail_at=2, delay=delay),
+        2,
+        min_replicas=2,
     )
     _same_outer(results)
     for r in results:

@@ -8,6 +8,8 @@ The fence line says how a block runs:
   ```` ```python ranks=N ````: on N ranks, in a namespace of its own rank count.
 - ```` ```python script ````: a whole script, saved to a file and run as ``python FILE``
   (``ranks=N``: under torchrun with N processes).
+- ```` ```python script slow ````: a script that takes more than a few seconds (several
+  torchruns), run only under ``pytest -m slow`` (``make frameworks``, CI's frameworks job).
 - ```` ```python frameworks ````: a whole script that needs an optional framework
   (Lightning, Accelerate, Transformers, Ray), run as a script (``ranks=N``: under torchrun)
   only under ``pytest -m frameworks`` (``make frameworks``, CI's frameworks job).
@@ -61,7 +63,9 @@ def python_blocks(page: str) -> list[tuple[str, str, str]]:
 
 def _kind(rest: str) -> str:
     words = set(re.sub(r"ranks=\d+", "", rest).split())
-    assert words <= {"script", "frameworks"}, f"unknown fence attributes {words}"
+    assert words <= {"script", "frameworks", "slow"}, f"unknown fence attributes {words}"
+    if "slow" in words:
+        return "slow"
     return "frameworks" if "frameworks" in words else "script" if "script" in words else "ranks"
 
 
@@ -94,13 +98,20 @@ def test_the_pages_have_their_code():
     for page in MUST_HAVE_CODE:
         assert python_blocks(page), f"{page} shows no Python block"
     kinds = {_kind(rest) for page in PAGES for _, rest, _ in python_blocks(page)}
-    assert kinds == {"ranks", "script", "frameworks"}
+    assert kinds == {"ranks", "script", "frameworks", "slow"}
     frameworks = [code for _, rest, code in python_blocks("docs/frameworks.md")]
     for name in ("lightning", "accelerate", "transformers", "ray"):
         assert any(f"import {name}" in code or f"from {name}" in code for code in frameworks), name
 
 
-@pytest.mark.parametrize("page", [p for p in PAGES if python_blocks(p)])
+@pytest.mark.parametrize(
+    "page",
+    [
+        p
+        for p in PAGES
+        if any(_kind(rest) in ("ranks", "script") for _, rest, _ in python_blocks(p))
+    ],
+)
 def test_python_blocks_run(page, tmp_path):
     runs: dict[int, list[tuple[str, str]]] = {}
     for label, rest, code in python_blocks(page):
@@ -112,6 +123,21 @@ def test_python_blocks_run(page, tmp_path):
     for ranks, sources in sorted(runs.items()):
         results = run_ranks(doc_blocks.rank_blocks, ranks, str(tmp_path), sources, [], timeout=120)
         assert results == [len(sources)] * ranks
+
+
+_SLOW = [
+    pytest.param(label, rest, code, id=label.replace(" ", "-"))
+    for page in PAGES
+    for label, rest, code in python_blocks(page)
+    if _kind(rest) == "slow"
+]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("label,rest,code", _SLOW)
+def test_slow_script_blocks_run(label, rest, code, tmp_path):
+    _run_script(tmp_path, label, rest, code, timeout=280)
 
 
 _FRAMEWORKS = [
