@@ -19,11 +19,13 @@ so that the survivors are inside the sync's collective with a dead peer). A rest
 group trains H steps from the initial weights, then heals at its first quorum from a live
 peer (the model, AdamW's state and the outer loop's state) and ends bitwise equal.
 
-The runs, one after the other: ``clean`` (no kill), ``kill`` (with ``--kill``) and
-``torchft``: torchft's own ``torchft.local_sgd.DiLoCo`` (``LocalSGD`` with ``--outer
-localsgd``), exact fp32 all-reduces, the same model, H, steps and outer optimizer (Nesterov
-SGD, lr 0.7, momentum 0.9), no kill. Its bytes are what its fp32 ring all-reduce sends,
-2(N-1)/N x 4 bytes per parameter per sync per replica group.
+The runs, one after the other: ``clean`` (no kill), ``kill`` (with ``--kill``), ``torchft``:
+torchft's own ``torchft.local_sgd.DiLoCo`` (``LocalSGD`` with ``--outer localsgd``), exact
+fp32 all-reduces, the same model, H, steps and outer optimizer (Nesterov SGD, lr 0.7,
+momentum 0.9), no kill, and, when named in ``--runs``, ``exact``: pycomm's outer loop with
+the exact all-reduce (``codec="allreduce"``), which tells int4's part of a difference from
+torchft's from the loops'. torchft's bytes are what its fp32 ring all-reduce sends, 2(N-1)/N
+x 4 bytes per parameter per sync per replica group.
 
 The report: the survivors' median step time away from the outages (the first window, with
 the start, left out) and through them (from a kill to the restarted replica group's first
@@ -37,11 +39,20 @@ syncs.
 
     python -m pycomm.bench.ft                          # clean and torchft's
     python -m pycomm.bench.ft --kill --json out.json   # clean, kill and torchft's
+    python -m pycomm.bench.ft --kill --runs clean,kill,torchft,exact
     python -m pycomm.bench.ft --kill --runs kill --steps 400 --sync-every 20 --d-model 32
 
-Each replica group's output (torchft's logs) goes to a file of its own, printed when it
-fails. Every process started is killed when the run ends, fails or times out
-(``--run-timeout``).
+The lighthouse waits for a replica group that is alive but has not joined a quorum for as
+long as the manager's timeout (``--join-timeout-ms``), and counts one dead after 2 s without
+a heartbeat (``--heartbeat-timeout-ms``): the survivors wait at a quorum for a restarted
+replica group that is up until it joins, and for a dead one until its heartbeat is over.
+The processes fork from a server that imported torch once (``--start-method spawn``: each
+imports everything itself, seconds more per restart). They share this machine's cores, so a
+step's time depends on what else runs: one replica group fewer leaves more CPU to the
+others, and runs measured one after the other compare only where the machine's load was the
+same. Each process's output (torchft's logs) goes to a file of its own (``--log-dir`` keeps
+them), printed when it fails; every process started is killed when its run ends, fails or
+times out (``--run-timeout``).
 """
 
 from __future__ import annotations
@@ -56,6 +67,7 @@ import math
 import multiprocessing
 import multiprocessing.connection
 import os
+import shutil
 import signal
 import statistics
 import sys
@@ -69,8 +81,11 @@ import torch
 from pycomm.bench.args import check_output_paths, positive_int
 from pycomm.bench.quality_tasks import TASKS, Task, build_model, docs_text, evaluate, loss_of
 from pycomm.codec.engine import ring_bytes
+from pycomm.exchange import Exchange
+from pycomm.exchange.managed import FT_EXTRA
+from pycomm.launcher import FORKSERVER_PRELOAD
 
-RUNS = ("clean", "kill", "torchft")
+RUNS = ("clean", "kill", "torchft", "exact")
 OUTERS = ("diloco", "localsgd")
 START_METHODS = ("spawn", "forkserver")
 # The targets of the report: (limit, what).
@@ -88,7 +103,7 @@ TARGETS: dict[str, tuple[float, str]] = {
 class Plan:
     """One run's settings, as every replica group gets them."""
 
-    run: str  # "clean", "kill" or "torchft"
+    run: str  # one of RUNS
     outer: str  # "diloco" or "localsgd"
     codec: str
     replicas: int
@@ -168,12 +183,14 @@ def _train(conn: Any, plan: Plan, replica: int, attempt: int, pause_from: Option
     model = build_model(task, vocab)
     opt = torch.optim.AdamW(model.parameters(), lr=plan.lr, weight_decay=0.01)
     timeout = datetime.timedelta(seconds=plan.timeout_s)
+    loaded: list[int] = []  # one entry per heal: the manager loaded a peer's state
     store = dist.TCPStore("localhost", 0, is_master=True, wait_for_workers=False)
     manager = Manager(
         pg=ProcessGroupGloo(timeout=timeout),
         load_state_dict=lambda s: (
             model.load_state_dict(s["model"]),
             opt.load_state_dict(s["opt"]),
+            loaded.append(1),
         ),
         state_dict=lambda: {"model": model.state_dict(), "opt": opt.state_dict()},
         min_replica_size=1,
@@ -192,10 +209,11 @@ def _train(conn: Any, plan: Plan, replica: int, attempt: int, pause_from: Option
     h = plan.sync_every
     loop: _Loop
     if plan.run == "torchft":
-        loop = _TorchftLoop(plan, manager, model, opt)
+        loop = _TorchftLoop(plan, manager, model, opt, loaded)
     else:
         cls = pycomm.DiLoCo if plan.outer == "diloco" else pycomm.LocalSGD
-        outer = cls(model, sync_every=h, codec=plan.codec, manager=manager)
+        codec = "allreduce" if plan.run == "exact" else plan.codec
+        outer = cls(model, sync_every=h, codec=codec, manager=manager)
         if pause_from is not None:  # report each sync past pause_from once its quorum formed
             start_quorum = manager.start_quorum
 
@@ -292,10 +310,22 @@ class _TorchftLoop(_Loop):
     syncs in the optimizer's step post-hook. Its bytes: what its fp32 ring all-reduce sends
     per sync, 2(N-1)/N of the parameters' bytes."""
 
-    def __init__(self, plan: Plan, manager: Any, model: torch.nn.Module, opt: Any) -> None:
+    def __init__(
+        self, plan: Plan, manager: Any, model: torch.nn.Module, opt: Any, loaded: list
+    ) -> None:
         from torchft.local_sgd import DiLoCo, LocalSGD
 
-        self.model, self.manager, self.h = model, manager, plan.sync_every
+        self.model, self.loaded = model, loaded
+        self.commits = self.rollbacks = 0
+        should_commit = manager.should_commit
+
+        def counted(*args: Any, **kwargs: Any) -> bool:  # torchft's loops count nothing
+            ok = bool(should_commit(*args, **kwargs))
+            self.commits += ok
+            self.rollbacks += not ok
+            return ok
+
+        manager.should_commit = counted
         if plan.outer == "diloco":
             outer_opt = torch.optim.SGD(model.parameters(), lr=0.7, momentum=0.9, nesterov=True)
             self.loop: Any = DiLoCo(manager, [model], opt, outer_opt, sync_every=plan.sync_every)
@@ -310,14 +340,12 @@ class _TorchftLoop(_Loop):
         self.step += 1
 
     def counters(self) -> dict[str, int]:
-        syncs = self.step // self.h
-        committed = self.manager.current_step()
-        sent = syncs * self.per_sync
-        return {"syncs": committed, "rollbacks": syncs - committed, "bytes_sent": sent,
+        sent = (self.commits + self.rollbacks) * self.per_sync
+        return {"syncs": self.commits, "rollbacks": self.rollbacks, "bytes_sent": sent,
                 "bytes_fp32": sent}  # fmt: skip
 
     def heals(self) -> int:
-        return 0
+        return len(self.loaded)
 
     def outer(self) -> list[torch.Tensor]:
         return [p.detach() for p in self.model.parameters()]
@@ -365,7 +393,7 @@ class _Run:
 
     def __init__(
         self, plan: Plan, ctx: Any, log_dir: str, kill: bool, victim: int, run_timeout: float,
-        join_timeout_ms: int, heartbeat_timeout_ms: int,
+        join_timeout_ms: int, heartbeat_timeout_ms: int, trace: bool = False,
     ) -> None:  # fmt: skip
         self.plan, self.ctx, self.log_dir = plan, ctx, log_dir
         self.kill, self.victim, self.run_timeout = kill, victim, run_timeout
@@ -375,6 +403,7 @@ class _Run:
         self.kills: list[dict[str, Any]] = []
         self.notes: list[str] = []
         self.t0 = 0.0
+        self.trace = trace
 
     def start(self, replica: int, attempt: int) -> _Proc:
         """A fresh process of replica group ``replica``."""
@@ -572,9 +601,11 @@ class _Run:
                 "digest": res.get("digest"),
             })  # fmt: skip
         digests = {r["digest"] for r in replicas}
+        first = [p for p in self.procs if p.attempt == 0 and p.ready is not None]
         return {
             "run": plan.run,
             "wall_s": t_end - self.t0,
+            "startup_s": max((p.ready - p.started for p in first), default=None),
             "params": results[0].get("params"),
             "loss": results[0].get("loss"),
             "digests_equal": len(digests) == 1,
@@ -593,7 +624,23 @@ class _Run:
                 "outage": len(outage),
             },
             "notes": self.notes,
+            **({"trace": self._trace()} if self.trace else {}),
         }
+
+    def _trace(self) -> list[dict[str, Any]]:
+        """Every process's steps: (step, manager step, start and end in seconds from the run's
+        start, syncs, rollbacks, heals, bytes sent)."""
+        return [
+            {
+                "replica": p.replica, "process": p.attempt,
+                "started_s": p.started - self.t0,
+                "ready_s": None if p.ready is None else p.ready - self.t0,
+                "killed_s": None if p.killed is None else p.killed - self.t0,
+                "steps": [(s, m, round(a - self.t0, 4), round(b - self.t0, 4), *rest)
+                          for s, m, a, b, *rest in p.steps],
+            }
+            for p in self.procs
+        ]  # fmt: skip
 
 
 def _replica_entry() -> Callable[..., None]:
@@ -624,20 +671,27 @@ def _tail(path: str, limit: int = 4000) -> str:
 
 def run_bench(
     plan: Plan, runs: list[str], *, victim: int = 1, run_timeout: float = 600.0,
-    start_method: str = "spawn", join_timeout_ms: int = 1000, heartbeat_timeout_ms: int = 1000,
+    start_method: str = "forkserver", join_timeout_ms: Optional[int] = None,
+    heartbeat_timeout_ms: int = 2000,
     log_dir: Optional[str] = None, progress: Optional[Callable[[str], None]] = None,
+    trace: bool = False,
 ) -> dict[str, Any]:  # fmt: skip
-    """Each of ``runs`` ("clean", "kill", "torchft") of ``plan``, one after the other: their
-    figures (see :meth:`_Run._summary`) by name, and the targets of the runs there are.
+    """Each of ``runs`` (of :data:`RUNS`) of ``plan``, one after the other: their figures by
+    name (``{"runs": {name: figures}, "targets": ...}``), and the targets of the runs there
+    are (:func:`targets`). ``join_timeout_ms`` None: the manager's timeout.
 
     Example:
         >>> plan = Plan("clean", "diloco", "int4", 3, 400, 20, 0, 32, 1, 3e-3, 5.0, 60.0)
         >>> run_bench(plan, ["clean", "kill"])["targets"]["restarted_bitwise_equal"]["ok"]
         True
     """
+    if join_timeout_ms is None:  # a straggler waited for as long as a collective
+        join_timeout_ms = int(plan.timeout_s * 1000)
+    os.environ.setdefault("RUST_LOG", "warn")  # the lighthouse's log, read at torchft's import
     ctx = multiprocessing.get_context(start_method)
     if start_method == "forkserver":
-        ctx.set_forkserver_preload(["torch", "torch.distributed", "torchft.manager", "pycomm"])
+        preload = [*FORKSERVER_PRELOAD, "torchft.manager", "pycomm.bench.quality_tasks"]
+        ctx.set_forkserver_preload(preload)  # a process up in a fraction of a second
     own_dir = log_dir is None
     log_dir = log_dir or tempfile.mkdtemp(prefix="pycomm-ft-")
     out: dict[str, Any] = {"runs": {}}
@@ -646,14 +700,13 @@ def run_bench(
             progress(name)
         run = _Run(
             dataclasses.replace(plan, run=name), ctx, log_dir, name == "kill", victim,
-            run_timeout, join_timeout_ms, heartbeat_timeout_ms,
+            run_timeout, join_timeout_ms, heartbeat_timeout_ms, trace,
         )  # fmt: skip
-        out["runs"][name] = run.run()
+        out["runs"][name] = run.run()  # a failure leaves the logs in log_dir
     out["targets"] = targets(out["runs"], plan.timeout_s)
+    out["compare"] = compare(out["runs"])
     if own_dir:
-        for f in os.listdir(log_dir):
-            os.remove(os.path.join(log_dir, f))
-        os.rmdir(log_dir)
+        shutil.rmtree(log_dir, ignore_errors=True)
     return out
 
 
@@ -692,6 +745,23 @@ def targets(runs: dict[str, Any], timeout_s: float) -> dict[str, dict[str, Any]]
     return out
 
 
+def compare(runs: dict[str, Any]) -> dict[str, float]:
+    """Relative differences of held-out loss between the runs given, beside the targets:
+    ``exact_vs_torchft`` (pycomm's outer loop exact against torchft's: the loops alone) and
+    ``int4_vs_exact`` (the clean run against pycomm's exact: int4 alone).
+
+    Example:
+        >>> compare({"clean": {"loss": 2.02}, "exact": {"loss": 2.0}})
+        {'int4_vs_exact': 0.010000000000000009}
+    """
+    out = {}
+    pairs = {"exact_vs_torchft": ("exact", "torchft"), "int4_vs_exact": ("clean", "exact")}
+    for name, (a, b) in pairs.items():
+        if a in runs and b in runs:
+            out[name] = runs[a]["loss"] / runs[b]["loss"] - 1
+    return out
+
+
 def report_lines(doc: dict[str, Any]) -> list[str]:
     """The printed report of :func:`run_bench`'s result ``doc`` (with its ``config``)."""
     c, runs = doc["config"], doc["runs"]
@@ -701,14 +771,14 @@ def report_lines(doc: dict[str, Any]) -> list[str]:
         f"charlm {c['layers']} x {c['d_model']} ({any_run['params']:,} params), "
         f"{c['replicas']} replica groups (1 rank each, gloo), {c['steps']} steps, AdamW "
         f"{c['lr']:g}, {outer} H={c['sync_every']}; manager timeout {c['timeout_s']:g} s",
-        f"{'run':<9}{'held-out loss':>14}{'bytes/replica':>15}{'syncs':>7}{'rollbacks':>10}"
+        f"{'run':<15}{'held-out loss':>14}{'bytes/replica':>15}{'syncs':>7}{'rollbacks':>10}"
         f"{'heals':>7}{'same bits':>11}{'median step':>13}{'wall':>8}",
     ]
     for name, r in runs.items():
         reps = r["replicas"]
-        what = f"{name} ({'fp32' if name == 'torchft' else c['codec']})"
+        what = name if name in ("torchft", "exact") else f"{name} ({c['codec']})"
         lines.append(
-            f"{what:<9}{r['loss']:>14.4f}{r['bytes_sent_per_replica'] / 1e6:>13.2f}MB"
+            f"{what:<15}{r['loss']:>14.4f}{r['bytes_sent_per_replica'] / 1e6:>13.2f}MB"
             f"{reps[0]['syncs']:>7}{sum(x['rollbacks'] for x in reps):>10}"
             f"{sum(x['heals'] for x in reps):>7}{'yes' if r['digests_equal'] else 'NO':>11}"
             f"{_ms(r['steps']['median_healthy_s']):>13}{r['wall_s']:>7.0f}s"
@@ -735,6 +805,12 @@ def report_lines(doc: dict[str, Any]) -> list[str]:
             )
         for note in kill["notes"]:
             lines.append(f"  note: {note}")
+    what_compared = {
+        "exact_vs_torchft": "pycomm exact vs torchft's held-out loss (the loops alone)",
+        "int4_vs_exact": "int4 vs pycomm exact held-out loss (int4 alone)",
+    }
+    for name, rel in doc.get("compare", {}).items():
+        lines.append(f"{what_compared[name]}: {rel * 100:+.2f}%")
     for name, t in doc["targets"].items():
         value = t["value"]
         if name in ("kill_loss_vs_clean", "loss_vs_torchft"):
@@ -777,13 +853,20 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--layers", type=positive_int, default=TASKS["charlm"].layers)
     ap.add_argument("--lr", type=float, default=TASKS["charlm"].lr["adamw"])
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--timeout", type=float, default=5.0, help="the manager's timeout (s)")
+    ap.add_argument("--timeout", type=float, default=10.0, help="the manager's timeout (s)")
     ap.add_argument("--quorum-timeout", type=float, default=60.0, help="seconds")
-    ap.add_argument("--join-timeout-ms", type=positive_int, default=1000)
-    ap.add_argument("--heartbeat-timeout-ms", type=positive_int, default=1000)
+    ap.add_argument(
+        "--join-timeout-ms",
+        type=positive_int,
+        default=None,
+        help="the lighthouse's wait for a straggler (default: the manager's timeout)",
+    )
+    ap.add_argument("--heartbeat-timeout-ms", type=positive_int, default=2000)
     ap.add_argument("--run-timeout", type=float, default=600.0, help="seconds per run")
-    ap.add_argument("--start-method", choices=START_METHODS, default="spawn")
+    ap.add_argument("--start-method", choices=START_METHODS, default="forkserver")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--trace", action="store_true", help="every step of every process in --json")
+    ap.add_argument("--log-dir", default=None, help="keep each process's log there")
     args = ap.parse_args(argv)
     runs = (args.runs or ("clean,kill,torchft" if args.kill else "clean,torchft")).split(",")
     bad = [r for r in runs if r not in RUNS]
@@ -803,7 +886,15 @@ def main(argv: Optional[list[str]] = None) -> int:
             )
     if args.steps % args.sync_every:
         ap.error(f"--steps {args.steps}: expected a multiple of --sync-every {args.sync_every}")
+    codecs = Exchange.codecs()
+    if args.codec not in codecs:
+        ap.error(f"--codec {args.codec}: expected one of {', '.join(codecs)}")
     check_output_paths(ap, args.json)
+    os.environ.setdefault("RUST_LOG", "warn")  # torchft's Rust log, read when it is imported
+    try:
+        import torchft.manager  # noqa: F401
+    except ImportError:
+        ap.error(f"needs torchft: {FT_EXTRA}")
     plan = Plan(
         run=runs[0], outer=args.outer, codec=args.codec, replicas=args.replicas,
         steps=args.steps, sync_every=args.sync_every, seed=args.seed, d_model=args.d_model,
@@ -815,14 +906,20 @@ def main(argv: Optional[list[str]] = None) -> int:
         raise SystemExit(128 + signum)
 
     signal.signal(signal.SIGTERM, term)
-    doc = run_bench(
-        plan, runs, victim=args.victim, run_timeout=args.run_timeout,
-        start_method=args.start_method, join_timeout_ms=args.join_timeout_ms,
-        heartbeat_timeout_ms=args.heartbeat_timeout_ms,
-        progress=lambda name: print(f"running: {name}", file=sys.stderr, flush=True),
-    )  # fmt: skip
+    try:
+        doc = run_bench(
+            plan, runs, victim=args.victim, run_timeout=args.run_timeout,
+            start_method=args.start_method, join_timeout_ms=args.join_timeout_ms,
+            heartbeat_timeout_ms=args.heartbeat_timeout_ms, trace=args.trace,
+            log_dir=args.log_dir,
+            progress=lambda name: print(f"running: {name}", file=sys.stderr, flush=True),
+        )  # fmt: skip
+    except RunError as e:
+        print(f"python -m pycomm.bench.ft: {e}", file=sys.stderr)
+        return 1
     config = {k: v for k, v in dataclasses.asdict(plan).items() if k not in ("run", "lighthouse")}
-    config.update(runs=runs, victim=args.victim, join_timeout_ms=args.join_timeout_ms,
+    join_ms = args.join_timeout_ms or int(args.timeout * 1000)
+    config.update(runs=runs, victim=args.victim, join_timeout_ms=join_ms,
                   heartbeat_timeout_ms=args.heartbeat_timeout_ms,
                   start_method=args.start_method)  # fmt: skip
     doc = {"command": " ".join(["python -m pycomm.bench.ft", *argv]), "config": config, **doc}
