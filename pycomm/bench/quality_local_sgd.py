@@ -1,16 +1,26 @@
 """``python -m pycomm.bench.quality --local-sgd``: the outer loops' held-out loss against DDP's.
 
-The task: the character-level GPT of the quality suite (``charlm``: Python's documentation
-text, 2 x 64, 110K parameters), AdamW at lr 3e-3, each rank its own random windows, gradients
-clipped at 1. A warm start of ``--warmup`` steps averages the parameters exactly every step
-(``LocalSGD(sync_every=1, codec="allreduce")``), then each variant trains to ``--steps`` in
-all. DDP (``pycomm.wrap(hook="allreduce")``) trains every step. After the last step every
-variant syncs, and the held-out loss (nats per character, the same on every rank) is compared
-with DDP's of the same seed, and each int4 variant with the same run synced exactly.
+The task (``--task``): the character-level GPT of the quality suite (``charlm``: Python's
+documentation text, 2 x 64, 110K parameters, AdamW at lr 3e-3, each rank its own random
+windows), or its Friedman #1 regression (``friedman``: an MLP of 69K parameters, AdamW at lr
+3e-4, each rank its own fresh draws); gradients clipped at 1. A warm start of ``--warmup``
+steps averages the parameters exactly every step (``LocalSGD(sync_every=1,
+codec="allreduce")``), then each variant trains to ``--steps`` in all. DDP
+(``pycomm.wrap(hook="allreduce")``) trains every step. After the last step every variant
+syncs, and the held-out loss (the same on every rank) is compared with DDP's of the same seed
+(when ``ddp`` is among ``--variants``), and each variant synced through a codec with the same
+loop synced exactly (:func:`exact_of`).
 
     python -m pycomm.bench.quality --local-sgd                       # 2 ranks, 2 seeds
     python -m pycomm.bench.quality --local-sgd --nprocs 4 --json out.json
     python -m pycomm.bench.quality --local-sgd --nprocs 4 --nodes 2  # DDP inside each node
+    python -m pycomm.bench.quality --local-sgd --task friedman --seeds 0,1,2 \
+        --variants diloco-m02-H50,diloco-m02-H50-exact,diloco-m02-H50-int8
+
+Variants (:data:`VARIANTS`): ``-exact`` syncs exactly, ``-int8`` through int8, ``-b32``
+through int4 with blocks of 32, ``-noef`` through int4 without error feedback, the others
+through int4 (blocks of 128, error feedback); ``diloco-m02`` is DiLoCo with outer Nesterov SGD
+at lr 0.8 and momentum 0.2, ``diloco`` its default (lr 0.7, momentum 0.9).
 
 With ``--nodes M`` the ranks are M nodes (``pycomm.init(nodes=M)``): each variant trains DDP
 over its node's ranks (``pycomm.node_group()``) and syncs the outer loop across the nodes
@@ -77,7 +87,8 @@ class Outer:
         return make
 
 
-# the outer optimizer of the int4 report (docs/slow-links.md, "int4 against exact syncs")
+# DiLoCo's outer Nesterov SGD at lr 0.8, momentum 0.2 (docs/slow-links.md, "int4 against
+# exact syncs")
 _M02 = (0.8, 0.2)
 # name -> its outer loop; None: DDP every step
 VARIANTS: dict[str, Optional[Outer]] = {
