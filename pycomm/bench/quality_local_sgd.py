@@ -189,8 +189,8 @@ class _NoOuter:
         pass
 
 
-def main(argv: Optional[list[str]] = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
+def parser() -> argparse.ArgumentParser:
+    """The command line of ``python -m pycomm.bench.quality --local-sgd``."""
     ap = argparse.ArgumentParser(
         prog="python -m pycomm.bench.quality --local-sgd",
         description=__doc__,
@@ -213,6 +213,12 @@ def main(argv: Optional[list[str]] = None) -> int:
         help=f"comma-separated (ddp, when named, is the baseline); of {', '.join(VARIANTS)}",
     )
     ap.add_argument("--json", default=None)
+    return ap
+
+
+def parse(ap: argparse.ArgumentParser, argv: list[str]) -> tuple[Any, list[str], list[int]]:
+    """``argv`` parsed and checked by ``ap`` (``ap.error`` on a bad value): the arguments,
+    the variants' names and the seeds."""
     args = ap.parse_args(argv)
     names = list(dict.fromkeys(args.variants.split(",")))
     bad = [n for n in names if n not in VARIANTS]
@@ -222,7 +228,16 @@ def main(argv: Optional[list[str]] = None) -> int:
         ap.error(f"--warmup {args.warmup}: expected 0 <= warmup < --steps {args.steps}")
     if args.nodes < 1 or args.nprocs % args.nodes:
         ap.error(f"--nodes {args.nodes}: expected a divisor of --nprocs {args.nprocs}")
-    seeds = [int(s) for s in args.seeds.split(",")]
+    try:
+        seeds = [int(s) for s in args.seeds.split(",")]
+    except ValueError:
+        ap.error(f"--seeds {args.seeds}: expected comma-separated integers")
+    return args, names, seeds
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args, names, seeds = parse(parser(), argv)
     res = pycomm.launch(run_rank, args.nprocs, names, seeds, args.steps, args.warmup,
                         args.nodes, args.task, timeout=7200)[0]  # fmt: skip
     rows = rows_of(res)

@@ -105,6 +105,7 @@ def _advice_rank():
     }
 
 
+@pytest.mark.slow  # a whole run (15 s and more): make frameworks
 def test_onebit_warns_with_the_optimizers_it_falls_behind_with():
     got = run_ranks(_advice_rank, 2, timeout=60)[0]
     (msg,), names = got["onebit local sgd momentum"]
@@ -169,6 +170,7 @@ def test_nodes_need_fsdp_and_a_divisor_of_the_ranks(args, message, capsys):
     assert message in capsys.readouterr().err
 
 
+@pytest.mark.slow  # a whole run (15 s and more): make frameworks
 def test_local_sgd_quality_compares_each_variant_with_ddp():
     """The outer loops' run: every variant's held-out loss after its sync, the same on every
     rank, and its difference from DDP's (and, for int4, from the exact run) computed from them."""

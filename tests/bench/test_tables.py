@@ -11,7 +11,7 @@ import pytest
 from harness import ROOT
 
 from pycomm.bench import __main__ as bench
-from pycomm.bench import fsdp, quality, tables
+from pycomm.bench import fsdp, quality, quality_local_sgd, tables
 from pycomm.bench.quality_tasks import all_hooks, check_names
 
 
@@ -119,18 +119,32 @@ class _Refused(Exception):
     pass
 
 
-def _parse(ap: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespace:
+def _refusing(ap: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """``ap`` with its errors raised as _Refused."""
+
     def error(message):
         raise _Refused(message)
 
     ap.error = error  # type: ignore[method-assign]
-    return ap.parse_args(argv)
+    return ap
+
+
+def _parse(ap: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespace:
+    return _refusing(ap).parse_args(argv)
 
 
 def _check_command(command: str) -> None:
-    """Parse ``command`` as its CLI would, hooks included; _Refused if it does not."""
+    """Parse ``command`` as its CLI would, hooks included; _Refused if it does not. Commands
+    joined by ``&&`` are checked one by one."""
+    if "&&" in command:
+        for part in command.split("&&"):
+            _check_command(part.strip())
+        return
     words = command.split()
-    if words[:3] == ["python", "-m", "pycomm.bench.quality"]:
+    if words[:3] == ["python", "-m", "pycomm.bench.quality"] and "--local-sgd" in words:
+        ap = _refusing(quality_local_sgd.parser())
+        quality_local_sgd.parse(ap, [w for w in words[3:] if w != "--local-sgd"])
+    elif words[:3] == ["python", "-m", "pycomm.bench.quality"]:
         args = _parse(quality._parser(), words[3:])
         try:
             check_names("hook", args.hooks, all_hooks())
