@@ -411,6 +411,7 @@ def gpt_accumulated(tmp_path_factory):
     return out, json.loads(path.read_text())
 
 
+@pytest.mark.slow  # the fixture is a whole run (about 20 s): make frameworks
 def test_transformer(gpt_accumulated):
     out, doc = gpt_accumulated
     spec = ModelSpec("transformer", layers=2, batch=2, d_model=32, heads=4, seq_len=8, vocab=50)
@@ -423,6 +424,7 @@ def test_transformer(gpt_accumulated):
     assert doc["hooks"]["ddp"]["bytes_per_step"] == 4 * doc["params"]
 
 
+@pytest.mark.slow
 def test_accumulate_steps(gpt_accumulated):
     """K=2: plain DDP under no_sync and pycomm's accumulate stage both give the exact mean of
     the 2 micro-batches, and send the model once per optimizer step, in one launch."""

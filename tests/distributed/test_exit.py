@@ -10,6 +10,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 SCRIPT = r"""
 import atexit, sys, threading, time
 import torch.distributed as dist
@@ -33,6 +35,7 @@ atexit.register(gate.release)  # runs before pycomm's handler: atexit runs the l
 """
 
 
+@pytest.mark.slow  # whole launches (about 20 s): make frameworks
 def test_a_process_that_used_a_group_lets_other_threads_run_before_it_finalizes(tmp_path):
     hows = ("armed", "group", "none")
     env = dict(os.environ, OMP_NUM_THREADS="1")

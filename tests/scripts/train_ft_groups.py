@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -87,11 +88,10 @@ def launch(inner: str) -> None:
             ))  # fmt: skip
         outs = [g.communicate(timeout=200)[0] for g in groups]
         assert all(g.returncode == 0 for g in groups), outs
-        lines = [
-            line.split() for out in outs for line in out.splitlines() if line.startswith("OUTER ")
-        ]
+        # the ranks of a torchrun share its stdout: their lines may be cut into one another
+        lines = [m for out in outs for m in re.findall(r"OUTER (\d+) ([0-9a-f]{16}) (\d+)", out)]
         by_rank: dict[str, set] = {}
-        for _, rank, digest, syncs in lines:
+        for rank, digest, syncs in lines:
             by_rank.setdefault(rank, set()).add(digest)
             assert int(syncs) == 4, lines
         assert len(lines) == 4 and all(len(d) == 1 for d in by_rank.values()), lines
