@@ -23,11 +23,13 @@ class Replica:
         self, lighthouse: str, replica_id: int, attempt: int = 0, **manager_args: Any
     ) -> None:
         self.replica_id, self.attempt = replica_id, attempt
-        self.store = dist.TCPStore("localhost", 0, is_master=True, wait_for_workers=False)
+        self.store = dist.TCPStore(
+            "localhost", 0, is_master=True, wait_for_workers=False, use_libuv=False
+        )
         self.state: dict[str, Callable] = {}
         args = {
             "min_replica_size": 1,
-            "timeout": timedelta(seconds=5),
+            "timeout": timedelta(seconds=15),
             "quorum_timeout": timedelta(seconds=20),
             "use_async_quorum": False,
             "init_sync": False,
@@ -63,8 +65,11 @@ def run_replicas(
     ``fn`` call with ``replica.attempt`` one more) when it raises :class:`Injected`; their
     results in order (any other exception raised again). ``start_when``: replica id -> a
     ``threading.Event`` it waits for before it starts (it joins a running job)."""
+    # a replica group that is alive is waited for (up to 5 s: a loaded machine runs one late,
+    # and one left out of a quorum for it would heal instead of taking part); one that is gone
+    # stops heartbeating and is not waited for after 1 s
     lighthouse = LighthouseServer(
-        bind="[::]:0", min_replicas=min_replicas, join_timeout_ms=200, heartbeat_timeout_ms=1000
+        bind="[::]:0", min_replicas=min_replicas, join_timeout_ms=5000, heartbeat_timeout_ms=1000
     )
     try:
         with ThreadPoolExecutor(max_workers=n) as pool:
