@@ -336,28 +336,25 @@ class ManagedExchange:
         a caller that asked the manager's ``should_commit`` itself."""
         if self._last is not None:
             self._last.wait()
-        if self.engine is None or not self._pending:
-            return
-        store = self.engine.store
-        store.fold()
-        keep = {k for k, s in self._pending.items() if committed and s not in store.bad_steps}
-        store.settle(keep, True)
-        store.settle(set(self._pending) - keep, False)
-        self._stats["commits" if committed else "rollbacks"] += 1
-        self._pending = {}
+        self._settle(set(self._pending), committed)
 
     def _settle_older(self, step: int) -> None:
         """At a call: the calls of steps the manager has moved past committed."""
-        older = {k for k, s in self._pending.items() if s < step}
-        if older and self.engine is not None:
-            self.engine.store.fold()
-            bad = self.engine.store.bad_steps
-            keep = {k for k in older if self._pending[k] not in bad}
-            self.engine.store.settle(keep, True)
-            self.engine.store.settle(older - keep, False)
-            self._stats["commits"] += 1
-            for k in older:
-                del self._pending[k]
+        self._settle({k for k, s in self._pending.items() if s < step}, True)
+
+    def _settle(self, keys: set, committed: bool) -> None:
+        """The calls of ``keys`` settled: their new residuals kept when ``committed`` and
+        their step decoded finite, dropped otherwise."""
+        if not keys or self.engine is None:
+            return
+        store = self.engine.store
+        store.fold()
+        keep = {k for k in keys if committed and self._pending[k] not in store.bad_steps}
+        store.settle(keep, True)
+        store.settle(keys - keep, False)
+        self._stats["commits" if committed else "rollbacks"] += 1
+        for k in keys:
+            del self._pending[k]
 
     def _shared(self) -> dict[str, Any]:
         """What a healing peer takes from this replica group: nothing but the count (the
